@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API that rank 0 serves."""

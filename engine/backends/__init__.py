@@ -1,0 +1,1 @@
+"""Backends: one interface, one file per framework."""

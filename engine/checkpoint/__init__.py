@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: the maker for tests and demos, and the range-only reader."""

@@ -1,0 +1,1 @@
+"""Model families, one file each, written once per backend."""

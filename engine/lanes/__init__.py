@@ -1,0 +1,1 @@
+"""Rank 0's lane host: tokens, admission, rounds and sampling."""

@@ -1,0 +1,1 @@
+"""The supervisor: desired state, membership, placement, replica lifecycle and the front door."""
