@@ -1,0 +1,1 @@
+"""Tests for engine.link: framing, hello, v0 messages, layout checks, transport, golden bytes."""
