@@ -1,0 +1,37 @@
+"""Prometheus metrics of one engine: requests, tokens, latency, slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self, slots_in_use: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ringfleet_requests", "HTTP API requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("ringfleet_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter("ringfleet_generated_tokens", "Tokens generated",
+                                        registry=r)
+        self.ttft = Histogram("ringfleet_time_to_first_token_seconds",
+                              "From admission to the first token", buckets=LATENCY_BUCKETS_S,
+                              registry=r)
+        self.itl = Histogram("ringfleet_inter_token_latency_seconds",
+                             "Between consecutive tokens of one stream", buckets=LATENCY_BUCKETS_S,
+                             registry=r)
+        Gauge("ringfleet_slots_in_use", "Slots holding a stream", registry=r).set_function(
+            slots_in_use)
+        Gauge("ringfleet_requests_waiting", "Requests waiting for a slot", registry=r).set_function(
+            waiting)
+
+    def token(self, *, first: bool, since_s: float) -> None:
+        self.generated_tokens.inc()
+        (self.ttft if first else self.itl).observe(since_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

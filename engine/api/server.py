@@ -1,0 +1,248 @@
+"""The OpenAI-compatible HTTP API on rank 0 (aiohttp): models, completions, chat, health, metrics.
+
+A request that fails before its first byte gets a retryable 503 with `Retry-After`. A
+stream that has already sent tokens ends with an SSE error event and no `finish_reason`,
+so the client can tell it is incomplete. A client that goes away cancels its stream, which
+frees its slot in the next round.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.api.metrics import EngineMetrics
+from engine.api.schema import ApiError, ParsedRequest, ServedModel, parse_chat, parse_completion
+from engine.lanes.host import Busy, Done, EngineFailed, Failed, LaneHost, Stream, Token
+from engine.lanes.text import TextCodec
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    served: ServedModel
+    system_fingerprint: str  # the placement id
+    created: int = 0
+
+
+HOST = web.AppKey("host", LaneHost)
+CONFIG = web.AppKey("config", ApiConfig)
+METRICS = web.AppKey("metrics", EngineMetrics)
+
+
+def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.Application:
+    app = web.Application(middlewares=[_errors_as_json])
+    app[HOST], app[CONFIG], app[METRICS] = host, config, metrics
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app
+
+
+def error_response(error: ApiError) -> web.Response:
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s else None
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, kind="server_error", code="unavailable",
+                    retry_after_s=RETRY_AFTER_S)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Callable) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except ApiError as error:
+        response = error_response(error)
+    except web.HTTPException as exc:  # 404 / 405 from the router, as OpenAI-style bodies
+        response = error_response(ApiError(exc.status, exc.reason, kind="invalid_request_error"))
+    request.app[METRICS].requests.labels(request.path, str(response.status)).inc()
+    return response
+
+
+async def health(request: web.Request) -> web.Response:
+    host = request.app[HOST]
+    if host.failure:
+        return web.json_response({"status": "failed", "reason": host.failure}, status=503)
+    return web.json_response({"status": "ok", "slots_in_use": host.slots_in_use(),
+                              "system_fingerprint": request.app[CONFIG].system_fingerprint})
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(),
+                        content_type="text/plain", charset="utf-8")
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    return web.json_response({"object": "list", "data": [{
+        "id": config.served.model_id, "object": "model", "created": config.created,
+        "owned_by": "ringfleet", "max_model_len": config.served.context}]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, CompletionFormat)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, ChatFormat)
+
+
+async def _generate(request: web.Request, parse: Callable, fmt: type) -> web.StreamResponse:
+    config, host = request.app[CONFIG], request.app[HOST]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    parsed: ParsedRequest = parse(body, config.served)
+    try:
+        stream = host.submit(parsed.generation)
+    except Busy as exc:
+        raise unavailable(str(exc)) from exc
+    except EngineFailed as exc:
+        raise unavailable(f"the engine has failed: {exc}") from exc
+    request.app[METRICS].prompt_tokens.inc(len(parsed.generation.prompt_ids))
+    out = fmt(config, host.codec, parsed)
+    try:
+        if parsed.stream:
+            return await _stream(request, stream, out)
+        return await _whole(stream, out)
+    finally:
+        stream.cancel()  # a no-op for a finished stream; frees the slot of an abandoned one
+
+
+async def _whole(stream: Stream, out: CompletionFormat) -> web.Response:
+    tokens: list[Token] = []
+    while True:
+        event = await stream.events.get()
+        if isinstance(event, Token):
+            tokens.append(event)
+        elif isinstance(event, Failed):
+            raise unavailable(f"the engine failed before the reply was complete: {event.reason}")
+        else:
+            return web.json_response(out.whole(tokens, event))
+
+
+async def _stream(request: web.Request, stream: Stream, out: CompletionFormat) -> web.StreamResponse:
+    event = await stream.events.get()
+    if isinstance(event, Failed):  # nothing sent yet: the client may simply retry
+        raise unavailable(f"the engine failed before the first token: {event.reason}")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        await response.write(f"data: {data}\n\n".encode())
+
+    for chunk in out.opening():
+        await send(chunk)
+    while True:
+        if isinstance(event, Token):
+            if event.text or out.parsed.logprobs:
+                await send(out.chunk([event], None))
+        elif isinstance(event, Done):
+            await send(out.chunk([], event.finish_reason))
+            if out.parsed.include_usage:
+                await send(dict(out.envelope(chunk=True), choices=[], usage=out.usage(event)))
+            await send("[DONE]")
+            break
+        else:  # tokens were sent: an error event and no finish_reason marks it incomplete
+            await send({"error": {"message": f"the engine failed mid-stream: {event.reason}",
+                                  "type": "server_error", "param": None, "code": "unavailable"}})
+            break
+        event = await stream.events.get()
+    await response.write_eof()
+    return response
+
+
+class CompletionFormat:
+    """Shapes events as /v1/completions objects."""
+
+    prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, config: ApiConfig, codec: TextCodec, parsed: ParsedRequest) -> None:
+        self.config, self.codec, self.parsed = config, codec, parsed
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text_offset = 0
+
+    def envelope(self, *, chunk: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self.chunk_object if chunk else self.whole_object,
+                "created": self.created, "model": self.config.served.model_id,
+                "system_fingerprint": self.config.system_fingerprint}
+
+    def usage(self, done: Done) -> dict[str, int]:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def whole(self, tokens: list[Token], done: Done) -> dict[str, Any]:
+        choice = {"index": 0, "text": "".join(t.text for t in tokens),
+                  "finish_reason": done.finish_reason, "logprobs": self.logprobs(tokens)}
+        return dict(self.envelope(chunk=False), choices=[choice], usage=self.usage(done))
+
+    def chunk(self, tokens: list[Token], finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "text": "".join(t.text for t in tokens),
+                  "finish_reason": finish_reason, "logprobs": self.logprobs(tokens)}
+        return dict(self.envelope(chunk=True), choices=[choice])
+
+    def logprobs(self, tokens: list[Token]) -> dict[str, Any] | None:
+        if not self.parsed.logprobs or not tokens:
+            return None
+        text = self.codec.token_text
+        offsets = []
+        for t in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(t.text)
+        return {"tokens": [text(t.token_id) for t in tokens],
+                "token_logprobs": [t.choice.logprob for t in tokens],
+                "top_logprobs": [{text(i): lp for i, lp in t.choice.top} for t in tokens],
+                "text_offset": offsets}
+
+
+class ChatFormat(CompletionFormat):
+    """Shapes events as /v1/chat/completions objects."""
+
+    prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def opening(self) -> list[dict[str, Any]]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "finish_reason": None, "logprobs": None}
+        return [dict(self.envelope(chunk=True), choices=[choice])]
+
+    def whole(self, tokens: list[Token], done: Done) -> dict[str, Any]:
+        message = {"role": "assistant", "content": "".join(t.text for t in tokens)}
+        choice = {"index": 0, "message": message, "finish_reason": done.finish_reason,
+                  "logprobs": self.logprobs(tokens)}
+        return dict(self.envelope(chunk=False), choices=[choice], usage=self.usage(done))
+
+    def chunk(self, tokens: list[Token], finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": "".join(t.text for t in tokens)} if tokens else {}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": self.logprobs(tokens)}
+        return dict(self.envelope(chunk=True), choices=[choice])
+
+    def logprobs(self, tokens: list[Token]) -> dict[str, Any] | None:
+        if not self.parsed.logprobs or not tokens:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.codec.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [dict(entry(t.token_id, t.choice.logprob),
+                                 top_logprobs=[entry(i, lp) for i, lp in t.choice.top])
+                            for t in tokens]}

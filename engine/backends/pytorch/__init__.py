@@ -1,0 +1,1 @@
+"""The PyTorch backend: CUDA, MPS and CPU."""

@@ -1,0 +1,112 @@
+"""Per-slot KV state for one stage's layers, preallocated, and attention over it.
+
+Shapes never change after start ([layers, slots, kv_heads, context, head_dim]), so a
+captured decode graph can later write into the same storage. Rolling back (trim) is a
+change of the slot's offset in `engine.slots.SlotTable`; positions past it are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.rounds import RoundPlan
+
+
+@dataclass
+class PromptSpan:
+    """One stream's multi-row span in a round: its rows attend to its own slot."""
+
+    start: int  # first row in the round
+    stop: int
+    slot: int
+    first: int  # position of the first row
+    mask: torch.Tensor  # [rows, first + rows] bool, True = attend
+
+
+@dataclass
+class RoundIndex:
+    """Where each row of a round sits: built once a round, used by every layer."""
+
+    positions: torch.Tensor  # [rows] int64
+    slots: torch.Tensor  # [rows] int64
+    single_rows: torch.Tensor  # [n] rows that are one-row entries (decode), batched together
+    single_slots: torch.Tensor  # [n]
+    single_mask: torch.Tensor | None  # [n, 1, 1, keys] bool
+    spans: list[PromptSpan]
+
+    @classmethod
+    def build(cls, plan: RoundPlan, device: torch.device,
+              sliding_window: int | None) -> RoundIndex:
+        positions, slots, single, single_slot, single_pos, spans = [], [], [], [], [], []
+        for entry, start, stop in plan.row_spans():
+            if not entry.rows:
+                continue
+            positions.extend(range(entry.first, entry.end))
+            slots.extend([entry.stream_id] * entry.rows)
+            if entry.rows == 1:
+                single.append(start)
+                single_slot.append(entry.stream_id)
+                single_pos.append(entry.first)
+            else:
+                q = torch.arange(entry.first, entry.end, device=device)[:, None]
+                spans.append(PromptSpan(start, stop, entry.stream_id, entry.first,
+                                        _visible(q, entry.end, sliding_window, device)))
+        single_mask = None
+        if single:
+            q = torch.tensor(single_pos, device=device)[:, None]
+            single_mask = _visible(q, max(single_pos) + 1, sliding_window, device)[:, None, None, :]
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(as_tensor(positions), as_tensor(slots), as_tensor(single),
+                   as_tensor(single_slot), single_mask, spans)
+
+
+def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Causal (and sliding-window) visibility of keys [0, keys) from query positions q [n, 1]."""
+    k = torch.arange(keys, device=device)[None, :]
+    mask = k <= q
+    if window:
+        mask &= k > q - window
+    return mask
+
+
+class KVCache:
+    def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (layers, slots, kv_heads, context, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, index: RoundIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [rows, kv_heads, head_dim] at each row's (slot, position)."""
+        self.k[layer, index.slots, :, index.positions] = k
+        self.v[layer, index.slots, :, index.positions] = v
+
+    def attend(self, layer: int, index: RoundIndex, q: torch.Tensor) -> torch.Tensor:
+        """q: [rows, heads, head_dim] -> [rows, heads, head_dim]."""
+        out = torch.empty_like(q)
+        if index.single_mask is not None:
+            keys = index.single_mask.shape[-1]
+            k = self.k[layer, index.single_slots, :, :keys]  # [n, kv_heads, keys, head_dim]
+            v = self.v[layer, index.single_slots, :, :keys]
+            qs = q[index.single_rows][:, :, None, :]  # [n, heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=index.single_mask,
+                                               enable_gqa=True)
+            out[index.single_rows] = o[:, :, 0, :]
+        for span in index.spans:
+            keys = span.mask.shape[-1]
+            k = self.k[layer, span.slot, :, :keys][None]  # [1, kv_heads, keys, head_dim]
+            v = self.v[layer, span.slot, :, :keys][None]
+            qs = q[span.start:span.stop].transpose(0, 1)[None]  # [1, heads, rows, head_dim]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=span.mask, enable_gqa=True)
+            out[span.start:span.stop] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,188 @@
+"""The Llama-style dense decoder (Llama, Mistral, Qwen2, Qwen3) on PyTorch, one layer range.
+
+A range keeps global layer indices, so weight names never change; the first range (rank 0)
+also holds the embeddings, the final norm and the head. Every op follows transformers'
+order and precision (RMSNorm in float32, RoPE tables in float32, residual adds in the
+model's dtype) so that float32 logits match it closely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
+from engine.config import ModelConfig, rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def layer_tensor_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape that config.json implies, for one decoder layer."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    p = f"model.layers.{layer}."
+    shapes = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (config.q_width, h),
+        p + "self_attn.k_proj.weight": (config.kv_width, h),
+        p + "self_attn.v_proj.weight": (config.kv_width, h),
+        p + "self_attn.o_proj.weight": (h, config.q_width),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (i, h),
+        p + "mlp.up_proj.weight": (i, h),
+        p + "mlp.down_proj.weight": (h, i),
+    }
+    if config.attention_bias:
+        shapes[p + "self_attn.q_proj.bias"] = (config.q_width,)
+        shapes[p + "self_attn.k_proj.bias"] = (config.kv_width,)
+        shapes[p + "self_attn.v_proj.bias"] = (config.kv_width,)
+    if config.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    return shapes
+
+
+def end_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Embeddings, final norm and (untied) head: what rank 0 holds besides its layers."""
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.norm.weight": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def layer_weights(tensors: dict[str, torch.Tensor], layer: int) -> LayerWeights:
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    return LayerWeights(
+        input_norm=tensors[p + "input_layernorm.weight"],
+        q=tensors[a + "q_proj.weight"],
+        k=tensors[a + "k_proj.weight"],
+        v=tensors[a + "v_proj.weight"],
+        o=tensors[a + "o_proj.weight"],
+        post_norm=tensors[p + "post_attention_layernorm.weight"],
+        gate=tensors[p + "mlp.gate_proj.weight"],
+        up=tensors[p + "mlp.up_proj.weight"],
+        down=tensors[p + "mlp.down_proj.weight"],
+        q_bias=tensors.get(a + "q_proj.bias"),
+        k_bias=tensors.get(a + "k_proj.bias"),
+        v_bias=tensors.get(a + "v_proj.bias"),
+        q_norm=tensors.get(a + "q_norm.weight"),
+        k_norm=tensors.get(a + "k_norm.weight"),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """cos / sin tables for every position up to the context, built once in float32."""
+
+    def __init__(self, config: ModelConfig, context: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        inv_freq = torch.tensor(rope_inv_freq(config), dtype=torch.float32, device=device)
+        positions = torch.arange(context, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv_freq[None, :]
+        table = torch.cat((freqs, freqs), dim=-1)  # [context, head_dim]
+        self.cos = table.cos().to(dtype)
+        self.sin = table.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [rows, heads, head_dim]; positions: [rows]."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return x * cos + rotate_half(x) * sin
+
+
+def attention(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope,
+              cache: KVCache, layer_slot: int, index: RoundIndex) -> torch.Tensor:
+    rows = x.shape[0]
+    d = config.head_dim
+    q = F.linear(x, w.q, w.q_bias).view(rows, config.num_attention_heads, d)
+    k = F.linear(x, w.k, w.k_bias).view(rows, config.num_key_value_heads, d)
+    v = F.linear(x, w.v, w.v_bias).view(rows, config.num_key_value_heads, d)
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, config.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, config.rms_norm_eps)
+    q = rope.apply(q, index.positions)
+    k = rope.apply(k, index.positions)
+    cache.write(layer_slot, index, k, v)
+    out = cache.attend(layer_slot, index, q)  # [rows, heads, head_dim]
+    return F.linear(out.reshape(rows, config.q_width), w.o)
+
+
+def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+
+
+def block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope, cache: KVCache,
+          layer_slot: int, index: RoundIndex) -> torch.Tensor:
+    eps = config.rms_norm_eps
+    x = x + attention(rms_norm(x, w.input_norm, eps), w, config, rope, cache, layer_slot, index)
+    return x + mlp(rms_norm(x, w.post_norm, eps), w)
+
+
+class LlamaRange:
+    """Layers [start, end) of a Llama-style model, plus the ends when it is the first range."""
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int],
+                 load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
+                 cache: KVCache, rope: Rope, on_layer: Callable[[int], None] | None = None):
+        self.config = config
+        self.layer_range = layer_range
+        self.cache = cache
+        self.rope = rope
+        self.layers: list[LayerWeights] = []
+        start, end = layer_range
+        for layer in range(start, end):
+            self.layers.append(layer_weights(load(layer_tensor_shapes(config, layer)), layer))
+            if on_layer:
+                on_layer(layer)
+        self.embed = self.norm = self.head = None
+        if start == 0:
+            ends = load(end_tensor_shapes(config))
+            self.embed = ends["model.embed_tokens.weight"]
+            self.norm = ends["model.norm.weight"]
+            self.head = ends.get("lm_head.weight", self.embed)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed)  # [rows, hidden]
+
+    def run_layers(self, x: torch.Tensor, index: RoundIndex) -> torch.Tensor:
+        for layer_slot, w in enumerate(self.layers):
+            x = block(x, w, self.config, self.rope, self.cache, layer_slot, index)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.head).float()  # [rows, vocab]

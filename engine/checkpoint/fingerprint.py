@@ -1,0 +1,40 @@
+"""Fingerprints that bind a ring's stages to one checkpoint and one layout (the link's hello).
+
+The checkpoint digest covers config.json, tokenizer.json and every safetensors file's name,
+size and JSON header (each tensor's name, dtype, shape and offsets) — not every weight
+byte, because a stage reads only its own range and hashing a whole 16 GB checkpoint at
+every start would cost more than loading the range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return f.read(length)
+
+
+def checkpoint_digest(directory: Path | str) -> bytes:
+    directory = Path(directory)
+    h = hashlib.sha256(b"ringfleet-checkpoint-v1")
+    for name in ("config.json", "tokenizer.json"):
+        data = (directory / name).read_bytes()
+        h.update(name.encode() + struct.pack("<Q", len(data)) + data)
+    for path in sorted(directory.glob("*.safetensors")):
+        header = _safetensors_header(path)
+        h.update(path.name.encode() + struct.pack("<QQ", path.stat().st_size, len(header)))
+        h.update(header)
+    return h.digest()
+
+
+def layout_fingerprint(checkpoint: bytes, ranges: list[tuple[int, int]]) -> bytes:
+    """32 bytes naming the checkpoint and every rank's half-open range, backend-free."""
+    h = hashlib.sha256(b"ringfleet-layout-v1" + checkpoint + struct.pack("<I", len(ranges)))
+    for start, end in ranges:
+        h.update(struct.pack("<II", start, end))
+    return h.digest()

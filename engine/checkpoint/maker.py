@@ -1,0 +1,430 @@
+"""Make seeded random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3), streamed to disk."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from engine.checkpoint.tokenizer import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    MIN_VOCAB_SIZE,
+    PAD_TOKEN_ID,
+    write_tokenizer,
+)
+
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# safetensors dtype tag and bytes per element.
+DTYPES: dict[str, tuple[str, int]] = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+
+# Every file the maker writes; `overwrite=True` removes only these names.
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MADE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "model*.safetensors", INDEX_FILE, "*.partial")
+
+# Random numbers are drawn in blocks of this many elements so an 8B tensor never sits in RAM
+# as float32 (the embedding alone would be 2 GB); the size is fixed so bytes never depend on it.
+_DRAW_BLOCK_ELEMENTS = 1 << 24
+NORM_NOISE_STD = 0.05
+BIAS_NOISE_STD = 0.05
+
+
+class SpecError(ValueError):
+    """A CheckpointSpec field holds a value the maker cannot write."""
+
+    def __init__(self, field_name: str, value: object, reason: str) -> None:
+        super().__init__(f"CheckpointSpec.{field_name} = {value!r}: {reason}")
+        self.field_name = field_name
+        self.value = value
+
+
+class CheckpointExistsError(FileExistsError):
+    """The output directory already holds files and overwriting was not asked for."""
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling, written as config.json's `rope_scaling`."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def as_config(self) -> dict:
+        return {
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+            "rope_type": "llama3",
+        }
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """The shape, precision, layout and seed of a checkpoint to make."""
+
+    family: Family = "llama"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 24
+    vocab_size: int = 512
+    dtype: DType = "float32"
+    tie_word_embeddings: bool = False
+    shards: int = 1
+    seed: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise SpecError("family", self.family, f"supported families are {list(FAMILIES)}")
+        if self.dtype not in DTYPES:
+            raise SpecError("dtype", self.dtype, f"supported dtypes are {list(DTYPES)}")
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "shards"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(name, value, "must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SpecError("num_key_value_heads", self.num_key_value_heads,
+                            f"must divide num_attention_heads ({self.num_attention_heads})")
+        if self.family == "llama" and self.hidden_size % self.num_attention_heads:
+            # transformers' LlamaConfig refuses this even when head_dim is given explicitly.
+            raise SpecError("hidden_size", self.hidden_size,
+                            f"llama needs a multiple of num_attention_heads "
+                            f"({self.num_attention_heads}), even with an explicit head_dim")
+        if self.head_dim % 2:
+            raise SpecError("head_dim", self.head_dim, "rotary embeddings need an even head_dim")
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise SpecError("vocab_size", self.vocab_size,
+                            f"must be at least {MIN_VOCAB_SIZE} (256 byte tokens + 3 special)")
+        if not self.rope_theta > 0:
+            raise SpecError("rope_theta", self.rope_theta, "must be positive")
+        if not self.rms_norm_eps > 0:
+            raise SpecError("rms_norm_eps", self.rms_norm_eps, "must be positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise SpecError("rope_scaling", self.rope_scaling, "must be None or Llama3RopeScaling")
+        if self.sliding_window is not None:
+            if self.family != "mistral":
+                raise SpecError("sliding_window", self.sliding_window,
+                                f"only the mistral family takes a sliding window, not {self.family}")
+            if self.sliding_window < 1:
+                raise SpecError("sliding_window", self.sliding_window, "must be positive or None")
+        tensor_count = len(tensor_plan(self))
+        if self.shards > tensor_count:
+            raise SpecError("shards", self.shards, f"more shards than tensors ({tensor_count})")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: its Hugging Face name, shape, and how its values are drawn."""
+
+    name: str
+    shape: tuple[int, ...]
+    std: float
+    mean: float = 0.0
+
+    @property
+    def element_count(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class WriteProgress:
+    """How far the weight writing has got, reported after every block of bytes."""
+
+    file_name: str
+    tensor_name: str
+    bytes_done: int
+    bytes_total: int
+
+
+ProgressCallback = Callable[[WriteProgress], None]
+
+
+def config_json(spec: CheckpointSpec) -> dict:
+    """config.json as transformers writes it for the family (legacy rope keys, both dtype keys)."""
+    config: dict = {
+        "architectures": [ARCHITECTURES[spec.family]],
+        "model_type": spec.family,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        # Hub checkpoints still carry rope_theta / rope_scaling; transformers 5 folds them
+        # into `rope_parameters` on load, and older readers only know these names.
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling.as_config() if spec.rope_scaling else None,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        # transformers 5 reads `dtype`; older readers and most hub files use `torch_dtype`.
+        "dtype": spec.dtype,
+        "torch_dtype": spec.dtype,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        # Qwen2 always has q/k/v biases (its modeling code ignores this key); saying so here
+        # lets every reader decide from config.json alone.
+        "attention_bias": spec.family == "qwen2",
+    }
+    if spec.family == "llama":
+        config |= {"mlp_bias": False, "pretraining_tp": 1}
+    elif spec.family == "mistral":
+        config["sliding_window"] = spec.sliding_window
+    else:
+        config |= {"use_sliding_window": False, "sliding_window": None,
+                   "max_window_layers": spec.num_hidden_layers}
+    return config
+
+
+def generation_config_json() -> dict:
+    return {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
+            "pad_token_id": PAD_TOKEN_ID}
+
+
+def tensor_plan(spec: CheckpointSpec) -> list[TensorPlan]:
+    """Every tensor in Hugging Face order (embeddings, layer by layer, final norm, head).
+
+    Linear weights have std 1/sqrt(fan_in) so each projection keeps unit scale; the two that
+    write into the residual stream (o_proj, down_proj) are further divided by sqrt(2 * layers)
+    so the residual stays O(1) however deep the model. Embeddings are 1/sqrt(hidden) so that a
+    tied head does not simply predict the current token again.
+    """
+    hidden, heads, kv_heads = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
+    q_width, kv_width = heads * spec.head_dim, kv_heads * spec.head_dim
+    residual_scale = 1.0 / math.sqrt(2 * spec.num_hidden_layers)
+
+    def linear(name: str, out_features: int, in_features: int, scale: float = 1.0) -> TensorPlan:
+        return TensorPlan(name, (out_features, in_features), scale / math.sqrt(in_features))
+
+    def norm(name: str, width: int) -> TensorPlan:
+        return TensorPlan(name, (width,), NORM_NOISE_STD, mean=1.0)
+
+    plan = [TensorPlan("model.embed_tokens.weight", (spec.vocab_size, hidden), 1 / math.sqrt(hidden))]
+    for layer in range(spec.num_hidden_layers):
+        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        plan.append(linear(f"{attn}.q_proj.weight", q_width, hidden))
+        plan.append(linear(f"{attn}.k_proj.weight", kv_width, hidden))
+        plan.append(linear(f"{attn}.v_proj.weight", kv_width, hidden))
+        if spec.family == "qwen2":
+            plan += [TensorPlan(f"{attn}.{proj}.bias", (width,), BIAS_NOISE_STD)
+                     for proj, width in (("q_proj", q_width), ("k_proj", kv_width),
+                                         ("v_proj", kv_width))]
+        plan.append(linear(f"{attn}.o_proj.weight", hidden, q_width, residual_scale))
+        if spec.family == "qwen3":
+            plan += [norm(f"{attn}.q_norm.weight", spec.head_dim),
+                     norm(f"{attn}.k_norm.weight", spec.head_dim)]
+        plan.append(linear(f"{mlp}.gate_proj.weight", spec.intermediate_size, hidden))
+        plan.append(linear(f"{mlp}.up_proj.weight", spec.intermediate_size, hidden))
+        plan.append(linear(f"{mlp}.down_proj.weight", hidden, spec.intermediate_size,
+                           residual_scale))
+        plan.append(norm(f"model.layers.{layer}.input_layernorm.weight", hidden))
+        plan.append(norm(f"model.layers.{layer}.post_attention_layernorm.weight", hidden))
+    plan.append(norm("model.norm.weight", hidden))
+    if not spec.tie_word_embeddings:
+        plan.append(linear("lm_head.weight", spec.vocab_size, hidden))
+    return plan
+
+
+def shard_file_names(shard_count: int) -> list[str]:
+    if shard_count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{shard_count:05d}.safetensors" for i in range(1, shard_count + 1)]
+
+
+def split_into_shards(plan: list[TensorPlan], shard_count: int,
+                      bytes_per_element: int) -> list[list[TensorPlan]]:
+    """Cut the plan into `shard_count` contiguous, non-empty runs of about equal bytes."""
+    sizes = [t.element_count * bytes_per_element for t in plan]
+    total = sum(sizes)
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))  # byte offset of each tensor
+    boundaries: list[int] = []
+    previous = 0
+    for k in range(1, shard_count):
+        target = total * k / shard_count
+        boundary = next((i for i, start in enumerate(starts) if start >= target), len(plan))
+        # Every shard keeps at least one tensor, whatever the byte sizes say.
+        boundary = min(max(boundary, previous + 1), len(plan) - (shard_count - k))
+        boundaries.append(boundary)
+        previous = boundary
+    edges = [0, *boundaries, len(plan)]
+    return [plan[edges[i]:edges[i + 1]] for i in range(shard_count)]
+
+
+def _tensor_rng(seed: int, name: str) -> np.random.Generator:
+    # One stream per tensor name: values do not depend on order, sharding or which tensors exist.
+    name_words = np.frombuffer(hashlib.sha256(name.encode()).digest(), dtype="<u4")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *name_words.tolist()])))
+
+
+def _to_dtype_bytes(values: np.ndarray, dtype: str) -> bytes:
+    if dtype == "float32":
+        return values.astype("<f4").tobytes()
+    if dtype == "float16":
+        return values.astype("<f2").tobytes()
+    # bfloat16 by round-to-nearest-even on the top 16 bits (the values are finite normals).
+    bits = values.astype("<f4").view("<u4")
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return rounded.astype("<u2").tobytes()
+
+
+def tensor_blocks(spec: CheckpointSpec, tensor: TensorPlan) -> Iterator[bytes]:
+    """The tensor's bytes in the spec's dtype, drawn block by block from its own stream."""
+    rng = _tensor_rng(spec.seed, tensor.name)
+    remaining = tensor.element_count
+    while remaining:
+        count = min(remaining, _DRAW_BLOCK_ELEMENTS)
+        values = rng.standard_normal(count, dtype=np.float32)  # [count]
+        values *= np.float32(tensor.std)
+        values += np.float32(tensor.mean)
+        yield _to_dtype_bytes(values, spec.dtype)
+        remaining -= count
+
+
+def _safetensors_header(tensors: list[TensorPlan], dtype: str) -> bytes:
+    tag, bytes_per_element = DTYPES[dtype]
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for tensor in tensors:
+        size = tensor.element_count * bytes_per_element
+        header[tensor.name] = {"dtype": tag, "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    # safetensors pads the header with spaces so the data starts 8-byte aligned.
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _write_shard(path: Path, spec: CheckpointSpec, tensors: list[TensorPlan],
+                 done_before: int, bytes_total: int,
+                 progress: ProgressCallback | None) -> int:
+    """Write one safetensors file tensor by tensor; returns the data bytes written."""
+    partial = path.with_name(path.name + ".partial")
+    bytes_done = 0
+    with partial.open("wb") as out:
+        out.write(_safetensors_header(tensors, spec.dtype))
+        for tensor in tensors:
+            for block in tensor_blocks(spec, tensor):
+                out.write(block)
+                bytes_done += len(block)
+                if progress is not None:
+                    progress(WriteProgress(path.name, tensor.name, done_before + bytes_done,
+                                           bytes_total))
+    # Renamed only once complete, so an interrupted write never looks like a checkpoint.
+    os.replace(partial, path)
+    return bytes_done
+
+
+PRESETS: dict[str, CheckpointSpec] = {
+    # Odd on purpose: head_dim 24 is not hidden / heads, and GQA is 2:1.
+    "tiny": CheckpointSpec(),
+    "demo": CheckpointSpec(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=1024, dtype="bfloat16", shards=2,
+    ),
+    # Llama-3.1-8B's shape: about 16 GB of bfloat16 in five shards of about 3.2 GB.
+    "8b": CheckpointSpec(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, dtype="bfloat16", shards=5,
+        rope_theta=500000.0, rope_scaling=Llama3RopeScaling(), max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+
+def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"{out_dir}: exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if any(out_dir.iterdir()):
+        if not overwrite:
+            raise CheckpointExistsError(f"{out_dir}: directory is not empty (pass overwrite)")
+        for pattern in _MADE_PATTERNS:
+            for stale in out_dir.glob(pattern):
+                stale.unlink()
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2) + "\n")
+
+
+def make_checkpoint(out_dir: Path | str, spec: CheckpointSpec, *, overwrite: bool = False,
+                    progress: ProgressCallback | None = None) -> Path:
+    """Write config, tokenizer and seeded weights for `spec` into `out_dir`; returns the dir.
+
+    Memory stays bounded by one block of random numbers, whatever the model size.
+    """
+    out_dir = Path(out_dir)
+    _prepare_out_dir(out_dir, overwrite)
+    tokenizer_files = write_tokenizer(out_dir, spec.vocab_size)
+    if tokenizer_files.vocab_size > spec.vocab_size:
+        raise SpecError("vocab_size", spec.vocab_size,
+                        f"smaller than the tokenizer's {tokenizer_files.vocab_size} tokens")
+    _write_json(out_dir / "config.json", config_json(spec))
+    _write_json(out_dir / "generation_config.json", generation_config_json())
+
+    bytes_per_element = DTYPES[spec.dtype][1]
+    plan = tensor_plan(spec)
+    bytes_total = sum(t.element_count for t in plan) * bytes_per_element
+    shards = split_into_shards(plan, spec.shards, bytes_per_element)
+    file_names = shard_file_names(spec.shards)
+    bytes_done = 0
+    for file_name, tensors in zip(file_names, shards, strict=True):
+        bytes_done += _write_shard(out_dir / file_name, spec, tensors, bytes_done, bytes_total,
+                                   progress)
+    if spec.shards > 1:
+        weight_map = {t.name: name for name, ts in zip(file_names, shards, strict=True) for t in ts}
+        _write_json(out_dir / INDEX_FILE,
+                    {"metadata": {"total_size": bytes_total}, "weight_map": weight_map})
+    return out_dir
+
+
+__all__ = [
+    "PRESETS",
+    "CheckpointExistsError",
+    "CheckpointSpec",
+    "Llama3RopeScaling",
+    "SpecError",
+    "TensorPlan",
+    "WriteProgress",
+    "config_json",
+    "make_checkpoint",
+    "tensor_plan",
+]

@@ -1,1 +1,0 @@
-"""Model families, one file each, written once per backend."""

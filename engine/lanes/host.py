@@ -1,0 +1,276 @@
+"""Rank 0's lane host: admits streams into slots and runs rounds continuously.
+
+Every active stream rides every round: decode rows for streams that are generating, and
+prompt chunks (at most `chunk` prompt rows a round, in slot order) for streams that are
+still reading their prompt. A round runs on one worker thread, so the event loop stays
+free for HTTP while the model computes; sampling happens back on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import structlog
+
+from engine.lanes.sampler import Choice, Sampler, SamplingParams
+from engine.lanes.text import TextCodec, TextStream
+from engine.rounds import Op, RoundPlan, StreamEntry
+from engine.slots import SlotTable
+
+log = structlog.get_logger()
+
+
+class Busy(Exception):
+    """Every slot is taken and the wait queue is full: come back later (HTTP 503)."""
+
+
+class EngineFailed(Exception):
+    """The engine (or its ring) has failed; nothing more will be served."""
+
+
+class RoundRunner(Protocol):
+    """Runs one round over the whole model and returns the returned rows' logits."""
+
+    slots: SlotTable
+
+    def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    top_logprobs: int | None = None  # None: no logprobs; n: the chosen one and n alternatives
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    text: str  # the text this token adds (may be empty while a stop string is undecided)
+    choice: Choice
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+
+
+Event = Token | Done | Failed
+
+
+@dataclass(eq=False)
+class Stream:
+    request: GenerationRequest
+    text: TextStream
+    sampler: Sampler
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    slot: int | None = None
+    fed: int = 0  # prompt rows already run
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False  # no more rows; the slot closes next round
+    cancelled: bool = False
+    created_s: float = field(default_factory=time.monotonic)
+    last_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def position(self) -> int:
+        """Position of the next row this stream feeds."""
+        return self.fed + max(0, len(self.generated) - 1)
+
+
+class LaneHost:
+    def __init__(self, runner: RoundRunner, codec: TextCodec, *, chunk: int, max_waiting: int,
+                 metrics: object | None = None,
+                 on_round: Callable[[RoundPlan, np.ndarray], None] | None = None) -> None:
+        self.runner = runner
+        self.codec = codec
+        self.chunk = chunk
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.on_round = on_round  # sees every round's logits (tests, traces)
+        self.slots: list[Stream | None] = [None] * runner.slots.parallel
+        self.waiting: deque[Stream] = deque()
+        self.failure: str | None = None
+        self.draining = False
+        self.round_no = 0
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
+
+    @property
+    def context(self) -> int:
+        return self.runner.slots.context
+
+    def slots_in_use(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def submit(self, request: GenerationRequest) -> Stream:
+        if self.failure:
+            raise EngineFailed(self.failure)
+        if self.draining:
+            raise Busy("the engine is draining: it takes no new requests")
+        stream = Stream(request, TextStream(self.codec, request.stop, []), Sampler(request.sampling))
+        free = next((i for i, s in enumerate(self.slots) if s is None), None)
+        if free is not None:
+            self.slots[free], stream.slot = stream, free
+        elif len(self.waiting) < self.max_waiting:
+            self.waiting.append(stream)
+        else:
+            raise Busy(f"all {len(self.slots)} slots are busy and {self.max_waiting} requests wait")
+        self._wake.set()
+        return stream
+
+    def idle(self) -> bool:
+        return self.slots_in_use() == 0 and not self.waiting
+
+    async def drain(self, deadline_s: float) -> bool:
+        """Stop admitting and wait up to `deadline_s` for in-flight streams; True if all ended."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        until = loop.time() + deadline_s
+        while not self.idle() and not self.failure and loop.time() < until:
+            await asyncio.sleep(0.05)
+        return self.idle()
+
+    def fail(self, reason: str) -> None:
+        """End every stream with `reason`; later submits raise EngineFailed."""
+        self.failure = reason
+        for stream in [*self.slots, *self.waiting]:
+            if stream is not None and not stream.finished:
+                stream.finished = True
+                stream.events.put_nowait(Failed(reason))
+        self.waiting.clear()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Build and run rounds until cancelled or failed."""
+        loop = asyncio.get_running_loop()
+        while not self.failure:
+            built = self._build_round()
+            if built is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan, token_ids = built
+            try:
+                logits = await loop.run_in_executor(
+                    self._executor, self.runner.run_round, plan, token_ids)
+            except Exception as exc:  # the round or the ring failed: fail fast
+                log.error("round failed", round=plan.round_no, error=str(exc))
+                self.fail(f"round {plan.round_no} failed: {exc}")
+                raise
+            if self.on_round:
+                self.on_round(plan, logits)
+            self._deliver(plan, logits)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _build_round(self) -> tuple[RoundPlan, list[int]] | None:
+        self._admit_waiting()
+        table = self.runner.slots.slots
+        entries: list[StreamEntry] = []
+        token_ids: list[int] = []
+        budget = self.chunk
+        for slot, stream in enumerate(self.slots):
+            if stream is None:
+                continue
+            state = table[slot]
+            if stream.finished or stream.cancelled:
+                if state.open:
+                    op = Op.CANCEL if stream.cancelled and not stream.finished else Op.CLOSE
+                    entries.append(StreamEntry(slot, op, 0, 0, 0, 0, state.generation))
+                else:
+                    self.slots[slot] = None  # never opened: nothing to release
+                continue
+            prompt = stream.request.prompt_ids
+            if stream.fed < len(prompt):
+                rows = min(budget, len(prompt) - stream.fed)
+                if rows == 0:
+                    continue
+                budget -= rows
+                ids = prompt[stream.fed:stream.fed + rows]
+            else:
+                rows, ids = 1, [stream.generated[-1]]
+            first = stream.position
+            if state.open:
+                entries.append(StreamEntry(slot, Op.CONTINUE, first, rows, state.last_rows, 0,
+                                           state.generation))
+            else:
+                entries.append(StreamEntry(slot, Op.OPEN, 0, rows, 0, 0, 0))
+            token_ids.extend(ids)
+        if not entries:
+            return None
+        self.round_no += 1
+        return RoundPlan(self.round_no, tuple(entries)), token_ids
+
+    def _admit_waiting(self) -> None:
+        for slot, stream in enumerate(self.slots):
+            if stream is None and self.waiting:
+                waiting = self.waiting.popleft()
+                if waiting.cancelled:
+                    continue
+                self.slots[slot], waiting.slot = waiting, slot
+
+    def _deliver(self, plan: RoundPlan, logits: np.ndarray) -> None:
+        now = time.monotonic()
+        returned = 0
+        for entry in plan.entries:
+            stream = self.slots[entry.stream_id]
+            if entry.op in (Op.CLOSE, Op.CANCEL):
+                self.slots[entry.stream_id] = None
+                continue
+            row = logits[returned]
+            returned += 1
+            if stream.fed < len(stream.request.prompt_ids):
+                stream.fed += entry.rows
+                if stream.fed < len(stream.request.prompt_ids):
+                    continue  # a mid-prompt chunk: its last row predicts nothing we need
+            if stream.cancelled or stream.finished:
+                continue
+            self._sample(stream, row, now)
+        if any(s is not None for s in self.slots) or self.waiting:
+            self._wake.set()
+
+    def _sample(self, stream: Stream, row: np.ndarray, now: float) -> None:
+        request = stream.request
+        choice = stream.sampler.choose(row, request.top_logprobs or 0)
+        stream.generated.append(choice.token_id)
+        if self.metrics is not None:
+            self.metrics.token(first=stream.last_token_s is None,
+                               since_s=now - (stream.last_token_s or stream.created_s))
+        stream.last_token_s = now
+        is_stop_token = choice.token_id in request.stop_token_ids
+        text = "" if is_stop_token else stream.text.push(choice.token_id)
+        reason = None
+        if is_stop_token or stream.text.stopped:
+            reason = "stop"
+        elif (len(stream.generated) >= request.max_tokens
+              or len(request.prompt_ids) + len(stream.generated) >= self.context):
+            reason = "length"
+        if reason:
+            text += stream.text.flush()  # text held back for a stop string that never came
+        stream.events.put_nowait(Token(choice.token_id, text, choice))
+        if reason:
+            stream.finished = True
+            stream.events.put_nowait(
+                Done(reason, len(request.prompt_ids), len(stream.generated)))

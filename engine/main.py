@@ -1,0 +1,127 @@
+"""`fleet-engine`: run one stage from the environment contract; rank 0 also serves the API."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+
+import structlog
+from aiohttp import web
+
+from engine.api.metrics import EngineMetrics
+from engine.api.schema import ServedModel
+from engine.api.server import ApiConfig, make_app
+from engine.backends.base import BackendError, load_stage
+from engine.checkpoint.reader import CheckpointError, open_checkpoint
+from engine.config import ConfigError, ModelConfig
+from engine.env import EngineEnv, EnvError
+from engine.lanes.host import LaneHost
+from engine.lanes.text import TextCodec
+from engine.logs import configure_logging
+from engine.runner import LocalRunner
+
+log = structlog.get_logger()
+
+
+def load_progress(what: str):
+    """Log each layer as it loads, so a slow load on a big checkpoint shows where it is."""
+    started = time.monotonic()
+
+    def report(done: int, total: int, unit: str) -> None:
+        log.info("loading", what=what, done=done, total=total, unit=unit,
+                 elapsed_s=round(time.monotonic() - started, 2))
+
+    return report
+
+
+async def serve_rank0(env: EngineEnv, runner, codec: TextCodec, config: ModelConfig) -> int:
+    """Serve the API until a signal or a failed round; returns the exit code.
+
+    SIGTERM drains: new requests get 503, in-flight ones finish for up to FLEET_DRAIN_S,
+    then the engine exits 0. SIGINT, or a second signal, stops at once. A runner with a
+    `ring_failed()` coroutine (a pipeline) ends the engine when its ring dies.
+    """
+    served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
+    host_ref: list[LaneHost] = []
+    metrics = EngineMetrics(lambda: host_ref[0].slots_in_use(), lambda: len(host_ref[0].waiting))
+    host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting, metrics=metrics)
+    host_ref.append(host)
+    app = make_app(host, ApiConfig(served, env.placement, int(time.time())), metrics)
+    web_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await web_runner.setup()
+    await web.TCPSite(web_runner, env.http[0], env.http[1]).start()
+    log.info("ready", http=f"http://{env.http[0]}:{env.http[1]}/v1", model=env.model_id)
+
+    loop = asyncio.get_running_loop()
+    drain_asked, stop_now = asyncio.Event(), asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGTERM and not drain_asked.is_set():
+            log.info("draining", deadline_s=env.drain_s)
+            drain_asked.set()
+        else:
+            stop_now.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    if hasattr(runner, "start"):  # a pipeline: keep-alives, watchers, drains asked by stages
+        runner.start(loop, on_drain=lambda: loop.call_soon_threadsafe(drain_asked.set))
+    rounds = asyncio.create_task(host.run(), name="rounds")
+    draining = asyncio.create_task(_drain_when_asked(host, drain_asked, env.drain_s))
+    watchers = {rounds, draining, asyncio.create_task(stop_now.wait())}
+    if hasattr(runner, "ring_failed"):
+        watchers.add(asyncio.create_task(runner.ring_failed(), name="ring"))
+    done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+    code, reason = 0, "stopped"
+    finished = done.pop()
+    if finished is draining:
+        reason = "drained" if finished.result() else "drain deadline passed"
+    elif finished.get_name() in ("rounds", "ring"):
+        code = 1
+        reason = host.failure or (finished.result() if finished.get_name() == "ring" else "failed")
+    host.fail(reason if code else "the engine is shutting down")
+    for task in watchers:
+        task.cancel()
+    await asyncio.sleep(0.1)  # let handlers write their last bytes (503s, SSE error events)
+    await web_runner.cleanup()
+    host.close()
+    if hasattr(runner, "stop"):
+        runner.stop(reason, clean=code == 0)
+    log.info("exiting", code=code, reason=reason)
+    return code
+
+
+async def _drain_when_asked(host: LaneHost, asked: asyncio.Event, deadline_s: float) -> bool:
+    await asked.wait()
+    return await host.drain(deadline_s)
+
+
+def main() -> int:
+    try:
+        env = EngineEnv.from_environ()
+    except EnvError as exc:
+        print(f"fleet-engine: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(rank=env.rank, replica=env.placement)
+    try:
+        checkpoint = open_checkpoint(env.model_dir)
+        config = ModelConfig.from_dict(checkpoint.config)
+        spec = env.stage_spec(config.num_hidden_layers)
+        stage = load_stage(spec, progress=load_progress(str(env.model_dir)))
+        codec = TextCodec(env.model_dir) if env.rank == 0 else None
+    except (CheckpointError, ConfigError, BackendError) as exc:
+        log.error("exiting", code=2, reason=f"cannot start: {exc}")
+        return 2
+    log.info("loaded", layers=f"{spec.layer_range[0]}:{spec.layer_range[1]}",
+             backend=env.backend, kv_bytes=stage.state_nbytes)
+    if env.world_size == 1:
+        return asyncio.run(serve_rank0(env, LocalRunner(stage), codec, config))
+    from engine.pipeline.stage_main import run_pipeline_stage
+
+    return run_pipeline_stage(env, stage, codec, config, serve_rank0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
