@@ -1,0 +1,207 @@
+"""Start a pipeline of engines on loopback with the environment contract (tests, demo, bench).
+
+    python -m engine.launch --model DIR --stages 0:9,9:20,20:28 --backends torch-cpu,mlx-cpu
+
+Until the node agent places stages, this is how one machine runs a whole ring: one
+`fleet-engine` process per stage, each with its own environment, a shared link key, and
+ports picked on 127.0.0.1. Ctrl-C (or SIGTERM) stops every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+from engine.env import parse_layers
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def placement_id(stages: list[tuple[int, int]], backends: list[str]) -> str:
+    return ",".join(f"{a}-{b}@{backend}" for (a, b), backend in zip(stages, backends))
+
+
+@dataclass
+class LocalFleet:
+    """N engine processes of one replica; `url` is rank 0's OpenAI base URL."""
+
+    model_dir: Path
+    stages: list[tuple[int, int]]
+    backends: list[str]
+    run_dir: Path
+    http_port: int
+    processes: list[subprocess.Popen | None] = field(default_factory=list)  # None: not spawned
+    log_paths: list[Path] = field(default_factory=list)
+    envs: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}/v1"
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Wait for rank 0's /health; fail early, with the logs, if any stage exits."""
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            for rank, proc in enumerate(self.processes):
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"rank {rank} exited with {proc.returncode} while starting:"
+                                       f"\n{self.log_tail(rank)}")
+            try:
+                with urllib.request.urlopen(f"http://{LOOPBACK}:{self.http_port}/health",
+                                            timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"the fleet was not ready after {timeout_s} s:\n{self.log_tail(0)}")
+
+    def log_tail(self, rank: int, lines: int = 20) -> str:
+        path = self.log_paths[rank]
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def events(self, rank: int) -> list[dict]:
+        """The rank's structured log lines."""
+        out = []
+        for line in self.log_paths[rank].read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        return out
+
+    def stop(self, grace_s: float = 10.0, sig: int = signal.SIGINT) -> list[int | None]:
+        """Signal every rank, then kill what is still running after `grace_s`."""
+        live = [p for p in self.processes if p is not None]
+        for proc in live:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        until = time.monotonic() + grace_s
+        for proc in live:
+            try:
+                proc.wait(max(0.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return [p.returncode if p is not None else None for p in self.processes]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stage_envs(model_dir: Path, stages: list[tuple[int, int]], backends: list[str], *,
+               key_file: Path, http_port: int, context: int, parallel: int, chunk: int,
+               extra_env: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """The environment contract of every rank of one replica on loopback."""
+    master_port = free_port()
+    layout = ",".join(f"{a}:{b}" for a, b in stages)
+    envs = []
+    for rank, ((start, end), backend) in enumerate(zip(stages, backends, strict=True)):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(len(stages)), MASTER_ADDR=LOOPBACK,
+            MASTER_PORT=str(master_port), FLEET_LAYERS=f"{start}:{end}", FLEET_LAYOUT=layout,
+            FLEET_MODEL=str(model_dir), FLEET_BACKEND=backend,
+            FLEET_LISTEN=f"{LOOPBACK}:{free_port()}", FLEET_KEY_FILE=str(key_file),
+            FLEET_PLACEMENT=placement_id(stages, backends),
+            FLEET_HTTP=f"{LOOPBACK}:{http_port}", FLEET_CONTEXT=str(context),
+            FLEET_PARALLEL=str(parallel), FLEET_CHUNK=str(chunk),
+        )
+        env.update(extra_env or {})
+        envs.append(env)
+    return envs
+
+
+def write_key_file(path: Path) -> Path:
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path
+
+
+def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] | None = None, *,
+           context: int = 1024, parallel: int = 4, chunk: int = 128, run_dir: Path | None = None,
+           http_port: int | None = None, extra_env: dict[str, str] | None = None,
+           rank_env: dict[int, dict[str, str]] | None = None, spawn: list[int] | None = None,
+           log_to_files: bool = True) -> LocalFleet:
+    """Start the ranks in `spawn` (default: all); `rank_env` overrides one rank's variables."""
+    backends = backends or ["torch-cpu"] * len(stages)
+    if len(backends) != len(stages):
+        raise ValueError(f"{len(stages)} stages but {len(backends)} backends")
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ringfleet-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key_file = write_key_file(run_dir / "link.key")
+    fleet = LocalFleet(Path(model_dir), stages, backends, run_dir, http_port or free_port())
+    fleet.envs = stage_envs(Path(model_dir), stages, backends, key_file=key_file,
+                            http_port=fleet.http_port, context=context, parallel=parallel,
+                            chunk=chunk, extra_env=extra_env)
+    for rank, overrides in (rank_env or {}).items():
+        fleet.envs[rank].update(overrides)
+    for rank in range(len(stages)):
+        log_path = run_dir / f"rank{rank}.log"
+        fleet.log_paths.append(log_path)
+        if spawn is not None and rank not in spawn:
+            fleet.processes.append(None)
+            continue
+        out = open(log_path, "wb") if log_to_files else None  # noqa: SIM115 - child owns it
+        fleet.processes.append(subprocess.Popen(
+            [sys.executable, "-m", "engine.main"], env=fleet.envs[rank], stdout=out, stderr=out))
+        if out:
+            out.close()
+    return fleet
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument("--stages", required=True,
+                        help="half-open layer ranges, one per stage: 0:9,9:20,20:28")
+    parser.add_argument("--backends", help="one per stage (default torch-cpu for all)")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--http-port", type=int, default=8000)
+    args = parser.parse_args()
+    try:
+        stages = [parse_layers(part, "--stages") for part in args.stages.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    backends = args.backends.split(",") if args.backends else None
+    fleet = launch(args.model, stages, backends, context=args.context, parallel=args.parallel,
+                   chunk=args.chunk, http_port=args.http_port, log_to_files=False)
+    try:
+        fleet.wait_ready()
+        print(f"serving {args.model} at {fleet.url} ({placement_id(stages, fleet.backends)}); "
+              "Ctrl-C stops", file=sys.stderr)
+        while all(p.poll() is None for p in fleet.processes):
+            time.sleep(0.5)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        fleet.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Rank 0's round runner for a pipeline: plan to every stage, rows round the ring, head.
+
+Rank 0 embeds and runs its own range, sends the rows to rank 1, and gets back from the
+last rank only the rows it needs (the last row of each stream in the round). The plan
+goes to every follower before rank 0 computes, so all stages apply it to their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import structlog
+
+from engine.backends.base import Stage
+from engine.link.errors import ProtocolError, UnexpectedFrame
+from engine.link.frame import FrameKind
+from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
+from engine.pipeline.ring import Ring
+from engine.pipeline.rows import receive_rows, send_rows
+from engine.rounds import RoundPlan
+
+log = structlog.get_logger()
+
+
+class PipelineRunner:
+    def __init__(self, stage: Stage, ring: Ring, liveness: LivenessConfig,
+                 round_deadline_s: float) -> None:
+        self.stage = stage
+        self.ring = ring
+        self.slots = stage.slots
+        self.round_deadline_s = round_deadline_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed: asyncio.Future[str] | None = None
+        self.fate = Fate(ring.links, self._on_fatal)
+        self.keepalive = KeepAlive(list(ring.control.values()), liveness, self.fate)
+        self._on_drain: Callable[[], None] = lambda: None
+        self._liveness = liveness
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None,
+              on_drain: Callable[[], None] = lambda: None) -> None:
+        """Begin keep-alives and watching every follower (`loop`: the serving loop)."""
+        self._loop = loop
+        self._on_drain = on_drain
+        self._failed = loop.create_future() if loop else None
+        self.keepalive.start()
+        for link in self.ring.control.values():
+            watch(link, self._liveness, self.fate, self._on_follower_frame)
+
+    async def ring_failed(self) -> str:
+        """Completes with the reason when the ring dies."""
+        return await self._failed
+
+    def _on_fatal(self, reason: str) -> None:
+        if self._loop and self._failed and not self._failed.done():
+            self._loop.call_soon_threadsafe(
+                lambda: self._failed.done() or self._failed.set_result(reason))
+
+    def _on_follower_frame(self, frame) -> bool:
+        if frame.kind is FrameKind.PLAN:  # a follower's keep-alive
+            return True
+        if frame.kind is FrameKind.GOODBYE:  # a follower was asked to stop: drain the replica
+            log.info("a stage asked to drain the replica")
+            self._on_drain()
+            return True
+        raise UnexpectedFrame(f"a follower sent {frame.kind.name} on the control link")
+
+    def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+        try:
+            return self._run_round(plan, token_ids)
+        except Exception as error:
+            self.fate.fail(error)  # every follower learns the reason and exits
+            raise
+
+    def _run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+        for link in self.ring.control.values():
+            link.send_message(plan, deadline_s=self.round_deadline_s)
+        self.keepalive.sent(plan.round_no)
+        rows = self.stage.forward(plan, None, token_ids)
+        if not plan.total_rows:
+            return np.empty((0, 0), dtype=np.float32)
+        send_rows(self.ring.to_next, self.stage, rows, plan.round_no, plan.total_rows,
+                  self.round_deadline_s)
+        back = receive_rows(self.ring.from_prev, self.stage, plan.round_no,
+                            len(plan.returned_rows()), self.round_deadline_s)
+        return self.stage.logits(back)
+
+    def stop(self, reason: str, *, clean: bool) -> None:
+        """End the replica: GOODBYE (followers exit 0) when clean, else ABORT with `reason`."""
+        if not clean:
+            self.fate.fail(RuntimeError(reason))
+            return
+        self.fate.stopping = True
+        self.keepalive.stop()
+        for link in self.ring.control.values():
+            try:
+                link.send(FrameKind.GOODBYE, deadline_s=1.0)
+            except ProtocolError as error:  # a follower already gone needs no goodbye
+                log.info("no goodbye to a follower", peer=link.peer, reason=str(error))
+        self.ring.close()
