@@ -1,0 +1,1 @@
+"""The MLX backend: Metal, CUDA and the CPU."""

@@ -1,0 +1,140 @@
+"""Per-slot KV state for one stage's layers on MLX, preallocated, and attention over it.
+
+The same layout and round semantics as the PyTorch backend's `kv_cache.py`: every layer
+holds [slots, kv_heads, context, head_dim] for K and for V, allocated once at start, and
+rolling back (trim) is only a change of the slot's offset in `engine.slots.SlotTable`;
+positions past it are never read. Each layer is its own array (rather than one
+[layers, ...] array) so that a round's scatter into one layer can update that buffer in
+place: MLX donates an array's memory to the op that replaces it when nothing else holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.rounds import RoundPlan
+
+
+@dataclass
+class PromptSpan:
+    """One stream's multi-row span in a round: its rows attend to its own slot."""
+
+    start: int  # first row in the round
+    stop: int
+    slot: int
+    keys: int  # positions the span can see: [0, keys)
+    mask: mx.array  # [rows, keys] bool, True = attend
+
+
+@dataclass
+class RoundIndex:
+    """Where each row of a round sits: built once a round, used by every layer."""
+
+    positions: mx.array  # [rows] int32
+    slots: mx.array  # [rows] int32
+    single_rows: mx.array | None  # [n] rows that are one-row entries (decode), batched together
+    single_slots: mx.array | None  # [n]
+    single_keys: int  # positions the batched single rows need: [0, single_keys)
+    single_mask: mx.array | None  # [n, 1, 1, single_keys] bool
+    spans: list[PromptSpan]
+    # Attention outputs come out singles first, then each span; this gathers them back into
+    # the round's row order. None when that order is already the round's (decode only).
+    order: mx.array | None
+
+    @classmethod
+    def build(cls, plan: RoundPlan, sliding_window: int | None) -> RoundIndex:
+        positions: list[int] = []
+        slots: list[int] = []
+        single: list[int] = []
+        single_slot: list[int] = []
+        single_pos: list[int] = []
+        spans: list[PromptSpan] = []
+        for entry, start, stop in plan.row_spans():
+            if not entry.rows:
+                continue
+            positions.extend(range(entry.first, entry.end))
+            slots.extend([entry.stream_id] * entry.rows)
+            if entry.rows == 1:
+                single.append(start)
+                single_slot.append(entry.stream_id)
+                single_pos.append(entry.first)
+            else:
+                q = mx.arange(entry.first, entry.end)[:, None]
+                spans.append(PromptSpan(start, stop, entry.stream_id, entry.end,
+                                        _visible(q, entry.end, sliding_window)))
+        single_keys = max(single_pos) + 1 if single else 0
+        single_mask = None
+        if single:
+            q = mx.array(single_pos)[:, None]
+            single_mask = _visible(q, single_keys, sliding_window)[:, None, None, :]
+        produced = single + [row for span in spans for row in range(span.start, span.stop)]
+        order = None
+        if produced != sorted(produced):
+            inverse = [0] * len(produced)
+            for at, row in enumerate(produced):
+                inverse[row] = at
+            order = mx.array(inverse)
+
+        def as_array(values: list[int]) -> mx.array:
+            return mx.array(values, dtype=mx.int32)
+
+        return cls(as_array(positions), as_array(slots),
+                   as_array(single) if single else None,
+                   as_array(single_slot) if single else None,
+                   single_keys, single_mask, spans, order)
+
+
+def _visible(q: mx.array, keys: int, window: int | None) -> mx.array:
+    """Causal (and sliding-window) visibility of keys [0, keys) from query positions q [n, 1]."""
+    k = mx.arange(keys)[None, :]
+    mask = k <= q
+    if window:
+        mask = mask & (k > q - window)
+    return mask
+
+
+class KVCache:
+    def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
+                 dtype: mx.Dtype) -> None:
+        shape = (slots, kv_heads, context, head_dim)
+        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(layers)]
+        mx.eval(self.k, self.v)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def arrays(self) -> list[mx.array]:
+        """Every buffer, for `mx.eval` at the end of a round so no write stays pending."""
+        return self.k + self.v
+
+    def write(self, layer: int, index: RoundIndex, k: mx.array, v: mx.array) -> None:
+        """k, v: [rows, kv_heads, head_dim] at each row's (slot, position)."""
+        self.k[layer][index.slots, :, index.positions] = k
+        self.v[layer][index.slots, :, index.positions] = v
+
+    def attend(self, layer: int, index: RoundIndex, q: mx.array, scale: float) -> mx.array:
+        """q: [rows, heads, head_dim] -> [rows, heads, head_dim]."""
+        parts = []
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        if index.single_rows is not None:
+            keys = index.single_keys
+            # Slice, then gather: `cache[slots, :, :keys]` gathers every slot's whole context
+            # before slicing (20 ms instead of 0.2 ms for 2 slots of a 4096-position layer).
+            k = mx.take(cache_k[:, :, :keys], index.single_slots, axis=0)  # [n, kv, keys, hd]
+            v = mx.take(cache_v[:, :, :keys], index.single_slots, axis=0)
+            qs = q[index.single_rows][:, :, None, :]  # [n, heads, 1, head_dim]
+            o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale,
+                                                     mask=index.single_mask)
+            parts.append(o[:, :, 0, :])
+        for span in index.spans:
+            k = cache_k[span.slot:span.slot + 1, :, :span.keys]  # [1, kv_heads, keys, head_dim]
+            v = cache_v[span.slot:span.slot + 1, :, :span.keys]
+            qs = q[span.start:span.stop].transpose(1, 0, 2)[None]  # [1, heads, rows, head_dim]
+            o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=span.mask)
+            parts.append(o[0].transpose(1, 0, 2))
+        out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        return out if index.order is None else out[index.order]

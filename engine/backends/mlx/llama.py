@@ -1,0 +1,159 @@
+"""The Llama-style dense decoder (Llama, Mistral, Qwen2, Qwen3) on MLX, one layer range.
+
+The MLX twin of `engine.backends.pytorch.llama`: the same weight names, the same range
+rules (global layer indices; the first range also holds the embeddings, the final norm and
+the head) and the same round semantics. Each op is the one mlx-lm's `models/llama.py`,
+`qwen2.py` and `qwen3.py` use (`mx.fast.rms_norm`, which normalises in float32 and casts
+back, `mx.fast.rope`, `mx.fast.scaled_dot_product_attention`, `addmm` for biased
+projections, `x * sigmoid(x)` for SiLU), so float32 logits match mlx-lm closely. RoPE takes
+its frequencies from `engine.config.rope_inv_freq` (llama3 scaling included), the one table
+every backend starts from. The tensor-shape tables are the checkpoint's, not the framework's,
+so they are imported from the PyTorch family file rather than copied. Any projection, the
+embeddings and the head may come packed by mlx-lm's affine quantization (`quant.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.backends.mlx.kv_cache import KVCache, RoundIndex
+from engine.backends.mlx.quant import QuantizedWeight, Weight
+from engine.backends.pytorch.llama import end_tensor_shapes, layer_tensor_shapes  # one copy
+from engine.config import ModelConfig, rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    input_norm: mx.array
+    q: Weight  # projections may be packed (mlx-lm's affine quantization); norms never are
+    k: Weight
+    v: Weight
+    o: Weight
+    post_norm: mx.array
+    gate: Weight
+    up: Weight
+    down: Weight
+    q_bias: mx.array | None = None
+    k_bias: mx.array | None = None
+    v_bias: mx.array | None = None
+    q_norm: mx.array | None = None
+    k_norm: mx.array | None = None
+
+
+def layer_weights(tensors: dict[str, Weight], layer: int) -> LayerWeights:
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    return LayerWeights(
+        input_norm=tensors[p + "input_layernorm.weight"],
+        q=tensors[a + "q_proj.weight"],
+        k=tensors[a + "k_proj.weight"],
+        v=tensors[a + "v_proj.weight"],
+        o=tensors[a + "o_proj.weight"],
+        post_norm=tensors[p + "post_attention_layernorm.weight"],
+        gate=tensors[p + "mlp.gate_proj.weight"],
+        up=tensors[p + "mlp.up_proj.weight"],
+        down=tensors[p + "mlp.down_proj.weight"],
+        q_bias=tensors.get(a + "q_proj.bias"),
+        k_bias=tensors.get(a + "k_proj.bias"),
+        v_bias=tensors.get(a + "v_proj.bias"),
+        q_norm=tensors.get(a + "q_norm.weight"),
+        k_norm=tensors.get(a + "k_norm.weight"),
+    )
+
+
+def linear(x: mx.array, weight: Weight, bias: mx.array | None = None) -> mx.array:
+    """x [rows, in] @ weight [out, in].T (+ bias), as mlx.nn.Linear / QuantizedLinear compute it."""
+    if isinstance(weight, QuantizedWeight):
+        y = weight.matmul(x)
+        return y if bias is None else y + bias
+    if bias is None:
+        return x @ weight.T
+    return mx.addmm(bias, x, weight.T)
+
+
+class Rope:
+    """Rotary embedding at per-row positions, with the frequencies of `rope_inv_freq`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.dims = config.head_dim
+        # mx.fast.rope takes periods (1 / inverse frequency), as mlx-lm's Llama3RoPE passes.
+        self.periods = mx.array([1.0 / f for f in rope_inv_freq(config)], dtype=mx.float32)
+
+    def apply(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x: [rows, heads, head_dim]; positions: [rows]."""
+        # One batch entry per row, each with its own offset: rows of a round sit at
+        # unrelated positions of unrelated slots.
+        y = mx.fast.rope(x[:, :, None, :], self.dims, traditional=False, base=None, scale=1.0,
+                         offset=positions, freqs=self.periods)  # [rows, heads, 1, head_dim]
+        return y[:, :, 0, :]
+
+
+def attention(x: mx.array, w: LayerWeights, config: ModelConfig, rope: Rope, cache: KVCache,
+              layer_slot: int, index: RoundIndex) -> mx.array:
+    rows = x.shape[0]
+    d = config.head_dim
+    q = linear(x, w.q, w.q_bias).reshape(rows, config.num_attention_heads, d)
+    k = linear(x, w.k, w.k_bias).reshape(rows, config.num_key_value_heads, d)
+    v = linear(x, w.v, w.v_bias).reshape(rows, config.num_key_value_heads, d)
+    if w.q_norm is not None:
+        q = mx.fast.rms_norm(q, w.q_norm, config.rms_norm_eps)
+        k = mx.fast.rms_norm(k, w.k_norm, config.rms_norm_eps)
+    q = rope.apply(q, index.positions)
+    k = rope.apply(k, index.positions)
+    cache.write(layer_slot, index, k, v)
+    out = cache.attend(layer_slot, index, q, d**-0.5)  # [rows, heads, head_dim]
+    return linear(out.reshape(rows, config.q_width), w.o)
+
+
+def mlp(x: mx.array, w: LayerWeights) -> mx.array:
+    gate = linear(x, w.gate)
+    return linear(gate * mx.sigmoid(gate) * linear(x, w.up), w.down)
+
+
+def block(x: mx.array, w: LayerWeights, config: ModelConfig, rope: Rope, cache: KVCache,
+          layer_slot: int, index: RoundIndex) -> mx.array:
+    eps = config.rms_norm_eps
+    x = x + attention(mx.fast.rms_norm(x, w.input_norm, eps), w, config, rope, cache,
+                      layer_slot, index)
+    return x + mlp(mx.fast.rms_norm(x, w.post_norm, eps), w)
+
+
+class LlamaRange:
+    """Layers [start, end) of a Llama-style model, plus the ends when it is the first range."""
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int],
+                 load: Callable[[dict[str, tuple[int, ...]]], dict[str, Weight]],
+                 cache: KVCache, rope: Rope, on_layer: Callable[[int], None] | None = None):
+        self.config = config
+        self.layer_range = layer_range
+        self.cache = cache
+        self.rope = rope
+        self.layers: list[LayerWeights] = []
+        start, end = layer_range
+        for layer in range(start, end):
+            self.layers.append(layer_weights(load(layer_tensor_shapes(config, layer)), layer))
+            if on_layer:
+                on_layer(layer)
+        self.embed = self.norm = self.head = None
+        if start == 0:
+            ends = load(end_tensor_shapes(config))
+            self.embed = ends["model.embed_tokens.weight"]
+            self.norm = ends["model.norm.weight"]
+            self.head = ends.get("lm_head.weight", self.embed)
+
+    def embed_tokens(self, token_ids: mx.array) -> mx.array:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(token_ids)  # [rows, hidden]
+        return self.embed[token_ids]  # [rows, hidden]
+
+    def run_layers(self, x: mx.array, index: RoundIndex) -> mx.array:
+        for layer_slot, w in enumerate(self.layers):
+            x = block(x, w, self.config, self.rope, self.cache, layer_slot, index)
+        return x
+
+    def logits(self, x: mx.array) -> mx.array:
+        x = mx.fast.rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return linear(x, self.head).astype(mx.float32)  # [rows, vocab]
