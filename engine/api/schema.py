@@ -48,7 +48,7 @@ class ParsedRequest:
 
 
 def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
+    value = body.get(name)
     if value is None:
         return default
     # bool is an int in Python; never accept true/false where a number is asked for.

@@ -209,8 +209,16 @@ class CompletionFormat:
             self.text_offset += len(t.text)
         return {"tokens": [text(t.token_id) for t in tokens],
                 "token_logprobs": [t.choice.logprob for t in tokens],
-                "top_logprobs": [{text(i): lp for i, lp in t.choice.top} for t in tokens],
+                "top_logprobs": [_by_text(t.choice.top, text) for t in tokens],
                 "text_offset": offsets}
+
+
+def _by_text(top: tuple[tuple[int, float], ...], text: Callable[[int], str]) -> dict[str, float]:
+    """Completions key alternatives by text; tokens that read the same keep the likeliest."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:  # most likely first
+        out.setdefault(text(token_id), logprob)
+    return out
 
 
 class ChatFormat(CompletionFormat):

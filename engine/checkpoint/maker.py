@@ -152,6 +152,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     std: float
     mean: float = 0.0
+    random_sign: bool = False  # multiply each value by +1 or -1 (drawn after the values)
 
     @property
     def element_count(self) -> int:
@@ -223,8 +224,8 @@ def tensor_plan(spec: CheckpointSpec) -> list[TensorPlan]:
 
     Linear weights have std 1/sqrt(fan_in) so each projection keeps unit scale; the two that
     write into the residual stream (o_proj, down_proj) are further divided by sqrt(2 * layers)
-    so the residual stays O(1) however deep the model. Embeddings are 1/sqrt(hidden) so that a
-    tied head does not simply predict the current token again.
+    so the residual stays O(1) however deep the model. Embeddings are 1/sqrt(hidden), the same
+    scale as the sublayer outputs, so the current token stays visible through the layers.
     """
     hidden, heads, kv_heads = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     q_width, kv_width = heads * spec.head_dim, kv_heads * spec.head_dim
@@ -256,7 +257,11 @@ def tensor_plan(spec: CheckpointSpec) -> list[TensorPlan]:
                            residual_scale))
         plan.append(norm(f"model.layers.{layer}.input_layernorm.weight", hidden))
         plan.append(norm(f"model.layers.{layer}.post_attention_layernorm.weight", hidden))
-    plan.append(norm("model.norm.weight", hidden))
+    # A tied head scores the current token's own embedding highly (its residual still holds it),
+    # so greedy decoding echoes one token forever. Random signs on the final norm make that
+    # self-score average zero; the magnitudes stay 1 + noise.
+    plan.append(TensorPlan("model.norm.weight", (hidden,), NORM_NOISE_STD, mean=1.0,
+                           random_sign=spec.tie_word_embeddings))
     if not spec.tie_word_embeddings:
         plan.append(linear("lm_head.weight", spec.vocab_size, hidden))
     return plan
@@ -313,6 +318,8 @@ def tensor_blocks(spec: CheckpointSpec, tensor: TensorPlan) -> Iterator[bytes]:
         values = rng.standard_normal(count, dtype=np.float32)  # [count]
         values *= np.float32(tensor.std)
         values += np.float32(tensor.mean)
+        if tensor.random_sign:
+            values *= rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=count)
         yield _to_dtype_bytes(values, spec.dtype)
         remaining -= count
 

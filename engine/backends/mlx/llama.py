@@ -21,8 +21,8 @@ import mlx.core as mx
 
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.quant import QuantizedWeight, Weight
-from engine.backends.pytorch.llama import end_tensor_shapes, layer_tensor_shapes  # one copy
 from engine.config import ModelConfig, rope_inv_freq
+from engine.family import end_tensor_shapes, layer_tensor_shapes
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.config import ModelConfig, rope_inv_freq
+from engine.family import end_tensor_shapes, layer_tensor_shapes
 
 
 @dataclass
@@ -34,42 +35,6 @@ class LayerWeights:
     v_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-
-
-def layer_tensor_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape that config.json implies, for one decoder layer."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    p = f"model.layers.{layer}."
-    shapes = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (config.q_width, h),
-        p + "self_attn.k_proj.weight": (config.kv_width, h),
-        p + "self_attn.v_proj.weight": (config.kv_width, h),
-        p + "self_attn.o_proj.weight": (h, config.q_width),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
-    }
-    if config.attention_bias:
-        shapes[p + "self_attn.q_proj.bias"] = (config.q_width,)
-        shapes[p + "self_attn.k_proj.bias"] = (config.kv_width,)
-        shapes[p + "self_attn.v_proj.bias"] = (config.kv_width,)
-    if config.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-    return shapes
-
-
-def end_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Embeddings, final norm and (untied) head: what rank 0 holds besides its layers."""
-    shapes = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        "model.norm.weight": (config.hidden_size,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    return shapes
 
 
 def layer_weights(tensors: dict[str, torch.Tensor], layer: int) -> LayerWeights:
