@@ -53,6 +53,17 @@ class LocalFleet:
     log_paths: list[Path] = field(default_factory=list)
     envs: list[dict[str, str]] = field(default_factory=list)
 
+    def start_rank(self, rank: int, *, log_to_file: bool = True) -> subprocess.Popen:
+        """Start (or restart) one rank's engine with its environment."""
+        out = open(self.log_paths[rank], "ab") if log_to_file else None  # noqa: SIM115
+        try:
+            self.processes[rank] = subprocess.Popen(
+                [sys.executable, "-m", "engine.main"], env=self.envs[rank], stdout=out, stderr=out)
+        finally:
+            if out:
+                out.close()  # the child holds its own descriptor
+        return self.processes[rank]
+
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.http_port}/v1"
@@ -158,17 +169,11 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
                             chunk=chunk, extra_env=extra_env)
     for rank, overrides in (rank_env or {}).items():
         fleet.envs[rank].update(overrides)
+    fleet.log_paths = [run_dir / f"rank{rank}.log" for rank in range(len(stages))]
+    fleet.processes = [None] * len(stages)
     for rank in range(len(stages)):
-        log_path = run_dir / f"rank{rank}.log"
-        fleet.log_paths.append(log_path)
-        if spawn is not None and rank not in spawn:
-            fleet.processes.append(None)
-            continue
-        out = open(log_path, "wb") if log_to_files else None  # noqa: SIM115 - child owns it
-        fleet.processes.append(subprocess.Popen(
-            [sys.executable, "-m", "engine.main"], env=fleet.envs[rank], stdout=out, stderr=out))
-        if out:
-            out.close()
+        if spawn is None or rank in spawn:
+            fleet.start_rank(rank, log_to_file=log_to_files)
     return fleet
 
 

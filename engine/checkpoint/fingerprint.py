@@ -1,9 +1,10 @@
 """Fingerprints that bind a ring's stages to one checkpoint and one layout (the link's hello).
 
 The checkpoint digest covers config.json, tokenizer.json and every safetensors file's name,
-size and JSON header (each tensor's name, dtype, shape and offsets) — not every weight
-byte, because a stage reads only its own range and hashing a whole 16 GB checkpoint at
-every start would cost more than loading the range.
+size and JSON header (each tensor's name, dtype, shape and offsets), plus the first and
+last MiB of each file's tensor data, so two checkpoints of one shape (a base model and its
+fine-tune) differ. It does not hash every weight byte: a stage reads only its own range,
+and hashing a whole 16 GB checkpoint at every start would cost more than loading the range.
 """
 
 from __future__ import annotations
@@ -12,11 +13,18 @@ import hashlib
 import struct
 from pathlib import Path
 
+SAMPLE_BYTES = 1 << 20
 
-def _safetensors_header(path: Path) -> bytes:
+
+def _header_and_sample(path: Path) -> tuple[bytes, bytes]:
+    """The file's JSON header, and its first and last MiB of tensor data."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        return f.read(length)
+        header = f.read(length)
+        data_start, size = 8 + length, path.stat().st_size
+        head = f.read(SAMPLE_BYTES)
+        f.seek(max(data_start, size - SAMPLE_BYTES))
+        return header, head + f.read(SAMPLE_BYTES)
 
 
 def checkpoint_digest(directory: Path | str) -> bytes:
@@ -26,9 +34,9 @@ def checkpoint_digest(directory: Path | str) -> bytes:
         data = (directory / name).read_bytes()
         h.update(name.encode() + struct.pack("<Q", len(data)) + data)
     for path in sorted(directory.glob("*.safetensors")):
-        header = _safetensors_header(path)
+        header, sample = _header_and_sample(path)
         h.update(path.name.encode() + struct.pack("<QQ", path.stat().st_size, len(header)))
-        h.update(header)
+        h.update(header + sample)
     return h.digest()
 
 

@@ -9,8 +9,10 @@ import numpy as np
 import torch
 
 from engine.backends.base import BackendError, StageSpec
+from engine.backends.pytorch import dequant
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
+from engine.checkpoint.quantize import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import open_checkpoint
 from engine.config import ModelConfig
 from engine.rounds import RoundPlan
@@ -54,6 +56,10 @@ class TorchStage:
             raise BackendError(f"config.json: dtype {config.dtype!r} is not supported")
         device = torch_device(spec.backend)
         dtype = TORCH_DTYPES[config.dtype]
+        try:
+            quant = QuantConfig.from_config(checkpoint.config)
+        except QuantConfigError as exc:
+            raise BackendError(str(exc)) from exc
         start, end = spec.layer_range
         if not 0 <= start < end <= config.num_hidden_layers:
             raise BackendError(
@@ -61,6 +67,8 @@ class TorchStage:
             )
 
         def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+            if quant is not None:  # mlx-lm's packed weights, made dense for this range
+                return dequant.load_range_tensors(checkpoint, shapes, quant, dtype, device)
             for name, shape in shapes.items():
                 checkpoint.check_shape(name, shape)
             tensors = checkpoint.load_tensors(list(shapes), "pt", str(device))

@@ -1,0 +1,74 @@
+"""PyTorch reads mlx-lm's affine-quantized checkpoints by dequantizing its range at load.
+
+PyTorch has no kernel for mlx-lm's packed layout, so the stage unpacks each packed weight of
+its range once, at load, into a dense tensor in the model's dtype and then runs the dense
+code path unchanged. The values are exactly those of `mx.dequantize` on the same tensors:
+MLX computes `scales * q` and then `+ biases`, each rounded to the model dtype (two
+roundings in bfloat16 and float16, not one fused multiply-add), and so does this. What
+differs from an MLX stage is the matmul: MLX's `quantized_matmul` forms each weight in
+float32 inside the kernel and never rounds it to the model dtype, so the two backends'
+logits are close, not equal (docs/exactness.md).
+
+Memory: the range is held dense, e.g. 4-bit packed weights grow about 4x in bfloat16
+(16 bits per weight against 4 plus the group's scale and bias), 8x in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.checkpoint.quantize import QuantConfig, QuantParams, unpack_bits
+
+
+def dequantize(packed: Any, scales: torch.Tensor, biases: torch.Tensor,
+               params: QuantParams) -> torch.Tensor:
+    """packed uint32 [out, in * bits / 32] (numpy) -> [out, in] in `scales`' dtype and device.
+
+    `scales` and `biases`: [out, in / group_size], already in the model dtype.
+    """
+    codes = torch.from_numpy(unpack_bits(packed, params.bits))  # [out, in] uint8
+    out_features, groups = scales.shape
+    # Every code (< 256) is exact in bfloat16, float16 and float32.
+    w = codes.to(scales.device).to(scales.dtype).view(out_features, groups, params.group_size)
+    w = w * scales[..., None]  # rounded to the dtype, as MLX rounds its multiply
+    w = w + biases[..., None]  # then its add
+    return w.view(out_features, groups * params.group_size)
+
+
+def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], quant: QuantConfig,
+                       dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The named dense tensors of a quantized checkpoint, shape-checked, in `dtype`.
+
+    A weight stored packed (or named by a per-path entry) is read as its three tensors and
+    dequantized; everything else is read as the dense path reads it. Which layers are packed
+    follows mlx-lm's loader (`QuantConfig.params`), and every shape is checked from the
+    safetensors headers before any data is read.
+    """
+    dense: list[str] = []
+    packed: dict[str, QuantParams] = {}  # weight name -> how it is packed
+    for name, shape in shapes.items():
+        layer = name.removesuffix(".weight")
+        stored_packed = len(shape) == 2 and checkpoint.tensor_dtype(name) == "U32"
+        params = quant.params(layer, stored_packed)
+        if params is None:
+            checkpoint.check_shape(name, shape)
+            dense.append(name)
+            continue
+        for packed_name, packed_shape in params.packed_shapes(layer, *shape).items():
+            checkpoint.check_shape(packed_name, packed_shape)
+        packed[name] = params
+    out = {n: t.to(dtype) for n, t in checkpoint.load_tensors(dense, "pt", str(device)).items()}
+    if not packed:
+        return out
+    # numpy reads the packed words (torch's uint32 lacks shifts on some devices); scales and
+    # biases go through torch, which reads bfloat16.
+    words = checkpoint.load_tensors(list(packed), "numpy")
+    groups = checkpoint.load_tensors([n.removesuffix(".weight") + part for n in packed
+                                      for part in (".scales", ".biases")], "pt", str(device))
+    for name, params in packed.items():
+        layer = name.removesuffix(".weight")
+        out[name] = dequantize(words.pop(name), groups[layer + ".scales"].to(dtype),
+                               groups[layer + ".biases"].to(dtype), params)
+    return out
