@@ -12,8 +12,8 @@ mx = pytest.importorskip("mlx.core")
 
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.backends.mlx import stage as mlx_stage_module
-from engine.backends.mlx.llama import end_tensor_shapes, layer_tensor_shapes
 from engine.config import ModelConfig
+from engine.family import end_tensor_shapes, layer_tensor_shapes
 from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.engine.conftest import Driver
 
