@@ -1,0 +1,468 @@
+"""`fleet.yaml`: the fleet's desired state, parsed into frozen dataclasses with line-exact errors.
+
+The file is composed into YAML nodes first (never loaded straight into dicts), so every
+error can name the file, the line and the field path, e.g.
+`fleet.yaml:23: models[0].context: expected a positive integer, got -5`. Unknown keys are
+refused with a suggestion, because a typo that is silently ignored is a setting that is
+silently lost. `diff` says, in words, what applying a new file would change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BACKENDS = ("torch-cuda", "torch-mps", "torch-cpu", "mlx-metal", "mlx-cuda", "mlx-cpu")
+OBJECTIVES = ("decode", "prompt")
+SUPPORTED_VERSIONS = (1,)
+DEFAULT_PARALLEL = 1
+DEFAULT_CHUNK = 512
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+LAYERS_PATTERN = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
+_UNSET = object()
+# libyaml composes some 15x faster when present; its nodes carry the same marks.
+_COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class FleetConfigError(ValueError):
+    """fleet.yaml is wrong somewhere: names the file, the line, the field path and the value."""
+
+    def __init__(self, source: str, line: int, field: str, reason: str,
+                 value: Any = _UNSET) -> None:
+        where = f"{source}:{line}" if line else source
+        super().__init__(f"{where}: {field}: {reason}" if field else f"{where}: {reason}")
+        self.source, self.line, self.field, self.reason = source, line, field, reason
+        self.value = None if value is _UNSET else value
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    address: str  # host:port where agents and fleetctl reach the supervisor
+    state_dir: str
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str  # as the node's agent reports it
+    labels: tuple[tuple[str, str], ...] = ()
+    pins: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckpointPaths:
+    """Where a model's checkpoint directory is: one path for every node, or one per node."""
+
+    all_nodes: str | None = None
+    by_node: tuple[tuple[str, str], ...] = ()
+
+    def path_for(self, node: str) -> str | None:
+        return dict(self.by_node).get(node, self.all_nodes)
+
+
+@dataclass(frozen=True)
+class ExplicitStage:
+    node: str
+    layer_range: tuple[int, int]  # half-open [start, end)
+    backend: str | None = None  # None: the node's own
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model the fleet serves (named apart from `engine.config.ModelConfig`, its shape)."""
+
+    id: str  # what clients put in "model"
+    checkpoint: CheckpointPaths
+    backends: tuple[str, ...]  # backends a stage may use
+    context: int  # positions per stream
+    parallel: int = DEFAULT_PARALLEL  # streams served at once
+    chunk: int = DEFAULT_CHUNK  # prompt rows per round
+    objective: str = "decode"  # or "prompt"
+    placement: tuple[ExplicitStage, ...] = ()  # empty: auto
+    rank0: str | None = None  # the node that must be rank 0
+
+    @property
+    def placement_is_auto(self) -> bool:
+        return not self.placement
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    version: int
+    supervisor: SupervisorConfig
+    nodes: tuple[NodeConfig, ...]
+    models: tuple[ModelSpec, ...] = ()
+
+    def node(self, name: str) -> NodeConfig | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def model(self, model_id: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+def load_fleet_config(path: str | Path) -> FleetConfig:
+    """Read and validate a fleet file; every problem raises `FleetConfigError`."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FleetConfigError(source, 0, "", f"cannot read: {exc}") from exc
+    return parse_fleet_config(text, source)
+
+
+def parse_fleet_config(text: str, source_name: str = "fleet.yaml") -> FleetConfig:
+    """Validate fleet.yaml's text; `source_name` is what errors call the file."""
+    try:
+        root = yaml.compose(text, Loader=_COMPOSER)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 0
+        context = (f" ({exc.context} at line {exc.context_mark.line + 1})"
+                   if exc.context and exc.context_mark else "")
+        raise FleetConfigError(source_name, line, "",
+                               f"not valid YAML: {exc.problem}{context}") from exc
+    except yaml.YAMLError as exc:
+        raise FleetConfigError(source_name, 0, "", f"not valid YAML: {exc}") from exc
+    if root is None:
+        raise FleetConfigError(source_name, 1, "", "empty file: expected a mapping with "
+                               "version, supervisor, nodes and models")
+    top = _Field(root, "", source_name, yaml.SafeLoader("")).mapping(
+        known=("version", "supervisor", "nodes", "models"),
+        required=("version", "supervisor", "nodes"), extensions=True)
+    version = top["version"].integer(minimum=0)
+    if version not in SUPPORTED_VERSIONS:
+        raise top["version"].error(
+            f"unsupported version {version} (this supervisor reads version "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))})", version)
+    nodes = _parse_nodes(top["nodes"])
+    node_names = tuple(n.name for n in nodes)
+    models: list[ModelSpec] = []
+    first_line: dict[str, int] = {}
+    no_models = "models" not in top or top["models"].node.tag == "tag:yaml.org,2002:null"
+    for item in [] if no_models else top["models"].sequence():
+        model = _parse_model(item, node_names)
+        if model.id in first_line:
+            raise item.field("id").error(
+                f"duplicate model id {model.id!r} (first at line {first_line[model.id]})", model.id)
+        first_line[model.id] = item.field("id").line
+        models.append(model)
+    return FleetConfig(version=version, supervisor=_parse_supervisor(top["supervisor"]),
+                       nodes=nodes, models=tuple(models))
+
+
+class _Field:
+    """A YAML node and the field path that reached it, so that an error can name both."""
+
+    def __init__(self, node: yaml.Node, path: str, source: str,
+                 loader: yaml.SafeLoader | None = None) -> None:
+        self.node, self.path, self.source = node, path, source
+        # Only the loader's constructor is used: to build scalar values and resolve merges.
+        self._loader = loader or yaml.SafeLoader("")
+        self._children: dict[str, _Field] = {}
+
+    def _at(self, node: yaml.Node, path: str) -> _Field:
+        return _Field(node, path, self.source, self._loader)
+
+    @property
+    def line(self) -> int:
+        return self.node.start_mark.line + 1
+
+    def error(self, reason: str, value: Any = _UNSET) -> FleetConfigError:
+        return FleetConfigError(self.source, self.line, self.path, reason, value)
+
+    def field(self, key: str) -> _Field:
+        """A child found by `mapping`; a key it lacks answers with this mapping's node."""
+        return self._children.get(key) or self._at(self.node, self._join(key))
+
+    def _join(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def mapping(self, known: tuple[str, ...], required: tuple[str, ...] = (),
+                extensions: bool = False) -> dict[str, _Field]:
+        """Children by key; unknown, duplicate and missing keys are errors. With `extensions`,
+        keys starting `x-` are skipped (a home for YAML anchors, as in docker compose)."""
+        if not isinstance(self.node, yaml.MappingNode):
+            raise self.error(f"expected a mapping, got {self.describe()}", self.value())
+        try:
+            self._loader.flatten_mapping(self.node)  # resolve `<<:` merges
+        except yaml.MarkedYAMLError as exc:
+            raise self.error(f"cannot merge: {exc.problem}") from exc
+        out: dict[str, _Field] = {}
+        for key_node, value_node in self.node.value:
+            key = self._at(key_node, self.path).string()
+            child = self._at(value_node, self._join(key))
+            if key in out:
+                raise self._at(key_node, child.path).error(
+                    f"duplicate key (first at line {out[key].line})", key)
+            if extensions and key.startswith("x-"):
+                continue
+            if known and key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise self._at(key_node, child.path).error(
+                    f"unknown field{hint}; known fields: {', '.join(known)}", key)
+            out[key] = child
+        for key in required:
+            if key not in out:
+                raise self._at(self.node, self._join(key)).error("missing (required)")
+        self._children = out
+        return out
+
+    def string_map(self) -> tuple[tuple[str, str], ...]:
+        """A mapping of names to scalar values, both kept as text."""
+        return tuple((key, child.string()) for key, child in self.mapping(known=()).items())
+
+    def sequence(self) -> list[_Field]:
+        if not isinstance(self.node, yaml.SequenceNode):
+            raise self.error(f"expected a list, got {self.describe()}", self.value())
+        return [self._at(n, f"{self.path}[{i}]") for i, n in enumerate(self.node.value)]
+
+    def value(self) -> Any:
+        if not isinstance(self.node, yaml.ScalarNode):
+            return None
+        try:
+            return self._loader.construct_object(self.node, deep=True)
+        except (yaml.YAMLError, ValueError, TypeError) as exc:  # `!!int x`, `!custom x`
+            raise self.error(f"cannot read {self.node.value!r} as {self.node.tag}: {exc}",
+                             self.node.value) from exc
+        finally:
+            self._loader.constructed_objects.clear()  # a cache keyed by node: keep nothing
+
+    def describe(self) -> str:
+        if isinstance(self.node, yaml.MappingNode):
+            return "a mapping"
+        if isinstance(self.node, yaml.SequenceNode):
+            return "a list"
+        value = self.value()
+        return "nothing (null)" if value is None else repr(value)
+
+    def string(self) -> str:
+        """Scalar text. Numbers keep their spelling (`1.10`, `10:30`); null and booleans are
+        refused, since YAML turns `no`, `on` or `~` into something that is not the text."""
+        if not isinstance(self.node, yaml.ScalarNode):
+            raise self.error(f"expected a string, got {self.describe()}")
+        value = self.value()
+        if value is None or isinstance(value, bool):
+            raise self.error(f"expected a string, got {self.describe()}"
+                             + (" (quote it: YAML reads it as a boolean)" if value is not None else ""),
+                             value)
+        text = value if isinstance(value, str) else self.node.value
+        if not text.strip():
+            raise self.error("expected a non-empty string", text)
+        return text
+
+    def name(self, what: str) -> str:
+        text = self.string()
+        if not NAME_PATTERN.match(text):
+            raise self.error(f"{what} {text!r} must be letters, digits, '.', '_' or '-' "
+                             "(starting with a letter or digit)", text)
+        return text
+
+    def integer(self, minimum: int = 1) -> int:
+        value = self.value()
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise self.error(f"expected {kind}, got {self.describe()}", value)
+        return value
+
+    def choice(self, options: tuple[str, ...], what: str = "value") -> str:
+        text = self.string()
+        if text not in options:
+            raise self.error(f"unknown {what} {text!r} (expected one of {', '.join(options)})",
+                             text)
+        return text
+
+
+def _parse_supervisor(at: _Field) -> SupervisorConfig:
+    fields_ = at.mapping(known=("address", "state_dir"), required=("address", "state_dir"))
+    address = fields_["address"].string()
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
+        raise fields_["address"].error(f"expected host:port, got {address!r}", address)
+    if host in WILDCARD_HOSTS:
+        raise fields_["address"].error(
+            f"{host!r} is a wildcard: give the address agents and fleetctl reach", address)
+    return SupervisorConfig(address=address, state_dir=fields_["state_dir"].string())
+
+
+def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
+    items = at.sequence()
+    if not items:
+        raise at.error("expected at least one node")
+    nodes: list[NodeConfig] = []
+    first_line: dict[str, int] = {}
+    for item in items:
+        fields_ = item.mapping(known=("name", "labels", "pins"), required=("name",))
+        name = fields_["name"].name("node name")
+        if name in first_line:
+            raise fields_["name"].error(
+                f"duplicate node name {name!r} (first at line {first_line[name]})", name)
+        first_line[name] = fields_["name"].line
+        labels = fields_["labels"].string_map() if "labels" in fields_ else ()
+        pins = fields_["pins"].string_map() if "pins" in fields_ else ()
+        nodes.append(NodeConfig(name=name, labels=labels, pins=pins))
+    return tuple(nodes)
+
+
+_MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "chunk", "objective",
+                 "placement", "rank0")
+
+
+def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
+    f = at.mapping(known=_MODEL_FIELDS, required=("id", "checkpoint", "context"))
+    model_id = f["id"].string()
+    if any(c.isspace() for c in model_id):
+        raise f["id"].error(f"model id {model_id!r} must not contain spaces", model_id)
+    checkpoint = _parse_checkpoint(f["checkpoint"], node_names)
+    backends = _parse_backends(f["backends"]) if "backends" in f else BACKENDS
+    context = f["context"].integer()
+    parallel = f["parallel"].integer() if "parallel" in f else DEFAULT_PARALLEL
+    chunk = f["chunk"].integer() if "chunk" in f else DEFAULT_CHUNK
+    objective = f["objective"].choice(OBJECTIVES, "objective") if "objective" in f else "decode"
+    placement: tuple[ExplicitStage, ...] = ()
+    if "placement" in f:
+        placement = _parse_placement(f["placement"], node_names, checkpoint, backends)
+    rank0 = None
+    if "rank0" in f:
+        rank0 = _known_node(f["rank0"], node_names, checkpoint)
+        if placement and placement[0].node != rank0:
+            raise f["rank0"].error(
+                f"rank0 {rank0!r} differs from the explicit placement's first stage "
+                f"{placement[0].node!r} (rank 0 is the first stage)", rank0)
+    return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
+                     parallel=parallel, chunk=chunk, objective=objective, placement=placement,
+                     rank0=rank0)
+
+
+def _known_node(at: _Field, node_names: tuple[str, ...], checkpoint: CheckpointPaths) -> str:
+    name = at.string()
+    if name not in node_names:
+        raise at.error(f"unknown node {name!r} (nodes: {', '.join(node_names)})", name)
+    if checkpoint.path_for(name) is None:
+        raise at.error(f"node {name!r} has no checkpoint path for this model", name)
+    return name
+
+
+def _parse_checkpoint(at: _Field, node_names: tuple[str, ...]) -> CheckpointPaths:
+    if isinstance(at.node, yaml.ScalarNode):
+        return CheckpointPaths(all_nodes=at.string())
+    if not isinstance(at.node, yaml.MappingNode):
+        raise at.error(f"expected a path or a mapping of node names to paths, got {at.describe()}")
+    by_node = at.string_map()
+    if not by_node:
+        raise at.error("expected at least one node: path entry")
+    for node, _ in by_node:
+        if node not in node_names:
+            raise at.field(node).error(
+                f"unknown node {node!r} (nodes: {', '.join(node_names)})", node)
+    return CheckpointPaths(by_node=by_node)
+
+
+def _parse_backends(at: _Field) -> tuple[str, ...]:
+    items = at.sequence()
+    if not items:
+        raise at.error(f"expected at least one backend (known: {', '.join(BACKENDS)})")
+    backends: list[str] = []
+    for item in items:
+        backend = item.choice(BACKENDS, "backend")
+        if backend in backends:
+            raise item.error(f"backend {backend!r} is listed twice", backend)
+        backends.append(backend)
+    return tuple(backends)
+
+
+def _parse_placement(at: _Field, node_names: tuple[str, ...], checkpoint: CheckpointPaths,
+                     backends: tuple[str, ...]) -> tuple[ExplicitStage, ...]:
+    if isinstance(at.node, yaml.ScalarNode):
+        if at.value() == "auto":
+            return ()
+        raise at.error(f"expected 'auto' or a list of stages, got {at.describe()}", at.value())
+    items = at.sequence()
+    if not items:
+        raise at.error("expected 'auto' or at least one stage")
+    stages: list[ExplicitStage] = []
+    for item in items:
+        f = item.mapping(known=("node", "layers", "backend"), required=("node", "layers"))
+        node = _known_node(f["node"], node_names, checkpoint)
+        if any(s.node == node for s in stages):
+            raise f["node"].error(f"node {node!r} already has a stage of this model", node)
+        backend = None
+        if "backend" in f:
+            backend = f["backend"].choice(BACKENDS, "backend")
+            if backend not in backends:
+                raise f["backend"].error(
+                    f"backend {backend!r} is not among this model's backends "
+                    f"({', '.join(backends)})", backend)
+        start, end = _layer_range(f["layers"])
+        expected_start = stages[-1].layer_range[1] if stages else 0
+        if start != expected_start:
+            after = (f"the previous stage ends at {expected_start}" if stages
+                     else "the first stage must start at 0")
+            raise f["layers"].error(
+                f"starts at {start} but {after} (ranges must be contiguous)", f"{start}:{end}")
+        stages.append(ExplicitStage(node=node, layer_range=(start, end), backend=backend))
+    return tuple(stages)
+
+
+def _layer_range(at: _Field) -> tuple[int, int]:
+    # The raw text, so that an unquoted 20:36 (YAML 1.1's base-60 integer 1236) still reads.
+    text = at.node.value if isinstance(at.node, yaml.ScalarNode) else ""
+    match = LAYERS_PATTERN.match(text) if isinstance(text, str) else None
+    if not match:
+        raise at.error(f"expected a layer range \"start:end\", got {at.describe()}", text)
+    start, end = int(match[1]), int(match[2])
+    if start >= end:
+        raise at.error(f"layer range {start}:{end} is empty (start must be below end)",
+                       f"{start}:{end}")
+    return start, end
+
+
+def diff(old: FleetConfig, new: FleetConfig) -> list[str]:
+    """What applying `new` over `old` changes, one line per change, for `fleetctl apply`."""
+    changes: list[str] = []
+    if old.version != new.version:
+        changes.append(f"version: {old.version} -> {new.version}")
+    for f in fields(SupervisorConfig):
+        before, after = getattr(old.supervisor, f.name), getattr(new.supervisor, f.name)
+        if before != after:
+            changes.append(f"supervisor.{f.name}: {before} -> {after}")
+    changes += _diff_named("node", {n.name: n for n in old.nodes},
+                           {n.name: n for n in new.nodes})
+    changes += _diff_named("model", {m.id: m for m in old.models},
+                           {m.id: m for m in new.models})
+    return changes
+
+
+def _diff_named(kind: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    changes = [f"{kind} removed: {name}" for name in old if name not in new]
+    changes += [f"{kind} added: {name}" for name in new if name not in old]
+    for name in (n for n in new if n in old):
+        for f in fields(new[name]):
+            before = _show(f.name, getattr(old[name], f.name))
+            after = _show(f.name, getattr(new[name], f.name))
+            if before != after:
+                changes.append(f"{kind} {name}: {f.name} {before} -> {after}")
+    return changes
+
+
+def _show(field_name: str, value: Any) -> str:
+    """A field's value as fleet.yaml would spell it; order-insensitive where order means nothing."""
+    if isinstance(value, CheckpointPaths):
+        if value.all_nodes is not None and not value.by_node:
+            return value.all_nodes
+        return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(value.by_node)) + "}"
+    if field_name == "placement":
+        if not value:
+            return "auto"
+        return ", ".join(f"{s.node} {s.layer_range[0]}:{s.layer_range[1]}"
+                         + (f" ({s.backend})" if s.backend else "") for s in value)
+    if field_name in ("labels", "pins"):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(value)) + "}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return "none" if value is None else str(value)

@@ -1,0 +1,546 @@
+"""Placement: which nodes, in which ring order, hold which contiguous layer range of a model.
+
+A pure function of frozen snapshots (model spec, model shape, and per node its usable
+memory, backend, calibrated ms per layer and measured links). The search is exhaustive and
+exact: every ring order of up to six candidate nodes (rank 0 first), and for each the best
+layer counts, solved in closed form because a dense family's layers all cost the same on a
+node. docs/placement.md explains the cost model and why the fills below are optimal;
+tests/supervisor/test_placement.py checks them against a brute force over every boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from rich.table import Table
+
+from supervisor.fleet_config import ModelSpec
+from supervisor.memory import (
+    ExecutionShape,
+    ModelShape,
+    StageMemory,
+    fixed_bytes,
+    format_bytes,
+    layer_bytes,
+    layers_that_fit,
+    stage_memory,
+)
+
+MAX_SEARCH_NODES = 6  # 1,956 ring orders at six nodes; seven would be 13,699
+TIME_TOLERANCE = 1e-9  # ms: a stage time equal to a bottleneck candidate is within it
+
+
+class PlacementError(ValueError):
+    """The inputs contradict each other (a snapshot, an explicit placement, the shape)."""
+
+
+class DoesNotFit(PlacementError):
+    """No placement fits the nodes there are; the message names the shortfall."""
+
+    def __init__(self, message: str, model_id: str, shortfall_bytes: int = 0,
+                 node: str | None = None) -> None:
+        super().__init__(message)
+        self.model_id, self.shortfall_bytes, self.node = model_id, shortfall_bytes, node
+
+
+@dataclass(frozen=True)
+class LinkSnapshot:
+    """A measured link from the node that holds it to `peer`."""
+
+    peer: str
+    rtt_ms: float
+    bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """What placement knows of one live node, for one model (calibrated on its shape)."""
+
+    name: str
+    usable_memory_bytes: int
+    backend: str
+    decode_ms_per_layer: float  # one row
+    decode_batch_ms_per_layer: float  # one round of `parallel` rows
+    prefill_ms_per_layer: float  # one prompt chunk of `chunk` rows
+    links: tuple[LinkSnapshot, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("decode_ms_per_layer", "decode_batch_ms_per_layer", "prefill_ms_per_layer"):
+            if not getattr(self, name) > 0:
+                raise PlacementError(f"node {self.name}: {name} = {getattr(self, name)!r}: "
+                                     "expected a positive number of ms")
+        for link in self.links:
+            if not (link.rtt_ms >= 0 and link.bandwidth_bytes_per_s > 0):
+                raise PlacementError(f"node {self.name}: link to {link.peer}: rtt {link.rtt_ms} "
+                                     f"ms, {link.bandwidth_bytes_per_s} bytes/s: not a link")
+
+
+@dataclass(frozen=True)
+class Stage:
+    rank: int
+    node: str
+    backend: str
+    layer_range: tuple[int, int]  # half-open, global layer indices
+    memory: StageMemory
+    usable_memory_bytes: int
+    decode_ms: float  # this stage's layers in one decode round of `parallel` rows
+    prefill_chunk_ms: float  # this stage's layers on one prompt chunk
+    hop_decode_ms: float  # to the next stage (the last one: back to rank 0); 0 alone
+    hop_chunk_ms: float
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """The best placement not chosen, or why there is none."""
+
+    ring: tuple[str, ...]
+    layer_ranges: tuple[tuple[int, int], ...]
+    objective_ms: float | None  # None: it does not fit
+    reason: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    model_id: str
+    objective: str  # "decode" or "prompt"
+    parallel: int
+    prompt_tokens: int
+    stages: tuple[Stage, ...]  # rank 0 first
+    decode_ms_per_token: float  # one round with `parallel` streams: each gets one token
+    decode_ms_per_token_single: float  # one stream alone
+    prompt_ms: float  # a prompt of `prompt_tokens` tokens, chunk by chunk
+    explicit: bool
+    runner_up: Alternative | None
+    why: tuple[str, ...]
+
+    @property
+    def objective_ms(self) -> float:
+        return self.decode_ms_per_token if self.objective == "decode" else self.prompt_ms
+
+    @property
+    def ring(self) -> tuple[str, ...]:
+        return tuple(s.node for s in self.stages)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """One ring order with its best counts and predicted times."""
+
+    nodes: tuple[str, ...]
+    counts: tuple[int, ...]
+    objective_ms: float
+    rank: tuple  # sort key: objective, fewer stages, the other objective, input order
+
+
+class _Problem:
+    """Everything the search derives once from the inputs."""
+
+    def __init__(self, spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
+                 prompt_tokens: int) -> None:
+        self.spec, self.shape = spec, shape
+        self.execution = ExecutionShape(spec.context, spec.parallel, spec.chunk)
+        self.chunks = max(1, math.ceil(prompt_tokens / spec.chunk))
+        self.prompt_tokens = prompt_tokens
+        self.nodes = {n.name: n for n in nodes}
+        self.order = {n.name: i for i, n in enumerate(nodes)}
+        self.cap0 = {n.name: self.fit(n, True) for n in nodes}
+        self.cap = {n.name: self.fit(n, False) for n in nodes}
+        self._decode_fills: dict[tuple, dict[str, int] | None] = {}
+        self._tables: dict[tuple, tuple] = {}  # (rank 0, node set) -> bottleneck table
+        self._hops: dict[int, dict[tuple[str, str], float]] = {}  # rows -> (a, b) -> ms
+        self._links = {(n.name, link.peer): link for n in nodes for link in n.links}
+        batch = "decode_batch_ms_per_layer" if spec.parallel > 1 else "decode_ms_per_layer"
+        self._layer_ms = {
+            "decode": {n.name: getattr(n, batch) for n in nodes},
+            "single": {n.name: n.decode_ms_per_layer for n in nodes},
+            "prefill": {n.name: n.prefill_ms_per_layer for n in nodes}}
+
+    def fit(self, node: NodeSnapshot, is_rank0: bool) -> int:
+        return min(self.shape.n_layers,
+                   layers_that_fit(self.shape, self.execution, node.usable_memory_bytes, is_rank0))
+
+    def caps(self, ring: tuple[str, ...]) -> list[int]:
+        return [self.cap0[ring[0]]] + [self.cap[n] for n in ring[1:]]
+
+    def link(self, a: str, b: str) -> LinkSnapshot | None:
+        """a -> b as measured from a, else b -> a (links are close to symmetric)."""
+        return self._links.get((a, b)) or self._links.get((b, a))
+
+    def hops_ms(self, ring: tuple[str, ...], rows: int) -> list[float] | None:
+        """Each stage's hop to the next (the last one's back to rank 0); None: a link is missing."""
+        if rows not in self._hops:
+            self._hops[rows] = {
+                (a, b): link.rtt_ms / 2 + rows * self.shape.row_bytes
+                / link.bandwidth_bytes_per_s * 1000
+                for a in self.nodes for b in self.nodes if (link := self.link(a, b))}
+        table = self._hops[rows]
+        if len(ring) == 1:
+            return []
+        out = []
+        for pair in zip(ring, ring[1:] + ring[:1]):
+            ms = table.get(pair)
+            if ms is None:
+                return None
+            out.append(ms)
+        return out
+
+    def layer_ms(self, name: str, kind: str) -> float:
+        """ms per layer: "decode" (a round of `parallel` rows), "single" (one row), "prefill"."""
+        return self._layer_ms[kind][name]
+
+    def decode_ms(self, ring: tuple[str, ...], counts: Sequence[int], rows: int) -> float:
+        kind = "decode" if rows == self.spec.parallel else "single"
+        hops = self.hops_ms(ring, rows) or []
+        return sum(c * self.layer_ms(n, kind) for n, c in zip(ring, counts)) + sum(hops)
+
+    def prompt_ms(self, ring: tuple[str, ...], counts: Sequence[int]) -> float:
+        stages = [c * self.layer_ms(n, "prefill") for n, c in zip(ring, counts)]
+        hops = self.hops_ms(ring, self.spec.chunk) or []
+        return sum(stages) + sum(hops) + (self.chunks - 1) * max(stages + hops)
+
+    def best_counts(self, ring: tuple[str, ...]) -> tuple[int, ...] | None:
+        """The best layer counts for this ring under the objective; None when it cannot fit."""
+        caps = dict(zip(ring, self.caps(ring)))
+        if min(caps.values()) < 1 or sum(caps.values()) < self.shape.n_layers:
+            return None
+        if self.spec.objective == "decode":  # the fill depends on the set, not the order
+            key = (ring[0], frozenset(ring))
+            if key not in self._decode_fills:
+                self._decode_fills[key] = self._fill(self._by_speed(ring, "decode"), caps)
+            counts = self._decode_fills[key]
+        else:
+            hops = self.hops_ms(ring, self.spec.chunk)
+            counts = None if hops is None else self._prompt_counts(ring, caps, max(hops, default=0))
+        return None if counts is None else tuple(counts[n] for n in ring)
+
+    def _by_speed(self, names: Sequence[str], kind: str) -> list[str]:
+        return sorted(names, key=lambda n: (self.layer_ms(n, kind), self.order[n]))
+
+    def _fill(self, fastest_first: Sequence[str], caps: dict[str, int]) -> dict[str, int] | None:
+        """One layer each, then the rest to the fastest stages first, up to their caps."""
+        left = self.shape.n_layers - len(fastest_first)
+        if left < 0 or min(caps.values()) < 1:
+            return None
+        counts = dict.fromkeys(fastest_first, 1)
+        for name in fastest_first:
+            add = min(caps[name] - 1, left)
+            counts[name] += add
+            left -= add
+        return counts if left == 0 else None
+
+    def _capped_fill(self, fastest_first: Sequence[str], caps: dict[str, int],
+                     bottleneck_ms: float) -> dict[str, int] | None:
+        """The prompt fill with no stage slower than `bottleneck_ms` per chunk."""
+        ms = self._layer_ms["prefill"]
+        return self._fill(fastest_first, {
+            n: min(caps[n], math.floor((bottleneck_ms + TIME_TOLERANCE) / ms[n]))
+            for n in fastest_first})
+
+    def _prompt_counts(self, ring: tuple[str, ...], caps: dict[str, int],
+                       link_max_ms: float) -> dict[str, int] | None:
+        # Bottlenecks at or below the slowest link all cost (chunks - 1) x that link, and the
+        # fill only improves as the bottleneck grows: so T = the slowest link is the best of
+        # them. Above it, the best is read from a table shared by every order of this set.
+        key = (ring[0], frozenset(ring))
+        if key not in self._tables:
+            self._tables[key] = self._bottleneck_table(ring, caps)
+        fastest_first, thresholds, suffix_best = self._tables[key]
+        options = [self._capped_fill(fastest_first, caps, link_max_ms)]
+        j = bisect.bisect_right(thresholds, link_max_ms + TIME_TOLERANCE)
+        if j < len(thresholds) and suffix_best[j] is not None:
+            options.append(suffix_best[j][1])
+        found = [c for c in options if c is not None]
+        if len(found) < 2:
+            return found[0] if found else None
+        return min(found, key=lambda c: self.prompt_ms(ring, [c[n] for n in ring]))
+
+    def _bottleneck_table(self, names: Sequence[str], caps: dict[str, int]):
+        """Bottlenecks T ascending, and for each the best (bound, counts) over all T' >= T,
+        where bound = sum of stage times + (chunks - 1) x T' (hops left out: same for all)."""
+        ms = self._layer_ms["prefill"]
+        fastest_first = self._by_speed(names, "prefill")
+        thresholds = sorted({c * ms[n] for n in names for c in range(1, caps[n] + 1)})
+        suffix_best: list[tuple[float, dict[str, int]] | None] = [None] * len(thresholds)
+        best = None
+        for i in range(len(thresholds) - 1, -1, -1):
+            counts = self._capped_fill(fastest_first, caps, thresholds[i])
+            if counts is None:  # nor will any lower bottleneck fit: it caps stages harder
+                suffix_best[:i + 1] = [best] * (i + 1)
+                break
+            bound = (sum(c * ms[n] for n, c in counts.items())
+                     + (self.chunks - 1) * thresholds[i])
+            if best is None or bound <= best[0]:
+                best = (bound, counts)
+            suffix_best[i] = best
+        return fastest_first, thresholds, suffix_best
+
+    def ring_result(self, ring: tuple[str, ...]) -> _Ring | None:
+        counts = self.best_counts(ring)
+        if counts is None or self.hops_ms(ring, 1) is None:
+            return None
+        decode = self.decode_ms(ring, counts, self.spec.parallel)
+        prompt = self.prompt_ms(ring, counts)
+        objective, other = (decode, prompt) if self.spec.objective == "decode" else (prompt, decode)
+        key = (objective, len(ring), other, tuple(self.order[n] for n in ring))
+        return _Ring(ring, counts, objective, key)
+
+
+def place(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
+          prompt_tokens: int | None = None) -> Placement:
+    """The placement of `spec` on the live `nodes` that minimises its objective.
+
+    `prompt_tokens` sizes the predicted prompt time (and the prompt objective); the spec's
+    context when None. Raises `DoesNotFit` when nothing fits, `PlacementError` when the
+    inputs contradict each other.
+    """
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise PlacementError(f"{spec.id}: node snapshots repeat a name: {names}")
+    problem = _Problem(spec, shape, nodes, prompt_tokens or spec.context)
+    if not spec.placement_is_auto:
+        return _explicit(problem)
+    excluded = {n.name: why for n in nodes if (why := _excluded(spec, n))}
+    candidates = [n.name for n in nodes if n.name not in excluded]
+    why = [f"excluded {name}: {reason}" for name, reason in excluded.items()]
+    if spec.rank0 is not None and spec.rank0 not in candidates:
+        reason = excluded.get(spec.rank0, "not among the live nodes")
+        raise DoesNotFit(f"{spec.id}: rank0 {spec.rank0} cannot hold rank 0: {reason}",
+                         spec.id, node=spec.rank0)
+    if not candidates:
+        reasons = "; ".join(f"{k} ({v})" for k, v in excluded.items()) or "no live nodes"
+        raise DoesNotFit(f"{spec.id}: no node can hold a stage: {reasons}", spec.id)
+    if len(candidates) > MAX_SEARCH_NODES:
+        keep = sorted(candidates, key=lambda n: (n != spec.rank0,
+                                                 -problem.nodes[n].usable_memory_bytes))
+        keep = keep[:MAX_SEARCH_NODES]
+        why.append(f"searched the {MAX_SEARCH_NODES} nodes with the most memory; left out: "
+                   + ", ".join(n for n in candidates if n not in keep))
+        candidates = [n for n in candidates if n in keep]
+    rank0s = [spec.rank0] if spec.rank0 else candidates
+    results = [r for ring in _rings(rank0s, candidates)
+               if (r := problem.ring_result(ring)) is not None]
+    if not results:
+        raise _does_not_fit(problem, candidates, rank0s)
+    results.sort(key=lambda r: r.rank)
+    best = results[0]
+    why.insert(0, f"searched {sum(1 for _ in _rings(rank0s, candidates))} ring orders over "
+               f"{len(candidates)} node(s); {len(results)} fit")
+    if spec.rank0:
+        why.append(f"rank 0 is {spec.rank0}, as rank0 asks")
+    runner_up = _runner_up(problem, best, results, candidates, rank0s)
+    why.append(f"runner-up: {runner_up.reason}")
+    for name in candidates:
+        if name not in best.nodes:
+            with_it = next((r for r in results if name in r.nodes), None)
+            why.append(f"{name} unused: " + (
+                f"the best ring with it is {_slower(with_it, best)}" if with_it
+                else "no ring with it fits"))
+    return _build(problem, best.nodes, best.counts, explicit=False, runner_up=runner_up,
+                  why=tuple(why))
+
+
+def _excluded(spec: ModelSpec, node: NodeSnapshot) -> str | None:
+    if node.backend not in spec.backends:
+        return f"backend {node.backend} is not among {', '.join(spec.backends)}"
+    if spec.checkpoint.path_for(node.name) is None:
+        return "no checkpoint path for it"
+    return None
+
+
+def _rings(rank0s: Sequence[str], candidates: Sequence[str]):
+    for r0 in rank0s:
+        others = [n for n in candidates if n != r0]
+        for size in range(len(others) + 1):
+            for perm in itertools.permutations(others, size):
+                yield (r0, *perm)
+
+
+def _slower(alt: _Ring, best: _Ring) -> str:
+    delta = alt.objective_ms - best.objective_ms
+    pct = 100 * delta / best.objective_ms if best.objective_ms else 0.0
+    if delta <= 0:
+        return "a tie (broken by fewer stages, the other objective, then node order)"
+    return f"{delta:.2f} ms slower (+{pct:.1f}%)"
+
+
+def _ranges(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    ends = list(itertools.accumulate(counts))
+    return tuple(zip([0, *ends[:-1]], ends))
+
+
+def _ring_text(ring: Sequence[str], counts: Sequence[int]) -> str:
+    return " -> ".join(f"{n} {a}:{b}" for n, (a, b) in zip(ring, _ranges(counts)))
+
+
+def _runner_up(problem: _Problem, best: _Ring, results: list[_Ring],
+               candidates: Sequence[str], rank0s: Sequence[str]) -> Alternative:
+    """The best ring with another node set or another rank 0 (a mere reorder says little)."""
+    same = (best.nodes[0], frozenset(best.nodes))
+    alt = next((r for r in results if (r.nodes[0], frozenset(r.nodes)) != same), None)
+    if alt is not None:
+        return Alternative(alt.nodes, _ranges(alt.counts), alt.objective_ms,
+                           f"{_ring_text(alt.nodes, alt.counts)} is {_slower(alt, best)}")
+    others = [r for r in _rings(rank0s, candidates) if (r[0], frozenset(r)) != same]
+    if not others:
+        return Alternative((), (), None, "none: no other node set to try")
+    ring = min(others, key=lambda r: _shortfall(problem, r)[0])
+    missing, short_node = _shortfall(problem, ring)
+    if missing > 0:
+        reason = f"is {format_bytes(missing)} short on {short_node}"
+    elif len(ring) > problem.shape.n_layers:
+        reason = "has more stages than the model has layers"
+    else:
+        reason = "lacks a measured link between two neighbours"
+    return Alternative(ring, (), None, f"none fits; the closest, {' -> '.join(ring)}, {reason}")
+
+
+def _shortfall(problem: _Problem, ring: tuple[str, ...]) -> tuple[int, str]:
+    """The fewest bytes that, added to one node of `ring`, let it hold the model (dropping
+    any other follower too small for a layer); and that node."""
+    caps = problem.caps(ring)
+    per_layer = layer_bytes(problem.shape, problem.execution)
+    options = []
+    for j, name in enumerate(ring):
+        if j > 0 and caps[0] < 1:
+            continue  # rank 0 cannot be dropped: it is the one that must grow
+        others = sum(cap for i, cap in enumerate(caps) if i != j and cap >= 1)
+        layers = max(1, problem.shape.n_layers - others)
+        need = fixed_bytes(problem.shape, problem.execution, j == 0).total_bytes
+        options.append((need + layers * per_layer - problem.nodes[name].usable_memory_bytes,
+                        name))
+    missing, name = min(options)
+    return max(0, missing), name
+
+
+def _does_not_fit(problem: _Problem, candidates: Sequence[str],
+                  rank0s: Sequence[str]) -> DoesNotFit:
+    spec, shape, execution = problem.spec, problem.shape, problem.execution
+    rings = [(r0, *[n for n in candidates if n != r0]) for r0 in rank0s]
+    ring = min(rings, key=lambda r: _shortfall(problem, r)[0])
+    missing, short_node = _shortfall(problem, ring)
+    if missing <= 0:
+        return DoesNotFit(f"{spec.id}: every ring that fits in memory lacks a measured link "
+                          f"between two neighbours, or has more stages than layers "
+                          f"({', '.join(candidates)})", spec.id)
+    extras, per_layer = fixed_bytes(shape, execution, True), layer_bytes(shape, execution)
+    need = shape.n_layers * per_layer + sum(fixed_bytes(shape, execution, i == 0).total_bytes
+                                            for i in range(len(ring)))
+    usable = sum(problem.nodes[n].usable_memory_bytes for n in ring)
+    placed = min(sum(problem.caps(ring)), shape.n_layers)  # with rank 0 holding what it can
+    return DoesNotFit(
+        f"{spec.id} needs {format_bytes(need)} for weights, KV and rank 0's extras across "
+        f"{len(ring)} node(s), which have {format_bytes(usable)}; the largest fit, rank 0 on "
+        f"{ring[0]}, places "
+        f"{placed} of {shape.n_layers} layers and leaves {format_bytes(missing)} short on "
+        f"{short_node} (rank 0 extras: embeddings {format_bytes(extras.embedding_bytes)}, "
+        f"head {format_bytes(extras.head_bytes)}, staging {format_bytes(extras.staging_bytes)};"
+        f" each layer: weights {format_bytes(shape.layer_weight_bytes)} + KV "
+        f"{format_bytes(per_layer - shape.layer_weight_bytes)} for "
+        f"{execution.context} x {execution.parallel} positions)",
+        spec.id, shortfall_bytes=missing, node=short_node)
+
+
+def _explicit(problem: _Problem) -> Placement:
+    spec, shape = problem.spec, problem.shape
+    ring = tuple(s.node for s in spec.placement)
+    if spec.placement[-1].layer_range[1] != shape.n_layers:
+        raise PlacementError(f"{spec.id}: the explicit placement ends at layer "
+                             f"{spec.placement[-1].layer_range[1]}, but the model has "
+                             f"{shape.n_layers}")
+    for stage in spec.placement:
+        node = problem.nodes.get(stage.node)
+        if node is None:
+            raise DoesNotFit(f"{spec.id}: explicit stage on {stage.node} cannot start: "
+                             "it is not among the live nodes", spec.id, node=stage.node)
+        if (stage.backend or node.backend) != node.backend or node.backend not in spec.backends:
+            raise PlacementError(f"{spec.id}: explicit stage on {stage.node} asks backend "
+                                 f"{stage.backend or node.backend}; the node's snapshot is "
+                                 f"for {node.backend} (model backends: "
+                                 f"{', '.join(spec.backends)})")
+    if problem.hops_ms(ring, 1) is None:
+        raise PlacementError(f"{spec.id}: no measured link between two neighbouring stages "
+                             f"of {' -> '.join(ring)}")
+    counts = tuple(b - a for a, b in (s.layer_range for s in spec.placement))
+    caps = problem.caps(ring)
+    short = [(n, c, cap) for n, c, cap in zip(ring, counts, caps) if c > cap]
+    if short:
+        parts = []
+        for name, count, _ in short:
+            memory = stage_memory(shape, problem.execution, count, name == ring[0])
+            usable = problem.nodes[name].usable_memory_bytes
+            parts.append(f"{name} ({count} layers) needs {format_bytes(memory.total_bytes)}, "
+                         f"has {format_bytes(usable)}: "
+                         f"{format_bytes(memory.total_bytes - usable)} short")
+        missing = sum(stage_memory(shape, problem.execution, c, n == ring[0]).total_bytes
+                      - problem.nodes[n].usable_memory_bytes for n, c, _ in short)
+        raise DoesNotFit(f"{spec.id}: the explicit placement does not fit: " + "; ".join(parts),
+                         spec.id, shortfall_bytes=missing, node=short[0][0])
+    why = ["explicit placement from fleet.yaml (not searched)"]
+    runner_up = None
+    try:
+        auto = place(replace(spec, placement=()), shape, list(problem.nodes.values()),
+                     problem.prompt_tokens)
+        mine = problem.decode_ms(ring, counts, spec.parallel) if spec.objective == "decode" \
+            else problem.prompt_ms(ring, counts)
+        delta = mine - auto.objective_ms
+        auto_counts = [b - a for a, b in (s.layer_range for s in auto.stages)]
+        runner_up = Alternative(auto.ring, _ranges(auto_counts), auto.objective_ms,
+                                f"auto would choose {_ring_text(auto.ring, auto_counts)}, "
+                                f"{abs(delta):.2f} ms {'faster' if delta > 0 else 'slower'}")
+        why.append(f"runner-up: {runner_up.reason}")
+    except PlacementError as exc:
+        why.append(f"auto placement: {exc}")
+    return _build(problem, ring, counts, explicit=True, runner_up=runner_up, why=tuple(why))
+
+
+def _build(problem: _Problem, ring: tuple[str, ...], counts: Sequence[int], explicit: bool,
+           runner_up: Alternative | None, why: tuple[str, ...]) -> Placement:
+    spec = problem.spec
+    hops_decode = problem.hops_ms(ring, spec.parallel) or [0.0]
+    hops_chunk = problem.hops_ms(ring, spec.chunk) or [0.0]
+    stages = tuple(
+        Stage(rank=i, node=name, backend=problem.nodes[name].backend, layer_range=rng,
+              memory=stage_memory(problem.shape, problem.execution, count, i == 0),
+              usable_memory_bytes=problem.nodes[name].usable_memory_bytes,
+              decode_ms=count * problem.layer_ms(name, "decode"),
+              prefill_chunk_ms=count * problem.layer_ms(name, "prefill"),
+              hop_decode_ms=hops_decode[i % len(hops_decode)],
+              hop_chunk_ms=hops_chunk[i % len(hops_chunk)])
+        for i, (name, count, rng) in enumerate(zip(ring, counts, _ranges(counts))))
+    return Placement(model_id=spec.id, objective=spec.objective, parallel=spec.parallel,
+                     prompt_tokens=problem.prompt_tokens, stages=stages,
+                     decode_ms_per_token=problem.decode_ms(ring, counts, spec.parallel),
+                     decode_ms_per_token_single=problem.decode_ms(ring, counts, 1),
+                     prompt_ms=problem.prompt_ms(ring, counts), explicit=explicit,
+                     runner_up=runner_up, why=why)
+
+
+def render_plan(placement: Placement) -> Table:
+    """The placement as `fleetctl plan` shows it: one row per stage, predictions, and why.
+
+    "extras" are the row buffers, plus on rank 0 the embeddings, final norm, head and logits.
+    """
+    p = placement
+    table = Table(title=f"{p.model_id}: {' -> '.join(p.ring)} -> {p.ring[0]}"
+                  + (" (explicit)" if p.explicit else ""), title_justify="left")
+    for name in ("rank", "node", "backend", "layers", "weights", "KV", "extras", "total",
+                 "usable", "decode ms", "hop ms", "chunk ms", "chunk hop ms"):
+        table.add_column(name, justify="left" if name in ("node", "backend") else "right")
+    for s in p.stages:
+        m = s.memory
+        table.add_row(str(s.rank), s.node, s.backend, f"{s.layer_range[0]}:{s.layer_range[1]}",
+                      format_bytes(m.weights_bytes), format_bytes(m.kv_bytes),
+                      format_bytes(m.rank0_extras_bytes + m.staging_bytes),
+                      format_bytes(m.total_bytes), format_bytes(s.usable_memory_bytes),
+                      f"{s.decode_ms:.2f}", f"{s.hop_decode_ms:.2f}",
+                      f"{s.prefill_chunk_ms:.1f}", f"{s.hop_chunk_ms:.1f}")
+    summary = (f"decode: {p.decode_ms_per_token:.2f} ms per token at {p.parallel} stream(s), "
+               f"{p.decode_ms_per_token_single:.2f} ms alone; prompt of {p.prompt_tokens} "
+               f"tokens: {p.prompt_ms:.0f} ms; objective: {p.objective}")
+    table.caption = "\n".join([summary, *p.why])
+    table.caption_justify = "left"
+    return table

@@ -1,0 +1,1 @@
+"""Tests for supervisor: fleet.yaml parsing and diff, the memory model, placement."""

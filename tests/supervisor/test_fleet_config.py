@@ -1,0 +1,165 @@
+"""fleet.yaml parsing: the repo's example, good and bad fixtures (each bad one names its line
+and field), a fuzz rule, and `diff`."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from supervisor.fleet_config import (
+    BACKENDS,
+    CheckpointPaths,
+    ExplicitStage,
+    FleetConfigError,
+    diff,
+    load_fleet_config,
+    parse_fleet_config,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO_FLEET = Path(__file__).parents[2] / "fleet.yaml"
+EXPECT = re.compile(r"^# expect: (\d+) ?(\S*) \| (.+)$")
+BAD = sorted(FIXTURES.glob("bad-*.yaml"))
+
+
+def test_repo_fleet_yaml_parses():
+    fleet = load_fleet_config(REPO_FLEET)
+    assert fleet.version == 1
+    assert fleet.supervisor.address == "192.168.1.10:7400"
+    assert [n.name for n in fleet.nodes] == ["gb10", "mac-studio"]
+    assert dict(fleet.node("gb10").labels) == {"backend": "torch-cuda"}
+    model = fleet.model("qwen3-8b")
+    assert model.checkpoint.path_for("mac-studio") == "/Users/me/models/Qwen3-8B"
+    assert model.backends == ("torch-cuda", "mlx-metal")
+    assert (model.context, model.parallel, model.chunk) == (8192, 4, 512)
+    assert model.objective == "decode" and model.placement_is_auto and model.rank0 == "gb10"
+
+
+def test_good_full_fixture():
+    fleet = load_fleet_config(FIXTURES / "good-full.yaml")
+    assert fleet.supervisor.address == "[fd00::1]:7400"
+    assert fleet.supervisor.state_dir == "~/ringfleet-state"
+    assert dict(fleet.node("gb10").labels) == {"backend": "torch-cuda", "room": "2"}
+    assert dict(fleet.node("gb10").pins) == {"usable_memory_gb": "100"}
+    assert fleet.node("mac-studio").labels == ()
+    llama, qwen = fleet.models
+    assert (llama.context, llama.parallel, llama.chunk) == (4096, 2, 256)  # merged from &shape
+    assert llama.checkpoint == CheckpointPaths(all_nodes="/models/Llama-3.1-8B")
+    assert llama.checkpoint.path_for("mac-mini") == "/models/Llama-3.1-8B"
+    # An unquoted 0:20 is YAML 1.1's base-60 integer 20; the raw text is read instead.
+    assert llama.placement == (ExplicitStage("gb10", (0, 20), "torch-cuda"),
+                               ExplicitStage("mac-studio", (20, 32)))
+    assert llama.objective == "prompt" and llama.rank0 == "gb10"
+    assert qwen.id == "Qwen/Qwen3-0.6B" and qwen.backends == BACKENDS
+    assert qwen.checkpoint.path_for("mac-studio") is None
+    assert (qwen.parallel, qwen.chunk, qwen.objective, qwen.rank0) == (1, 512, "decode", None)
+
+
+def test_good_minimal_fixture_has_no_models():
+    fleet = load_fleet_config(FIXTURES / "good-minimal.yaml")
+    assert fleet.models == () and fleet.nodes[0].name == "solo"
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_fixture_names_line_and_field(path: Path):
+    line, field, fragment = EXPECT.match(path.read_text().splitlines()[0]).groups()
+    with pytest.raises(FleetConfigError) as caught:
+        load_fleet_config(path)
+    err = caught.value
+    assert (err.line, err.field) == (int(line), field), str(err)
+    prefix = f"{path}:{line}: {field}: " if field else f"{path}:{line}: "
+    assert str(err).startswith(prefix), str(err)
+    assert fragment in str(err)
+
+
+def test_message_shape_matches_the_design():
+    text = (FIXTURES / "bad-context-negative.yaml").read_text()
+    with pytest.raises(FleetConfigError) as caught:
+        parse_fleet_config(text, "fleet.yaml")
+    assert str(caught.value) == ("fleet.yaml:11: models[0].context: "
+                                 "expected a positive integer, got -5")
+    assert caught.value.value == -5
+
+
+def test_unreadable_file_is_a_fleet_config_error(tmp_path: Path):
+    with pytest.raises(FleetConfigError, match="cannot read"):
+        load_fleet_config(tmp_path / "absent.yaml")
+
+
+def test_any_mutation_parses_or_raises_fleet_config_error():
+    text = REPO_FLEET.read_text()
+    rng = random.Random(6)
+    alphabet = " \n:-[]{}#&*!|>'\",?0123456789abcxyz\t@`%<"
+    for _ in range(600):
+        chars = list(text)
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(chars))
+            op = rng.random()
+            if op < 0.4:
+                chars[i] = rng.choice(alphabet)
+            elif op < 0.7:
+                del chars[i]
+            else:
+                chars.insert(i, rng.choice(alphabet))
+        try:
+            parse_fleet_config("".join(chars), "fuzz.yaml")
+        except FleetConfigError as exc:
+            assert str(exc).startswith("fuzz.yaml")
+
+
+@pytest.mark.parametrize("snippet,line,fragment", [
+    ("x-base: 5\nsupervisor:\n  <<: 5\n", 4, "cannot merge"),
+    ("supervisor:\n  address: !!int x\n  state_dir: /s\n", 3, "cannot read 'x'"),
+    ("supervisor:\n  address: !custom x\n  state_dir: /s\n", 3, "cannot read 'x'"),
+])
+def test_yaml_tags_and_merges_are_fleet_config_errors(snippet, line, fragment):
+    with pytest.raises(FleetConfigError) as caught:
+        parse_fleet_config("version: 1\n" + snippet + "nodes: [{name: a}]\n")
+    assert caught.value.line == line and fragment in str(caught.value)
+
+
+def test_diff_of_a_file_with_itself_is_empty():
+    fleet = load_fleet_config(REPO_FLEET)
+    assert diff(fleet, fleet) == []
+
+
+def test_diff_names_every_change():
+    old = load_fleet_config(REPO_FLEET)
+    text = (REPO_FLEET.read_text()
+            .replace("context: 8192", "context: 16384")
+            .replace("parallel: 4 ", "parallel: 8 ")
+            .replace("labels: {backend: mlx-metal}", "labels: {backend: mlx-cpu}")
+            .replace("address: 192.168.1.10:7400", "address: 192.168.1.11:7400")
+            .replace("    placement: auto ",
+                     "    placement: [{node: gb10, layers: '0:20'}, "
+                     "{node: mac-studio, layers: '20:36'}] ")
+            .replace("models:\n", "models:\n  - {id: tiny, checkpoint: /m/tiny, context: 64}\n")
+            .replace("\nmodels:", "\n  - name: pi5\nmodels:"))
+    new = parse_fleet_config(text)
+    assert diff(old, new) == [
+        "supervisor.address: 192.168.1.10:7400 -> 192.168.1.11:7400",
+        "node added: pi5",
+        "node mac-studio: labels {backend: mlx-metal} -> {backend: mlx-cpu}",
+        "model added: tiny",
+        "model qwen3-8b: context 8192 -> 16384",
+        "model qwen3-8b: parallel 4 -> 8",
+        "model qwen3-8b: placement auto -> gb10 0:20, mac-studio 20:36",
+    ]
+    back = diff(new, old)
+    assert "node removed: pi5" in back and "model removed: tiny" in back
+
+
+def test_diff_shows_checkpoint_and_backends():
+    old = load_fleet_config(REPO_FLEET)
+    model = dataclasses.replace(old.models[0], checkpoint=CheckpointPaths(all_nodes="/m/q"),
+                                backends=("torch-cuda",))
+    new = dataclasses.replace(old, models=(model,))
+    assert diff(old, new) == [
+        ("model qwen3-8b: checkpoint {gb10: /models/Qwen3-8B, mac-studio: "
+         "/Users/me/models/Qwen3-8B} -> /m/q"),
+        "model qwen3-8b: backends [torch-cuda, mlx-metal] -> [torch-cuda]",
+    ]
