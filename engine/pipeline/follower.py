@@ -50,6 +50,7 @@ def run_round(stage: Stage, ring: Ring, plan: RoundPlan, deadline_s: float) -> N
     if not plan.total_rows:  # closes and cancels: slots change, no rows travel
         stage.forward(plan, None, None)
         return
-    rows = receive_rows(ring.from_prev, stage, plan.round_no, plan.total_rows, deadline_s)
+    rows = receive_rows(ring.from_prev, stage, plan.round_no, plan.total_rows, deadline_s,
+                        ring.rows_buffer)
     out = stage.forward(plan, rows, None)
     send_rows(ring.to_next, stage, out, plan.round_no, len(out), deadline_s)

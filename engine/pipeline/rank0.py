@@ -83,7 +83,8 @@ class PipelineRunner:
         send_rows(self.ring.to_next, self.stage, rows, plan.round_no, plan.total_rows,
                   self.round_deadline_s)
         back = receive_rows(self.ring.from_prev, self.stage, plan.round_no,
-                            len(plan.returned_rows()), self.round_deadline_s)
+                            len(plan.returned_rows()), self.round_deadline_s,
+                            self.ring.rows_buffer)
         return self.stage.logits(back)
 
     def stop(self, reason: str, *, clean: bool) -> None:

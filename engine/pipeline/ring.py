@@ -10,7 +10,7 @@ rank i -> i + 1 directly, the last rank back to rank 0; plans go rank 0 -> every
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from socket import socket
 
 import structlog
@@ -47,6 +47,10 @@ class Ring:
     to_next: Link  # rows to the successor
     from_prev: Link  # rows from the predecessor
     describes: dict[int, Describe]  # rank 0 only: every rank's description
+    rows_buffer: bytearray = field(init=False)  # where the predecessor's rows land
+
+    def __post_init__(self) -> None:
+        self.rows_buffer = bytearray(self.config.rows_bound_bytes)
 
     def links(self) -> list[Link]:
         return [*self.control.values(), self.to_next, self.from_prev]

@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.backends.base import Stage
 from engine.link.errors import UnexpectedFrame
-from engine.link.frame import FrameKind
+from engine.link.frame import Frame, FrameKind
 from engine.link.messages import Dtype, check_rows_frame
 from engine.link.transport import Link
 
@@ -17,13 +17,20 @@ def send_rows(link: Link, stage: Stage, rows: Any, round_no: int, n_rows: int,
               deadline_s=deadline_s)
 
 
-def receive_rows(link: Link, stage: Stage, round_no: int, n_rows: int, deadline_s: float) -> Any:
-    """The rows of `round_no` from the predecessor, as this stage's tensors."""
-    frame = link.recv(deadline_s=deadline_s)
-    if frame.kind is not FrameKind.ROWS or frame.round_no != round_no:
+def receive_rows(link: Link, stage: Stage, round_no: int, n_rows: int, deadline_s: float,
+                 buffer: bytearray) -> Any:
+    """The rows of `round_no` from the predecessor, as this stage's tensors.
+
+    The payload lands in `buffer` (allocated once per link, sized by the rows bound), and
+    the stage copies it into its own tensors: one copy from the socket to the device.
+    """
+    got = link.recv_rows_into(buffer, deadline_s=deadline_s)
+    if isinstance(got, Frame) or got.round_no != round_no:
+        kind = got.kind.name
         raise UnexpectedFrame(f"expected the rows of round {round_no} from {link.peer}, got "
-                              f"{frame.kind.name} of round {frame.round_no}")
+                              f"{kind} of round {got.round_no}")
     dtype = Dtype[stage.row_dtype.upper()]
-    check_rows_frame(frame, hidden=stage.hidden_size, planes=stage.planes, dtype=dtype,
+    check_rows_frame(got, hidden=stage.hidden_size, planes=stage.planes, dtype=dtype,
                      expect_rows=n_rows)
-    return stage.rows_from_bytes(frame.payload, n_rows, stage.row_dtype)
+    return stage.rows_from_bytes(memoryview(buffer)[: got.payload_length], n_rows,
+                                 stage.row_dtype)

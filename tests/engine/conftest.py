@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from engine.backends.base import StageSpec, load_stage
-from engine.rounds import Op, RoundPlan, StreamEntry
+from engine.driver import RoundDriver
+from engine.runner import LocalRunner
 from tests.conftest import FAMILY_SPECS  # noqa: F401 - re-exported for the backend tests
 
 
@@ -20,32 +19,6 @@ def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk
     return load_stage(spec)
 
 
-class Driver:
-    """Feeds rounds to a whole-model stage by hand and returns the returned rows' logits."""
-
-    def __init__(self, stage) -> None:
-        self.stage = stage
-        self.round_no = 0
-
-    def round(self, feeds: dict[int, list[int]]) -> dict[int, np.ndarray]:
-        """feeds: slot -> token ids to run this round. Returns slot -> logits of its last row."""
-        entries, ids = [], []
-        for slot in sorted(feeds):
-            state = self.stage.slots.slots[slot]
-            rows = len(feeds[slot])
-            if state.open:
-                entries.append(StreamEntry(slot, Op.CONTINUE, state.offset, rows,
-                                           state.last_rows, 0, state.generation))
-            else:
-                entries.append(StreamEntry(slot, Op.OPEN, 0, rows, 0, 0, 0))
-            ids.extend(feeds[slot])
-        self.round_no += 1
-        rows = self.stage.forward(RoundPlan(self.round_no, tuple(entries)), None, ids)
-        logits = self.stage.logits(rows)
-        return {slot: logits[i] for i, slot in enumerate(sorted(feeds))}
-
-    def close(self, slots: list[int]) -> None:
-        entries = tuple(StreamEntry(s, Op.CLOSE, 0, 0, 0, 0, self.stage.slots.slots[s].generation)
-                        for s in sorted(slots))
-        self.round_no += 1
-        self.stage.forward(RoundPlan(self.round_no, entries), None, [])
+def Driver(stage) -> RoundDriver:
+    """Rounds by hand over a whole-model stage."""
+    return RoundDriver(LocalRunner(stage))

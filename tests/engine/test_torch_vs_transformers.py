@@ -71,18 +71,7 @@ def test_batched_round_gives_each_stream_its_own_tokens(make_model):
     model_dir = make_model("qwen3")
     batch = prompts(3)
 
-    def greedy(driver, slots_prompts, steps=24):
-        tokens = {s: [] for s in slots_prompts}
-        logits = driver.round(slots_prompts)
-        for _ in range(steps):
-            feeds = {}
-            for s, row in logits.items():
-                tokens[s].append(int(np.argmax(row)))
-                feeds[s] = [tokens[s][-1]]
-            logits = driver.round(feeds)
-        return tokens
-
-    together = greedy(Driver(whole_stage(model_dir)), dict(enumerate(batch)))
+    together = Driver(whole_stage(model_dir)).greedy(dict(enumerate(batch)), 24)
     for slot, ids in enumerate(batch):
-        alone = greedy(Driver(whole_stage(model_dir)), {slot: ids})
+        alone = Driver(whole_stage(model_dir)).greedy({slot: ids}, 24)
         assert alone[slot] == together[slot]
