@@ -53,6 +53,7 @@ class EngineEnv:
     dead_after: int  # silent keep-alive intervals before the ring counts as dead
     round_deadline_s: float  # bounds each send and receive of a round's frames
     boot_deadline_s: float  # how long bootstrap waits for the other stages
+    cpu_threads: int  # 0: the framework's default; stages sharing a CPU should split it
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
@@ -119,6 +120,7 @@ class EngineEnv:
             dead_after=integer("FLEET_DEAD_AFTER", 3),
             round_deadline_s=number("FLEET_ROUND_DEADLINE_S", 300.0),
             boot_deadline_s=number("FLEET_BOOT_DEADLINE_S", 300.0),
+            cpu_threads=integer("FLEET_CPU_THREADS", 0, 0),
         )
 
     def stage_spec(self, n_layers: int) -> StageSpec:

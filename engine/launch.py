@@ -10,6 +10,7 @@ ports picked on 127.0.0.1. Ctrl-C (or SIGTERM) stops every stage.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -34,6 +35,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def even_stages(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous half-open ranges of as equal a size as the layer count allows."""
+    cuts = [round(n_layers * i / n_stages) for i in range(n_stages + 1)]
+    return list(itertools.pairwise(cuts))
 
 
 def placement_id(stages: list[tuple[int, int]], backends: list[str]) -> str:
@@ -139,6 +146,7 @@ def stage_envs(model_dir: Path, stages: list[tuple[int, int]], backends: list[st
             FLEET_PLACEMENT=placement_id(stages, backends),
             FLEET_HTTP=f"{LOOPBACK}:{http_port}", FLEET_CONTEXT=str(context),
             FLEET_PARALLEL=str(parallel), FLEET_CHUNK=str(chunk),
+            FLEET_CPU_THREADS=str(max(1, (os.cpu_count() or 1) // len(stages))),
         )
         env.update(extra_env or {})
         envs.append(env)

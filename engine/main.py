@@ -105,6 +105,11 @@ def main() -> int:
         print(f"fleet-engine: {exc}", file=sys.stderr)
         return 2
     configure_logging(rank=env.rank, replica=env.placement)
+    if env.cpu_threads and env.backend.startswith("torch-"):
+        import torch  # only a torch stage pays for importing it
+
+        # Stages that share a machine's cores spin against each other in OpenMP otherwise.
+        torch.set_num_threads(env.cpu_threads)
     try:
         checkpoint = open_checkpoint(env.model_dir)
         config = ModelConfig.from_dict(checkpoint.config)

@@ -1,0 +1,53 @@
+"""What the benchmarks share: a checkpoint to measure, timing, and printing a result table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.checkpoint.maker import PRESETS, make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkpoint(model: Path | None, preset: str) -> Path:
+    """`model` if given, else the preset, generated once under build/."""
+    if model is not None:
+        return model
+    out = ROOT / "build" / f"bench-{preset}"
+    if not (out / "config.json").exists():
+        print(f"# making the {preset!r} checkpoint in {out}", flush=True)
+        make_checkpoint(out, PRESETS[preset], overwrite=True)
+    return out
+
+
+def n_layers(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+
+def median_s(action: Callable[[], object], *, repeats: int, warmup: int = 1,
+             sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of `action` over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        action()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def table(title: str, header: list[str], rows: list[list[object]]) -> None:
+    """A markdown table, so the output pastes into docs/benchmarks.md as it is."""
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row)
+              + " |")

@@ -1,0 +1,29 @@
+"""The PyTorch backend on CUDA against transformers on CUDA (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from engine.backends.base import StageSpec, load_stage
+from tests.engine.conftest import Driver
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_cuda_logits_match_transformers_on_cuda(make_model, family):
+    model_dir = make_model(family)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = ref.to("cuda").eval()
+    stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 2, 128, 64))
+    driver = Driver(stage)
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    for pos, token in enumerate(ids):
+        got = driver.round({0: [token]})[0]
+        # Both sides run cuBLAS and SDPA kernels of their own choosing on the GPU.
+        np.testing.assert_allclose(got, expected[pos], atol=1e-3, rtol=0)
