@@ -14,7 +14,9 @@ frames against a raw socket moving the same bytes on loopback.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -34,8 +36,9 @@ from engine.link.transport import accept, connect, handshake, listen
 from engine.pipeline.local import local_pipeline, whole_runner
 
 
-def measure(runner, streams: list[int], steps: int, prompt: int, repeats: int) -> dict:
-    """Decode ms per step for each stream count, and prompt ms for one stream."""
+def measure(runner, streams: list[int], steps: int, prompt: int, chunk: int,
+            repeats: int) -> dict:
+    """Decode ms per step for each stream count, and prompt ms for one stream in chunks."""
     driver = RoundDriver(runner)
     rng = np.random.default_rng(0)
     out = {}
@@ -55,11 +58,31 @@ def measure(runner, streams: list[int], steps: int, prompt: int, repeats: int) -
     long_prompt = rng.integers(0, 256, prompt).tolist()
 
     def prefill() -> None:
-        driver.round({0: long_prompt})
+        for start in range(0, prompt, chunk):
+            driver.round({0: long_prompt[start:start + chunk]})
         driver.close([0])
 
     out["prompt"] = median_s(prefill, repeats=repeats) * 1000
     return out
+
+
+def read_events(path: Path) -> list[dict]:
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return events
+
+
+def phase_medians(timings: list[dict]) -> dict[str, float]:
+    """Median of each phase over one-row rounds (one stream decoding)."""
+    decode = [t for t in timings if t.get("rows") == 1]
+    names = [k for k in (decode[0] if decode else {}) if k not in ("rows", "round", "event",
+                                                                    "level", "timestamp",
+                                                                    "rank", "replica")]
+    return {k: statistics.median(t[k] for t in decode) for k in names}
 
 
 def link_vs_raw(payload_bytes: int, frames: int) -> tuple[float, float]:
@@ -101,7 +124,12 @@ def link_vs_raw(payload_bytes: int, frames: int) -> tuple[float, float]:
     client.close()
     server.close()
 
-    a, b = socket.socketpair(socket.AF_INET if hasattr(socket, "AF_INET") else socket.AF_UNIX)
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     view = memoryview(buffer)
 
     def raw_receive() -> None:
@@ -141,7 +169,9 @@ def main() -> int:
     layers = n_layers(model_dir)
     stages = even_stages(layers, len(backends))
     streams = [int(s) for s in args.streams.split(",")]
-    shape = dict(parallel=max(streams), context=args.prompt + args.steps + 64, chunk=args.chunk)
+    # The driver opens every stream's 16-token prompt in one round.
+    shape = dict(parallel=max(streams), context=args.prompt + args.steps + 64,
+                 chunk=max(args.chunk, 16 * max(streams)))
     rank_env = {}
     if args.devices:
         for rank, device in enumerate(args.devices.split(",")):
@@ -149,14 +179,21 @@ def main() -> int:
                 rank_env[rank] = {"CUDA_VISIBLE_DEVICES": device}
 
     whole = measure(whole_runner(model_dir, backend=backends[0], **shape), streams, args.steps,
-                    args.prompt, args.repeats)
+                    args.prompt, args.chunk, args.repeats)
     print(f"# whole on {backends[0]}: {whole}", flush=True)
-    with tempfile.TemporaryDirectory() as run_dir, local_pipeline(
-            model_dir, stages, Path(run_dir), backends=backends, rank_env=rank_env,
-            **shape) as runner:
-        split = measure(runner, streams, args.steps, args.prompt, args.repeats)
-        hidden = runner.stage.hidden_size
-        itemsize = 4 if runner.stage.row_dtype == "float32" else 2
+    with tempfile.TemporaryDirectory() as run_dir:
+        with local_pipeline(model_dir, stages, Path(run_dir), backends=backends,
+                            rank_env=rank_env, extra_env={"FLEET_LOG_LEVEL": "debug"},
+                            **shape) as runner:
+            split = measure(runner, streams, args.steps, args.prompt, args.chunk,
+                            args.repeats)
+            hidden = runner.stage.hidden_size
+            itemsize = 4 if runner.stage.row_dtype == "float32" else 2
+            phases = [phase_medians(list(runner.timings))]
+        for rank in range(1, len(stages)):
+            phases.append(phase_medians(
+                [e for e in read_events(Path(run_dir) / f"rank{rank}.log")
+                 if e.get("event") == "round timing"]))
     print(f"# split {stages} on {backends}: {split}", flush=True)
     hops = len(stages)  # rank 0 -> 1 -> ... -> last -> rank 0
     rows = [[f"decode ms/step, {n} stream(s)", whole[f"decode{n}"], split[f"decode{n}"],
@@ -164,6 +201,9 @@ def main() -> int:
              (split[f"decode{n}"] - whole[f"decode{n}"]) * 1000 / hops] for n in streams]
     rows.append([f"prompt ms, {args.prompt} tokens", whole["prompt"], split["prompt"],
                  split["prompt"] / whole["prompt"], "-"])
+    table("where a one-stream decode round's time goes, per stage (median ms)",
+          ["rank", "phases"], [[rank, ", ".join(f"{k} {v:.3f}" for k, v in p.items())]
+                               for rank, p in enumerate(phases)])
     placement = ", ".join(f"{a}:{b}@{be}" for (a, b), be in zip(stages, backends, strict=True))
     table(f"split vs whole, {model_dir.name}, {placement}",
           ["measure", "whole", "split", "split / whole", "µs per boundary"], rows)

@@ -54,6 +54,7 @@ class EngineEnv:
     round_deadline_s: float  # bounds each send and receive of a round's frames
     boot_deadline_s: float  # how long bootstrap waits for the other stages
     cpu_threads: int  # 0: the framework's default; stages sharing a CPU should split it
+    log_level: str  # debug adds each round's timing per stage
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
@@ -80,6 +81,9 @@ class EngineEnv:
                 raise EnvError(f"{name}={raw!r}: expected a positive number of seconds")
             return value
 
+        log_level = env.get("FLEET_LOG_LEVEL", "info").lower()
+        if log_level not in ("debug", "info", "warning", "error"):
+            raise EnvError(f"FLEET_LOG_LEVEL={log_level!r}: expected debug, info, warning or error")
         rank, world = integer("RANK", 0, 0), integer("WORLD_SIZE", 1)
         if rank >= world:
             raise EnvError(f"RANK={rank} must be below WORLD_SIZE={world}")
@@ -121,6 +125,7 @@ class EngineEnv:
             round_deadline_s=number("FLEET_ROUND_DEADLINE_S", 300.0),
             boot_deadline_s=number("FLEET_BOOT_DEADLINE_S", 300.0),
             cpu_threads=integer("FLEET_CPU_THREADS", 0, 0),
+            log_level=log_level,
         )
 
     def stage_spec(self, n_layers: int) -> StageSpec:

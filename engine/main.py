@@ -104,7 +104,7 @@ def main() -> int:
     except EnvError as exc:
         print(f"fleet-engine: {exc}", file=sys.stderr)
         return 2
-    configure_logging(rank=env.rank, replica=env.placement)
+    configure_logging(env.log_level, rank=env.rank, replica=env.placement)
     if env.cpu_threads and env.backend.startswith("torch-"):
         import torch  # only a torch stage pays for importing it
 

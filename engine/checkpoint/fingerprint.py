@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 SAMPLE_BYTES = 1 << 20
+DIGEST_BYTES = 32
 
 
 def _header_and_sample(path: Path) -> tuple[bytes, bytes]:
@@ -28,6 +29,7 @@ def _header_and_sample(path: Path) -> tuple[bytes, bytes]:
 
 
 def checkpoint_digest(directory: Path | str) -> bytes:
+    """32 bytes naming the checkpoint in `directory` (see the module docstring for what is read)."""
     directory = Path(directory)
     h = hashlib.sha256(b"ringfleet-checkpoint-v1")
     for name in ("config.json", "tokenizer.json"):
@@ -42,6 +44,11 @@ def checkpoint_digest(directory: Path | str) -> bytes:
 
 def layout_fingerprint(checkpoint: bytes, ranges: list[tuple[int, int]]) -> bytes:
     """32 bytes naming the checkpoint and every rank's half-open range, backend-free."""
+    if len(checkpoint) != DIGEST_BYTES:
+        raise ValueError(f"checkpoint digest is {len(checkpoint)} bytes, not {DIGEST_BYTES}")
+    for rank, (start, end) in enumerate(ranges):
+        if not 0 <= start <= end < 1 << 32:
+            raise ValueError(f"rank {rank}: layer range [{start}, {end}) is not a half-open range")
     h = hashlib.sha256(b"ringfleet-layout-v1" + checkpoint + struct.pack("<I", len(ranges)))
     for start, end in ranges:
         h.update(struct.pack("<II", start, end))

@@ -15,6 +15,7 @@ from typing import Literal
 
 import numpy as np
 
+from engine.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 from engine.checkpoint.tokenizer import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -37,8 +38,6 @@ ARCHITECTURES: dict[str, str] = {
 DTYPES: dict[str, tuple[str, int]] = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
 
 # Every file the maker writes; `overwrite=True` removes only these names.
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _MADE_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "model*.safetensors", INDEX_FILE, "*.partial")
 
@@ -299,14 +298,19 @@ def _tensor_rng(seed: int, name: str) -> np.random.Generator:
 
 
 def _to_dtype_bytes(values: np.ndarray, dtype: str) -> bytes:
+    """`values` (float32, consumed: bfloat16 rounds it in place) as little-endian `dtype`."""
     if dtype == "float32":
-        return values.astype("<f4").tobytes()
+        return values.astype("<f4", copy=False).tobytes()
     if dtype == "float16":
         return values.astype("<f2").tobytes()
-    # bfloat16 by round-to-nearest-even on the top 16 bits (the values are finite normals).
-    bits = values.astype("<f4").view("<u4")
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    return rounded.astype("<u2").tobytes()
+    # bfloat16 by round-to-nearest-even on the top 16 bits (the values are finite normals),
+    # in place because this runs over every element of an 8B checkpoint.
+    bits = values.astype("<f4", copy=False).view("<u4")
+    lowest_kept_bit = (bits >> np.uint32(16)) & np.uint32(1)
+    bits += np.uint32(0x7FFF)
+    bits += lowest_kept_bit
+    bits >>= np.uint32(16)
+    return bits.astype("<u2").tobytes()
 
 
 def tensor_blocks(spec: CheckpointSpec, tensor: TensorPlan) -> Iterator[bytes]:

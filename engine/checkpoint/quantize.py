@@ -251,13 +251,13 @@ def _float_bytes(values: np.ndarray, tag: str) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
-def _plan_file(tensors: list[_Stored], params: QuantParams) -> list[_Out]:
+def _plan_file(path: Path, params: QuantParams) -> list[_Out]:
     """What one file becomes; 4-byte tensors first so every tensor stays naturally aligned."""
     out: list[_Out] = []
-    for t in tensors:
+    for t in _read_header(path):
         if t.tag not in FLOAT_TAGS:
-            raise CheckpointError(f"tensor {t.name}: dtype {t.tag} (already quantized, or not "
-                                  "a float checkpoint); quantize a dense checkpoint")
+            raise CheckpointError(f"{path}: tensor {t.name} has dtype {t.tag} (known: "
+                                  f"{', '.join(FLOAT_TAGS)}); quantize a dense checkpoint")
         if len(t.shape) == 2 and t.name.endswith(".weight") and params.packs(t.shape[1]):
             layer = t.name.removesuffix(".weight")
             shapes = params.packed_shapes(layer, *t.shape)
@@ -329,7 +329,7 @@ def quantize_checkpoint(src_dir: Path | str, out_dir: Path | str, bits: int,
     weight_map: dict[str, str] = {}
     total_bytes = 0
     for file_name in sorted(set(checkpoint.weight_map.values())):
-        plan = _plan_file(_read_header(src_dir / file_name), params)
+        plan = _plan_file(src_dir / file_name, params)
         _write_file(src_dir / file_name, out_dir / file_name, plan, params)
         weight_map |= {o.name: file_name for o in plan}
         total_bytes += sum(o.nbytes for o in plan)

@@ -28,23 +28,40 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path}: missing")
     try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return value
 
 
-@dataclass
+def _safe_open(path: Path, framework: str, **options: Any) -> Any:
+    """safe_open, with its untyped errors (no file, bad header) turned into CheckpointError."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return safe_open(path, framework=framework, **options)
+    except Exception as exc:  # safetensors raises SafetensorError, OSError or ValueError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+@dataclass(frozen=True)
 class Checkpoint:
+    """A checked checkpoint directory: its raw config.json and which file holds each tensor."""
+
     dir: Path
     config: dict[str, Any]
     weight_map: dict[str, str]  # tensor name -> safetensors file name
-    _headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
+    # file name -> {tensor name -> (dtype, shape)}, filled from headers on first use.
+    _headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     def tensor_names(self) -> list[str]:
         return sorted(self.weight_map)
+
+    def safetensors_files(self) -> list[Path]:
+        return [self.dir / name for name in sorted(set(self.weight_map.values()))]
 
     def tensor_file(self, name: str) -> Path:
         if name not in self.weight_map:
@@ -60,7 +77,7 @@ class Checkpoint:
         """name -> (dtype, shape) for one file, from its header only."""
         if file_name not in self._headers:
             path = self.dir / file_name
-            with safe_open(path, framework="numpy") as f:
+            with _safe_open(path, "numpy") as f:
                 self._headers[file_name] = {
                     name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
                     for name in f.keys()  # noqa: SIM118 - safe_open is not a mapping
@@ -95,11 +112,12 @@ class Checkpoint:
         out: dict[str, Any] = {}
         for path, wanted in by_file.items():
             kwargs = {"device": device} if framework == "pt" and device else {}
-            with safe_open(path, framework=framework, **kwargs) as f:
+            with _safe_open(path, framework, **kwargs) as f:
                 present = set(f.keys())
                 for name in wanted:
                     if name not in present:
-                        raise CheckpointError(f"{path}: no tensor {name}")
+                        raise CheckpointError(f"{path}: the index names tensor {name}, "
+                                              "the file lacks it")
                     out[name] = f.get_tensor(name)
         return out
 
@@ -110,7 +128,9 @@ def open_checkpoint(directory: Path | str) -> Checkpoint:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     config = _read_json(directory / "config.json")
-    family = config.get("model_type")
+    if "model_type" not in config:
+        raise CheckpointError(f"{directory / 'config.json'}: field model_type is missing")
+    family = config["model_type"]
     if family not in SUPPORTED_FAMILIES:
         raise CheckpointError(f"{directory / 'config.json'}: model_type {family!r} is not "
                               f"supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
@@ -121,11 +141,16 @@ def open_checkpoint(directory: Path | str) -> Checkpoint:
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no weight_map")
+        for name, file_name in weight_map.items():
+            # A bare file name only: the index must not point outside the checkpoint.
+            if not isinstance(file_name, str) or Path(file_name).name != file_name:
+                raise CheckpointError(f"{index_path}: weight_map[{name!r}] = {file_name!r} "
+                                      "is not a file name in the checkpoint directory")
         for file_name in sorted(set(weight_map.values())):
             if not (directory / file_name).exists():
                 raise CheckpointError(f"{directory / file_name}: missing (named by {INDEX_FILE})")
     elif (directory / SINGLE_FILE).exists():
-        with safe_open(directory / SINGLE_FILE, framework="numpy") as f:
+        with _safe_open(directory / SINGLE_FILE, "numpy") as f:
             weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
     else:
         raise CheckpointError(f"{directory}: no {SINGLE_FILE} and no {INDEX_FILE}")

@@ -10,7 +10,8 @@ from engine.backends.base import Stage
 from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, plan_of, watch
 from engine.pipeline.ring import Ring
-from engine.pipeline.rows import receive_rows, send_rows
+from engine.pipeline.rows import receive_rows
+from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
 
 log = structlog.get_logger()
@@ -50,7 +51,14 @@ def run_round(stage: Stage, ring: Ring, plan: RoundPlan, deadline_s: float) -> N
     if not plan.total_rows:  # closes and cancels: slots change, no rows travel
         stage.forward(plan, None, None)
         return
+    clock = RoundClock()
     rows = receive_rows(ring.from_prev, stage, plan.round_no, plan.total_rows, deadline_s,
                         ring.rows_buffer)
+    clock.mark("wait_rows")  # the stages before this one computing, and the hop
     out = stage.forward(plan, rows, None)
-    send_rows(ring.to_next, stage, out, plan.round_no, len(out), deadline_s)
+    clock.mark("compute")  # on a GPU: launching the kernels
+    data = stage.rows_to_bytes(out)
+    clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
+    ring.to_next.send(FrameKind.ROWS, data, plan.round_no, len(out), deadline_s=deadline_s)
+    clock.mark("send")
+    log.debug("round timing", round=plan.round_no, rows=plan.total_rows, **clock.phases_ms)

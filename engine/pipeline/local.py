@@ -37,6 +37,10 @@ def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path
                    rank_env=rank_env)
     try:
         env = EngineEnv.from_environ(fleet.envs[0])
+        if env.cpu_threads and env.backend.startswith("torch-"):
+            import torch
+
+            torch.set_num_threads(env.cpu_threads)  # as the stage's own process would
         config = model_config(model_dir)
         stage = load_stage(env.stage_spec(config.num_hidden_layers))
         ring = boot_ring(env, stage, config)

@@ -8,6 +8,7 @@ goes to every follower before rank 0 computes, so all stages apply it to their s
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,7 +19,8 @@ from engine.link.errors import ProtocolError, UnexpectedFrame
 from engine.link.frame import FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
 from engine.pipeline.ring import Ring
-from engine.pipeline.rows import receive_rows, send_rows
+from engine.pipeline.rows import receive_rows
+from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
 
 log = structlog.get_logger()
@@ -36,6 +38,7 @@ class PipelineRunner:
         self.fate = Fate(ring.links, self._on_fatal)
         self.keepalive = KeepAlive(list(ring.control.values()), liveness, self.fate)
         self._on_drain: Callable[[], None] = lambda: None
+        self.timings: deque[dict[str, float]] = deque(maxlen=1024)  # recent rounds' phases
         self._liveness = liveness
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None,
@@ -74,18 +77,28 @@ class PipelineRunner:
             raise
 
     def _run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+        clock = RoundClock()
         for link in self.ring.control.values():
             link.send_message(plan, deadline_s=self.round_deadline_s)
         self.keepalive.sent(plan.round_no)
+        clock.mark("plan")
         rows = self.stage.forward(plan, None, token_ids)
+        clock.mark("compute")  # on a GPU: launching the kernels
         if not plan.total_rows:
             return np.empty((0, 0), dtype=np.float32)
-        send_rows(self.ring.to_next, self.stage, rows, plan.round_no, plan.total_rows,
-                  self.round_deadline_s)
+        data = self.stage.rows_to_bytes(rows)
+        clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
+        self.ring.to_next.send(FrameKind.ROWS, data, plan.round_no, plan.total_rows,
+                               deadline_s=self.round_deadline_s)
+        clock.mark("send")
         back = receive_rows(self.ring.from_prev, self.stage, plan.round_no,
                             len(plan.returned_rows()), self.round_deadline_s,
                             self.ring.rows_buffer)
-        return self.stage.logits(back)
+        clock.mark("ring")  # every other stage, and every hop
+        logits = self.stage.logits(back)
+        clock.mark("head")
+        self.timings.append({"rows": plan.total_rows, **clock.phases_ms})
+        return logits
 
     def stop(self, reason: str, *, clean: bool) -> None:
         """End the replica: GOODBYE (followers exit 0) when clean, else ABORT with `reason`."""

@@ -1,4 +1,4 @@
-"""Moving a round's rows between ring neighbours, checked against the plan and the format."""
+"""Receiving a round's rows from the ring predecessor, checked against the plan and format."""
 
 from __future__ import annotations
 
@@ -6,15 +6,9 @@ from typing import Any
 
 from engine.backends.base import Stage
 from engine.link.errors import UnexpectedFrame
-from engine.link.frame import Frame, FrameKind
+from engine.link.frame import Frame
 from engine.link.messages import Dtype, check_rows_frame
 from engine.link.transport import Link
-
-
-def send_rows(link: Link, stage: Stage, rows: Any, round_no: int, n_rows: int,
-              deadline_s: float) -> None:
-    link.send(FrameKind.ROWS, stage.rows_to_bytes(rows), round_no, n_rows,
-              deadline_s=deadline_s)
 
 
 def receive_rows(link: Link, stage: Stage, round_no: int, n_rows: int, deadline_s: float,
