@@ -1,0 +1,401 @@
+"""Engine lifecycle on one node: check and spawn `fleet-engine` stages, watch them become
+ready, drain and reap them, and find the ones an earlier agent started (adopt or end them).
+
+The decisions — is this spawn request sound (`agent.spawn`), what should happen to each
+engine now, what to do with the run records found at start — are pure functions over frozen
+snapshots; the `EngineManager` is the thin loop that applies them through the one child
+wrapper (`agent.child`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from agent.child import ChildExit, ChildProcess, GracePeriods, RotatingLog, SpawnError
+from agent.config import AgentConfig
+from agent.spawn import (
+    EngineSpec,
+    SpawnRefused,
+    check_spawn,
+    child_environment,
+    port_in_use,
+    read_checkpoint_info,
+)
+
+log = structlog.get_logger()
+
+READY_EVENT = "ready"  # the engine's log line once it serves (rank 0) or joined its ring
+
+
+class EngineState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    EXITED = "exited"
+
+
+# --- snapshots and decisions -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine as the agent sees it at one moment."""
+
+    spec: EngineSpec
+    state: EngineState
+    pid: int
+    started_at: float
+    log_path: str
+    adopted: bool = False
+    ready_at: float | None = None
+    drain_started_at: float | None = None
+    exit: ChildExit | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"engine_id": self.spec.engine_id, "replica": self.spec.replica,
+               "rank": self.spec.rank, "state": self.state.value, "pid": self.pid,
+               "started_at": self.started_at, "ready_at": self.ready_at,
+               "drain_started_at": self.drain_started_at, "adopted": self.adopted,
+               "log_path": self.log_path, "spec": asdict(self.spec),
+               "exit": self.exit.to_dict() if self.exit else None}
+        return out
+
+
+@dataclass(frozen=True)
+class DrainEngine:
+    engine_id: str
+    reason: str
+    drain_s: float
+
+
+def decide(views: tuple[EngineView, ...], now: float, ready_timeout_s: float) -> list[DrainEngine]:
+    """What the loop should do now: stop stages that never became ready."""
+    actions = []
+    for view in views:
+        if view.state == EngineState.STARTING and now - view.started_at > ready_timeout_s:
+            actions.append(DrainEngine(view.spec.engine_id,
+                                       f"not ready {ready_timeout_s:g} s after start", 0.0))
+    return actions
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """`run/<engine_id>.json`: what a later agent needs to find an engine again."""
+
+    spec: EngineSpec
+    pid: int
+    create_time: float
+    started_at: float
+    log_path: str
+    agent_pid: int
+    ready_at: float | None = None
+    drain_started_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["spec"] = asdict(self.spec)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunRecord:
+        raw = dict(raw)
+        raw["spec"] = EngineSpec(**raw["spec"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Adopt:
+    record: RunRecord
+
+
+@dataclass(frozen=True)
+class AdoptAndDrain:
+    record: RunRecord
+
+
+@dataclass(frozen=True)
+class Discard:
+    record: RunRecord
+    reason: str
+
+
+def plan_adoption(records: tuple[RunRecord, ...], alive: Mapping[str, bool],
+                  adopt: bool) -> list[Adopt | AdoptAndDrain | Discard]:
+    """For each engine an earlier agent left: adopt it, end it, or forget a dead one. Pure."""
+    plan: list[Adopt | AdoptAndDrain | Discard] = []
+    for record in records:
+        if not alive.get(record.spec.engine_id, False):
+            plan.append(Discard(record, "exited while the agent was not running"))
+        elif adopt:
+            plan.append(Adopt(record))
+        else:
+            plan.append(AdoptAndDrain(record))
+    return plan
+
+
+# --- the thin loop -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """A state change, numbered so a reader can ask for what came after."""
+
+    seq: int
+    engine_id: str
+    state: EngineState
+    at: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "engine_id": self.engine_id, "state": self.state.value,
+                "at": self.at, "detail": self.detail}
+
+
+class _Engine:
+    """The loop's mutable holder for one engine (views are made from it)."""
+
+    def __init__(self, record: RunRecord, child: ChildProcess, adopted: bool) -> None:
+        self.record = record
+        self.child = child
+        self.adopted = adopted
+        self.state = EngineState.READY if record.ready_at else EngineState.STARTING
+        if record.drain_started_at:
+            self.state = EngineState.DRAINING
+        self.drain_task: asyncio.Task | None = None
+
+    def view(self) -> EngineView:
+        r = self.record
+        return EngineView(r.spec, self.state, r.pid, r.started_at, r.log_path, self.adopted,
+                          r.ready_at, r.drain_started_at, self.child.exit)
+
+
+class EngineManager:
+    """Runs this node's engines; every state change goes to `on_event` at once."""
+
+    MAX_EVENTS = 1000
+    MAX_EXITED = 100
+
+    def __init__(self, config: AgentConfig,
+                 backends_present: Callable[[], frozenset[str]] = frozenset,
+                 on_event: Callable[[EngineEvent], None] | None = None) -> None:
+        self.config = config
+        self.backends_present = backends_present
+        self.on_event = on_event
+        self.engines: dict[str, _Engine] = {}
+        self.events: list[EngineEvent] = []
+        self.seq = 0
+        self._changed = asyncio.Event()  # set and replaced on every event
+        self._loop_task: asyncio.Task | None = None
+        self.log = log.bind(node=config.node)
+
+    # --- records on disk -----------------------------------------------------------------
+
+    def _record_path(self, engine_id: str) -> Path:
+        return self.config.run_dir / f"{engine_id}.json"
+
+    def _save(self, record: RunRecord) -> None:
+        path = self._record_path(record.spec.engine_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record.to_dict(), indent=1))
+        os.replace(tmp, path)
+
+    def _load_records(self) -> list[RunRecord]:
+        records = []
+        for path in sorted(self.config.run_dir.glob("*.json")):
+            try:
+                records.append(RunRecord.from_dict(json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                self.log.warning("unreadable run record removed", path=str(path), error=str(exc))
+                path.unlink(missing_ok=True)
+        return records
+
+    # --- events --------------------------------------------------------------------------
+
+    def _emit(self, engine: _Engine, state: EngineState, **detail: Any) -> None:
+        engine.state = state
+        self.seq += 1
+        event = EngineEvent(self.seq, engine.record.spec.engine_id, state, time.time(), detail)
+        self.events.append(event)
+        del self.events[:-self.MAX_EVENTS]
+        self.log.info("engine state", engine=event.engine_id, replica=engine.record.spec.replica,
+                      rank=engine.record.spec.rank, state=state.value, **detail)
+        if self.on_event:
+            self.on_event(event)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_events(self, after: int, timeout_s: float) -> list[EngineEvent]:
+        """Events with seq > after; waits up to timeout_s for one if there are none yet."""
+        if self.seq <= after and timeout_s > 0:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return [e for e in self.events if e.seq > after]
+
+    # --- the child's callbacks -----------------------------------------------------------
+
+    def _on_line(self, engine_id: str, line: str, event: dict | None) -> None:
+        engine = self.engines.get(engine_id)
+        if engine is None or event is None:
+            return
+        if event.get("event") == READY_EVENT and engine.state == EngineState.STARTING:
+            engine.record = replace(engine.record, ready_at=time.time())
+            self._save(engine.record)
+            self._emit(engine, EngineState.READY)
+
+    def _on_exit(self, engine_id: str, exit_: ChildExit) -> None:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            return
+        self._record_path(engine_id).unlink(missing_ok=True)
+        self._emit(engine, EngineState.EXITED, **exit_.to_dict())
+        exited = [e for e in self.engines.values() if e.state == EngineState.EXITED]
+        for old in exited[:-self.MAX_EXITED]:
+            self.engines.pop(old.record.spec.engine_id, None)
+
+    def _child_kwargs(self, spec: EngineSpec) -> dict[str, Any]:
+        engine_id = spec.engine_id
+        return dict(on_line=lambda line, ev: self._on_line(engine_id, line, ev),
+                    on_exit=lambda exit_: self._on_exit(engine_id, exit_),
+                    replica=spec.replica, rank=spec.rank)
+
+    def _log_file(self, engine_id: str) -> RotatingLog:
+        return RotatingLog(self.config.logs_dir / f"engine-{engine_id}.log",
+                           self.config.engine_log_max_bytes, self.config.engine_log_backups)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Find what an earlier agent left, act on it, and start the decision loop."""
+        from agent.child import same_process_alive
+
+        records = tuple(self._load_records())
+        alive = {r.spec.engine_id: same_process_alive(r.pid, r.create_time) for r in records}
+        for action in plan_adoption(records, alive, self.config.adopt_engines):
+            record = action.record
+            engine_id = record.spec.engine_id
+            if isinstance(action, Discard):
+                self._record_path(engine_id).unlink(missing_ok=True)
+                self.log.info("engine gone while the agent was down", engine=engine_id,
+                              pid=record.pid)
+                continue
+            child = ChildProcess.adopt(f"engine {engine_id}", record.pid, record.create_time,
+                                       self._log_file(engine_id), **self._child_kwargs(record.spec))
+            if child is None:
+                self._record_path(engine_id).unlink(missing_ok=True)
+                continue
+            engine = _Engine(record, child, adopted=True)
+            self.engines[engine_id] = engine
+            self._emit(engine, engine.state, adopted=True, pid=record.pid)
+            child.start_monitor()
+            if engine.state == EngineState.DRAINING:  # an earlier agent's drain: see it through
+                self._resume_drain(engine)
+            elif isinstance(action, AdoptAndDrain):
+                self.drain(engine_id, reason="adopted after a restart; adopt_engines is off")
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            views = self.snapshot()
+            for action in decide(views, time.time(), self.config.ready_timeout_s):
+                self.drain(action.engine_id, reason=action.reason, drain_s=action.drain_s)
+
+    def snapshot(self) -> tuple[EngineView, ...]:
+        return tuple(e.view() for e in self.engines.values())
+
+    def view(self, engine_id: str) -> EngineView | None:
+        engine = self.engines.get(engine_id)
+        return engine.view() if engine else None
+
+    def spawn(self, spec: EngineSpec) -> EngineView:
+        """Check and start one stage; SpawnRefused names what is wrong."""
+        drain_s = self.config.drain_s
+        info = read_checkpoint_info(spec.model_dir)
+        running = tuple(e.record.spec for e in self.engines.values()
+                        if e.state != EngineState.EXITED)
+        check_spawn(spec, info, self.backends_present(), running, drain_s)
+        for name, host, port in spec.bound_ports():
+            if port_in_use(host, port):
+                raise SpawnRefused(name, f"{host}:{port} is in use by another process", 409)
+        log_file = self._log_file(spec.engine_id)
+        argv = list(self.config.engine_command)
+        try:
+            child = ChildProcess.spawn(f"engine {spec.engine_id}", argv,
+                                       child_environment(spec, drain_s), log_file,
+                                       from_start=False, **self._child_kwargs(spec))
+        except SpawnError as exc:
+            raise SpawnRefused("engine_command", str(exc), 500) from exc
+        record = RunRecord(spec, child.pid, child.create_time, time.time(),
+                           str(log_file.path), os.getpid())
+        self._save(record)
+        engine = _Engine(record, child, adopted=False)
+        self.engines[spec.engine_id] = engine
+        self._emit(engine, EngineState.STARTING, pid=child.pid)
+        child.start_monitor()
+        return engine.view()
+
+    def drain(self, engine_id: str, *, reason: str = "asked", drain_s: float | None = None) -> (
+            EngineView):
+        """SIGTERM (the engine stops admitting and lets in-flight requests finish), then
+        SIGKILL if it is still there `drain_s + term_grace_s` later. Returns at once."""
+        engine = self.engines[engine_id]
+        if engine.state == EngineState.EXITED or engine.drain_task is not None:
+            return engine.view()
+        if drain_s is None:  # the request's, else the spawn's, else the agent's
+            spec_drain_s = engine.record.spec.drain_s
+            drain_s = self.config.drain_s if spec_drain_s is None else spec_drain_s
+        grace = GracePeriods(ask_s=0.0, term_s=drain_s + self.config.term_grace_s,
+                             kill_s=self.config.kill_grace_s)
+        engine.record = replace(engine.record, drain_started_at=time.time())
+        self._save(engine.record)
+        self._emit(engine, EngineState.DRAINING, reason=reason, drain_s=drain_s)
+        engine.drain_task = asyncio.get_running_loop().create_task(engine.child.stop(grace))
+        return engine.view()
+
+    def _resume_drain(self, engine: _Engine) -> None:
+        """The SIGTERM went out before a restart: SIGKILL if the engine outlives its drain."""
+        spec_drain_s = engine.record.spec.drain_s
+        drain_s = self.config.drain_s if spec_drain_s is None else spec_drain_s
+        elapsed = time.time() - (engine.record.drain_started_at or time.time())
+        left = max(0.0, drain_s + self.config.term_grace_s - elapsed)
+        engine.drain_task = asyncio.get_running_loop().create_task(engine.child.stop(
+            GracePeriods(term_s=left, kill_s=self.config.kill_grace_s), termed_already=True))
+
+    def forget(self, engine_id: str) -> None:
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise KeyError(engine_id)
+        if engine.state != EngineState.EXITED:
+            raise SpawnRefused("engine_id", f"{engine_id} is {engine.state.value}: drain it "
+                               "first", 409)
+        del self.engines[engine_id]
+
+    async def wait_exited(self, engine_id: str, timeout_s: float) -> EngineView | None:
+        engine = self.engines[engine_id]
+        await engine.child.wait(timeout_s)
+        return engine.view()
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Drain every engine (graceful stop of the agent) and stop the loop."""
+        if self._loop_task:
+            self._loop_task.cancel()
+        if drain:
+            for engine_id, engine in list(self.engines.items()):
+                if engine.state != EngineState.EXITED:
+                    self.drain(engine_id, reason="the agent is stopping")
+            tasks = [e.drain_task for e in self.engines.values() if e.drain_task]
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        for engine in self.engines.values():
+            await engine.child.close()

@@ -1,0 +1,122 @@
+"""Calibration: positive numbers, ordered as physics says (B rows cost no less than one row,
+a longer context no less than a shorter one), cached on disk, and run by the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from agent.calibrate import (
+    CalibrationCache,
+    CalibrationError,
+    CalibrationRequest,
+    calibrate,
+    calibrate_cached,
+)
+from tests.agent.conftest import agent_config, client, serving
+
+# Attention-heavy on purpose (many KV heads, small MLP) so the cost of rows and of context
+# stands well clear of timing noise on a busy two-core machine.
+SHAPE = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=8, head_dim=64, vocab_size=512)
+SHORT, LONG, B = 256, 4096, 8
+
+
+def request(backend: str = "torch-cpu", **fields) -> CalibrationRequest:
+    return CalibrationRequest(**dict(dict(config=SHAPE, backend=backend, contexts=(SHORT, LONG),
+                                          batch_rows=B, chunk_rows=128, runs=3, warmup=1,
+                                          budget_s=8.0, threads=1), **fields))
+
+
+def check_ordered(result) -> None:
+    assert all(t.ms_per_layer > 0 and t.runs >= 1 for t in result.timings)
+    for context in (SHORT, LONG):
+        assert result.decode_ms(context, B) >= result.decode_ms(context, 1)
+    for rows in (1, B):
+        assert result.decode_ms(LONG, rows) >= result.decode_ms(SHORT, rows)
+    assert result.prefill_ms > 0
+
+
+@pytest.mark.parametrize("backend", ["torch-cpu", "mlx-cpu"])
+def test_calibration_is_positive_and_ordered(backend):
+    steps = []
+    result = calibrate(request(backend), "0.1.0", lambda d, t, what: steps.append((d, t)))
+    check_ordered(result)
+    total = 3 + 2  # building, built, one step per timed round (3), done
+    assert steps[0] == (0, total) and steps[-1] == (total, total)
+    assert (result.family, result.backend, result.dtype) == ("qwen3", backend, "float32")
+    assert result.elapsed_s < 60
+
+
+def test_calibration_is_cached_by_shape_dtype_backend_and_engine_version(tmp_path):
+    cache = CalibrationCache(tmp_path)
+    first = calibrate_cached(request(), cache, "0.1.0")
+    assert not first.cached and cache.path(first.key).is_file()
+    started = time.monotonic()
+    again = calibrate_cached(request(), cache, "0.1.0")
+    assert again.cached and again.timings == first.timings
+    assert time.monotonic() - started < 1.0
+    keys = {request().key("0.1.0"), request().key("0.2.0"), request(dtype="bfloat16").key("0.1.0"),
+            request("mlx-cpu").key("0.1.0"),
+            request(config=dict(SHAPE, hidden_size=128)).key("0.1.0")}
+    assert len(keys) == 5
+    # Layer count and vocabulary are not part of a layer's shape.
+    assert request(config=dict(SHAPE, num_hidden_layers=40)).key("0.1.0") == first.key
+
+
+def test_bad_calibration_requests_say_why():
+    with pytest.raises(CalibrationError, match="not supported"):
+        calibrate(request(config=dict(SHAPE, model_type="gpt2")), "0.1.0")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(CalibrationError, match="no cuda device"):
+            calibrate(request("torch-cuda"), "0.1.0")
+    with pytest.raises(CalibrationError, match="batch_rows"):
+        request(batch_rows=0)
+    with pytest.raises(CalibrationError, match="unknown backend"):
+        request("torch-tpu")
+
+
+def test_the_agent_calibrates_in_a_child_and_serves_the_cache(fleet, tmp_path):
+    config = agent_config(fleet, tmp_path)
+    body = dict(config=SHAPE, backend="torch-cpu", contexts=[SHORT, LONG], batch_rows=B,
+                chunk_rows=128, runs=3, warmup=1, budget_s=8.0, threads=1)
+
+    async def scenario():
+        async with serving(config) as url, client(fleet) as session:
+            async with session.post(url + "/v1/calibrations", json=body) as r:
+                assert r.status == 202, await r.text()
+                job = await r.json()
+            deadline = time.monotonic() + 120
+            while job["state"] == "running" and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                async with session.get(f"{url}/v1/calibrations/jobs/{job['job_id']}") as r:
+                    job = await r.json()
+            assert job["state"] == "done", job
+            assert job["done"] == job["total"] == 5
+            from agent.calibrate import Calibration
+
+            check_ordered(Calibration.from_dict(job["result"]))
+            async with session.post(url + "/v1/calibrations", json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["result"]["cached"] is True
+            async with session.post(url + "/v1/calibrations", json=dict(body, backend="nope")) as r:
+                assert r.status == 422
+                assert "unknown backend 'nope'" in (await r.json())["error"]["message"]
+            import mlx.core as mx
+
+            absent = "torch-cuda" if mx.metal.is_available() else "mlx-metal"
+            async with session.post(url + "/v1/calibrations",
+                                    json=dict(body, backend=absent)) as r:
+                assert r.status == 202
+                bad = await r.json()
+            while bad["state"] == "running":
+                await asyncio.sleep(0.2)
+                async with session.get(f"{url}/v1/calibrations/jobs/{bad['job_id']}") as r:
+                    bad = await r.json()
+            assert bad["state"] == "failed" and "sees no" in bad["error"]
+
+    asyncio.run(scenario())

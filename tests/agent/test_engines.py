@@ -1,0 +1,284 @@
+"""Engine lifecycle: spawn checks (pure), adoption plans, and the loop driving stand-in
+engines through start, ready, drain, SIGKILL escalation and death at start."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.engines import (
+    Adopt,
+    AdoptAndDrain,
+    Discard,
+    DrainEngine,
+    EngineState,
+    EngineView,
+    RunRecord,
+    decide,
+    plan_adoption,
+)
+from agent.spawn import (
+    CheckpointInfo,
+    EngineSpec,
+    SpawnRefused,
+    check_spawn,
+    read_checkpoint_info,
+)
+from tests.agent.conftest import (
+    agent_config,
+    client,
+    fake_engine_command,
+    free_port,
+    pid_alive,
+    serving,
+    wait_state,
+)
+
+INFO = CheckpointInfo("/m", n_layers=4, weight_files=1)
+CPU = frozenset({"torch-cpu", "mlx-cpu"})
+
+
+def spec(**fields) -> EngineSpec:
+    return EngineSpec(**dict(dict(engine_id="e1", model_dir="/m", http="127.0.0.1:8100"),
+                             **fields))
+
+
+def refused(s: EngineSpec, running=(), backends=CPU) -> SpawnRefused:
+    with pytest.raises(SpawnRefused) as caught:
+        check_spawn(s, INFO, backends, tuple(running), 180.0)
+    return caught.value
+
+
+def test_check_spawn_accepts_a_sound_request():
+    check_spawn(spec(), INFO, CPU, (), 180.0)
+    check_spawn(spec(layers="0:4"), INFO, CPU, (), 180.0)
+
+
+def test_check_spawn_refuses_by_field(tmp_path):
+    key = tmp_path / "link.key"
+    key.write_bytes(b"k" * 32)
+    assert refused(spec(layers="2:9")).field == "layers"
+    assert "outside the model's 4 layers" in refused(spec(layers="2:9")).message
+    assert refused(spec(layers="3:2")).field == "layers"
+    assert refused(spec(backend="torch-cuda")).field == "backend"
+    assert refused(spec(engine_id="bad id!")).field == "engine_id"
+    dup = refused(spec(), running=[spec(http="127.0.0.1:9")])
+    assert (dup.field, dup.status) == ("engine_id", 409)
+    clash = refused(spec(engine_id="e2"), running=[spec()])
+    assert (clash.field, clash.status) == ("http", 409)
+    ring = dict(world_size=2, rank=1, layers="2:4", listen="127.0.0.1:29501", key_file=str(key))
+    check_spawn(spec(layout="0:2,2:4", **ring), INFO, CPU, (), 180.0)
+    assert refused(spec(layout="0:1,2:4", **ring)).field == "layout"
+    assert refused(spec(layout="0:3,3:4", **ring)).field == "layout"
+    assert refused(spec(layout="0:2,2:4", **dict(ring, listen="0.0.0.0:29501"))).field == (
+        "listen")
+    assert refused(spec(layout="0:2,2:4", **dict(ring, key_file="/nope"))).field == "key_file"
+
+
+def test_read_checkpoint_info_refuses_what_is_not_a_checkpoint(tmp_path, tiny_model):
+    assert read_checkpoint_info(str(tiny_model)).n_layers == 4
+    with pytest.raises(SpawnRefused, match="no such checkpoint directory"):
+        read_checkpoint_info(str(tmp_path / "missing"))
+    with pytest.raises(SpawnRefused, match="config.json: missing"):
+        read_checkpoint_info(str(tmp_path))
+    (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())
+    with pytest.raises(SpawnRefused, match="no \\*.safetensors"):
+        read_checkpoint_info(str(tmp_path))
+
+
+def test_spec_from_dict_names_bad_fields():
+    with pytest.raises(SpawnRefused, match="model_dir: is required"):
+        EngineSpec.from_dict({"engine_id": "x"})
+    with pytest.raises(SpawnRefused, match="colour: unknown field"):
+        EngineSpec.from_dict({"engine_id": "x", "model_dir": "/m", "colour": "red"})
+    with pytest.raises(SpawnRefused, match="rank: expected an integer"):
+        EngineSpec.from_dict({"engine_id": "x", "model_dir": "/m", "rank": "0"})
+
+
+def test_plan_adoption_and_decide_are_pure():
+    rec = RunRecord(spec(), 123, 1.0, 1.0, "/l", 1)
+    other = RunRecord(spec(engine_id="e2"), 124, 1.0, 1.0, "/l", 1)
+    alive = {"e1": True, "e2": False}
+    assert plan_adoption((rec, other), alive, True) == [
+        Adopt(rec), Discard(other, "exited while the agent was not running")]
+    assert plan_adoption((rec,), alive, False) == [AdoptAndDrain(rec)]
+    now = time.time()
+    starting = EngineView(spec(), EngineState.STARTING, 1, now - 100, "/l")
+    ready = EngineView(spec(engine_id="e2"), EngineState.READY, 2, now - 100, "/l")
+    assert decide((starting, ready), now, 60.0) == [DrainEngine("e1", "not ready 60 s after start",
+                                                                0.0)]
+    assert decide((starting,), now, 600.0) == []
+
+
+def test_stand_in_engines_start_drain_escalate_and_die(fleet, tmp_path, tiny_model):
+    config = agent_config(fleet, tmp_path, engine_command=fake_engine_command())
+
+    async def lifecycle(session, url: str, engine_id: str, manners: str):
+        body = dict(engine_id=engine_id, model_dir=str(tiny_model), model_id=manners,
+                    http=f"127.0.0.1:{free_port()}")
+        async with session.post(url + "/v1/engines", json=body) as r:
+            assert r.status == 201, await r.text()
+            assert (await r.json())["state"] == "starting"
+        view = await wait_state(session, url, engine_id, {"ready", "exited"}, 30)
+        if view["state"] == "ready":
+            async with session.post(f"{url}/v1/engines/{engine_id}/drain",
+                                    json={"drain_s": 0.5}) as r:
+                assert r.status == 202
+                assert (await r.json())["state"] == "draining"
+            view = await wait_state(session, url, engine_id, {"exited"}, 30)
+        async with session.get(url + "/v1/events") as r:
+            states = [e["state"] for e in (await r.json())["events"]
+                      if e["engine_id"] == engine_id]
+        async with session.get(url + "/v1/health") as r:
+            assert r.status == 200  # the agent itself keeps running
+        assert not pid_alive(view["pid"])
+        assert not (config.run_dir / f"{engine_id}.json").exists()
+        return view, states
+
+    async def scenario():
+        async with serving(config) as url, client(fleet) as session:
+            view, states = await lifecycle(session, url, "polite", "")
+            assert states == ["starting", "ready", "draining", "exited"]
+            assert (view["exit"]["code"], view["exit"]["reason"]) == (0, "drained")
+
+            started = time.monotonic()
+            view, _ = await lifecycle(session, url, "stubborn", "--ignore-term")
+            assert view["exit"]["signal"] == "SIGKILL"
+            assert view["exit"]["stopped_by"] == "SIGKILL"
+            assert "did not exit within 2.5 s" in view["exit"]["reason"]
+            assert time.monotonic() - started < 20
+
+            view, states = await lifecycle(session, url, "dies", "--die")
+            assert states == ["starting", "exited"]
+            assert (view["exit"]["code"], view["exit"]["reason"]) == (3, "told to die at start")
+
+    asyncio.run(scenario())
+
+
+def test_no_orphans_a_drained_engine_takes_its_process_group_with_it(fleet, tmp_path,
+                                                                      tiny_model):
+    config = agent_config(fleet, tmp_path,
+                          engine_command=fake_engine_command("--spawn-grandchild"))
+
+    async def scenario():
+        async with serving(config) as url, client(fleet) as session:
+            async with session.post(url + "/v1/engines", json=dict(
+                    engine_id="parent", model_dir=str(tiny_model))) as r:
+                assert r.status == 201
+            await wait_state(session, url, "parent", {"ready"}, 30)
+            async with session.get(url + "/v1/engines/parent/log") as r:
+                lines = (await r.json())["lines"]
+            grandchild = next(int(line.split('"pid": ')[1].rstrip("}")) for line in lines
+                              if "grandchild" in line)
+            assert pid_alive(grandchild)
+            async with session.post(url + "/v1/engines/parent/drain", json={}) as r:
+                assert r.status == 202
+            await wait_state(session, url, "parent", {"exited"}, 30)
+            for _ in range(50):
+                if not pid_alive(grandchild):
+                    break
+                await asyncio.sleep(0.1)
+            assert not pid_alive(grandchild)
+
+    asyncio.run(scenario())
+
+
+def test_bad_spawn_requests_are_refused_with_a_reason(fleet, tmp_path, tiny_model):
+    config = agent_config(fleet, tmp_path, engine_command=fake_engine_command())
+
+    async def scenario():
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        async with serving(config) as url, client(fleet) as session:
+            cases = [
+                (dict(engine_id="a", model_dir=str(tiny_model), http=f"127.0.0.1:{port}"),
+                 409, "http", "in use"),
+                (dict(engine_id="b", model_dir=str(Path(tiny_model) / "nope")), 422,
+                 "model_dir", "no such checkpoint"),
+                (dict(engine_id="c", model_dir=str(tiny_model), layers="1:7"), 422, "layers",
+                 "outside the model's 4 layers"),
+                (dict(engine_id="d", model_dir=str(tiny_model), backend="mlx-metal"), 422,
+                 "backend", "not available"),
+            ]
+            for body, status, field, words in cases:
+                async with session.post(url + "/v1/engines", json=body) as r:
+                    error = (await r.json())["error"]
+                    assert (r.status, error["field"]) == (status, field), error
+                    assert words in error["message"]
+            async with session.post(url + "/v1/engines", data=b"{not json") as r:
+                assert r.status == 400
+            async with session.get(url + "/v1/engines") as r:
+                assert (await r.json())["engines"] == []
+        busy.close()
+
+    asyncio.run(scenario())
+
+
+def test_after_a_restart_engines_are_ended_when_adoption_is_off_and_dead_ones_forgotten(
+        fleet, tmp_path, tiny_model):
+    import json
+    import os
+    import subprocess
+
+    import psutil
+
+    config = agent_config(fleet, tmp_path, engine_command=fake_engine_command(),
+                          adopt_engines=False)
+    config.run_dir.mkdir(parents=True)
+    config.logs_dir.mkdir(parents=True)
+    left_behind = {}
+    # Engines an earlier agent started and left running; one of them it was draining (its
+    # SIGTERM went out) and it will not go by itself.
+    for engine_id, flags in (("left", ()), ("draining", ("--ignore-term",))):
+        log_path = config.logs_dir / f"engine-{engine_id}.log"
+        with open(log_path, "ab") as log:
+            left_behind[engine_id] = subprocess.Popen(
+                fake_engine_command(*flags), stdout=log, stderr=log, start_new_session=True,
+                env=dict(os.environ))
+        for _ in range(100):  # up and handling SIGTERM, as a long-running engine would be
+            if b'"ready"' in log_path.read_bytes():
+                break
+            time.sleep(0.1)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for engine_id, pid, created, drain_started_at in (
+            ("left", left_behind["left"].pid,
+             psutil.Process(left_behind["left"].pid).create_time(), None),
+            ("draining", left_behind["draining"].pid,
+             psutil.Process(left_behind["draining"].pid).create_time(), time.time() - 60),
+            ("gone", gone.pid, time.time() - 5, None)):
+        record = RunRecord(spec(engine_id=engine_id, model_dir=str(tiny_model)), pid, created,
+                           time.time(), str(config.logs_dir / f"engine-{engine_id}.log"), 1,
+                           ready_at=time.time() - 100, drain_started_at=drain_started_at)
+        (config.run_dir / f"{engine_id}.json").write_text(json.dumps(record.to_dict()))
+
+    async def scenario():
+        async with serving(config) as url, client(fleet) as session:
+            view = await wait_state(session, url, "left", {"exited"}, 30)
+            assert view["adopted"] and view["exit"]["reason"] == "drained"
+            async with session.get(url + "/v1/events") as r:
+                events = (await r.json())["events"]
+            draining = [e for e in events if e["state"] == "draining" and e["engine_id"] == "left"]
+            assert "adopt_engines is off" in draining[0]["detail"]["reason"]
+            # The drain an earlier agent started is seen through: SIGKILL once its time is up,
+            # and no second SIGTERM (which would mean "stop now" to a real engine).
+            view = await wait_state(session, url, "draining", {"exited"}, 30)
+            assert view["exit"]["stopped_by"] == "SIGKILL"
+            assert b"ignoring SIGTERM" not in Path(view["log_path"]).read_bytes()
+            async with session.get(url + "/v1/engines") as r:
+                assert sorted(e["engine_id"] for e in (await r.json())["engines"]) == [
+                    "draining", "left"]
+        assert sorted(config.run_dir.glob("*.json")) == []
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for proc in left_behind.values():
+            proc.kill()
+            proc.wait(10)
