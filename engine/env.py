@@ -71,14 +71,15 @@ class EngineEnv:
                 raise EnvError(f"{name}={raw!r}: expected an integer >= {low}")
             return int(raw)
 
-        def number(name: str, default: float) -> float:
+        def number(name: str, default: float, *, zero_ok: bool = False) -> float:
             raw = env.get(name, str(default))
             try:
                 value = float(raw)
             except ValueError:
                 value = -1.0
-            if not value > 0:
-                raise EnvError(f"{name}={raw!r}: expected a positive number of seconds")
+            if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+                raise EnvError(f"{name}={raw!r}: expected a {'' if zero_ok else 'positive '}"
+                               "number of seconds")
             return value
 
         log_level = env.get("FLEET_LOG_LEVEL", "info").lower()
@@ -119,7 +120,7 @@ class EngineEnv:
             context=integer("FLEET_CONTEXT", 2048), parallel=integer("FLEET_PARALLEL", 4),
             chunk=integer("FLEET_CHUNK", 256), max_waiting=integer("FLEET_MAX_WAITING", 64, 0),
             model_id=env.get("FLEET_MODEL_ID") or model_dir.resolve().name,
-            drain_s=float(integer("FLEET_DRAIN_S", 180, 0)),
+            drain_s=number("FLEET_DRAIN_S", 180.0, zero_ok=True),
             keepalive_s=number("FLEET_KEEPALIVE_S", 2.0),
             dead_after=integer("FLEET_DEAD_AFTER", 3),
             round_deadline_s=number("FLEET_ROUND_DEADLINE_S", 300.0),

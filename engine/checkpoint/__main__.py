@@ -93,11 +93,8 @@ def spec_from_args(args: argparse.Namespace) -> CheckpointSpec:
 
 
 def _human_bytes(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{size} B"
-        size /= 1024
-    raise AssertionError("unreachable")
+    exponent = min(3, int(math.log(size, 1024))) if size > 0 else 0
+    return f"{size / 1024 ** exponent:.1f} {('B', 'KiB', 'MiB', 'GiB')[exponent]}"
 
 
 def _make(args: argparse.Namespace) -> int:

@@ -15,9 +15,17 @@ from engine.pipeline.local import local_pipeline, whole_runner  # noqa: F401 - f
 
 
 @contextmanager
-def pipeline(model_dir: Path, stages, tmp_path: Path, **kwargs):
-    """Followers as fleet-engine processes; rank 0's runner here, in the test process."""
-    with local_pipeline(model_dir, stages, tmp_path / "run", **kwargs) as runner:
+def pipeline(model_dir: Path, stages, tmp_path: Path, *, extra_env=None, **kwargs):
+    """Followers as fleet-engine processes; rank 0's runner here, in the test process.
+
+    Every stage uses this process's CPU thread count: a matmul split over another number
+    of threads sums in another order, and bit-exactness holds only for the same kernels.
+    """
+    import torch
+
+    extra_env = {"FLEET_CPU_THREADS": str(torch.get_num_threads()), **(extra_env or {})}
+    with local_pipeline(model_dir, stages, tmp_path / "run", extra_env=extra_env,
+                        **kwargs) as runner:
         yield runner
 
 

@@ -36,6 +36,9 @@ class RoundIndex:
     single_slots: torch.Tensor  # [n]
     single_mask: torch.Tensor | None  # [n, 1, 1, keys] bool
     spans: list[PromptSpan]
+    # Decode slots that are consecutive (the usual case) are read as a view of the cache;
+    # any other set is gathered, which copies every key of those slots.
+    single_run: tuple[int, int] | None = None
 
     @classmethod
     def build(cls, plan: RoundPlan, device: torch.device,
@@ -62,8 +65,11 @@ class RoundIndex:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        run = None
+        if single_slot and single_slot == list(range(single_slot[0], single_slot[0] + len(single))):
+            run = (single_slot[0], single_slot[0] + len(single))
         return cls(as_tensor(positions), as_tensor(slots), as_tensor(single),
-                   as_tensor(single_slot), single_mask, spans)
+                   as_tensor(single_slot), single_mask, spans, run)
 
 
 def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -96,8 +102,13 @@ class KVCache:
         out = torch.empty_like(q)
         if index.single_mask is not None:
             keys = index.single_mask.shape[-1]
-            k = self.k[layer, index.single_slots, :, :keys]  # [n, kv_heads, keys, head_dim]
-            v = self.v[layer, index.single_slots, :, :keys]
+            if index.single_run:
+                a, b = index.single_run
+                k = self.k[layer, a:b, :, :keys]  # [n, kv_heads, keys, head_dim], a view
+                v = self.v[layer, a:b, :, :keys]
+            else:
+                k = self.k[layer, index.single_slots, :, :keys]
+                v = self.v[layer, index.single_slots, :, :keys]
             qs = q[index.single_rows][:, :, None, :]  # [n, heads, 1, head_dim]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=index.single_mask,
                                                enable_gqa=True)
