@@ -1,4 +1,4 @@
-"""`make demo`: a generated checkpoint served by a local two-stage ring, asked one question.
+"""`make demo`: a generated checkpoint served by a two-stage PyTorch + MLX ring, asked one question.
 
 Random weights give random text: the point is the path (checkpoint -> stages -> ring ->
 OpenAI API), not the prose. Point `--model` at a real Hugging Face checkpoint directory
@@ -26,7 +26,7 @@ console = Console(stderr=True)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: generate one)")
-    parser.add_argument("--backends", default="torch-cpu,torch-cpu",
+    parser.add_argument("--backends", default="torch-cpu,mlx-cpu",
                         help="one per stage, e.g. torch-cpu,mlx-cpu")
     args = parser.parse_args()
     model_dir = args.model
