@@ -1,0 +1,52 @@
+"""Sampling and text: seeded draws repeat, top-k / top-p cut, stop strings hold text back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.lanes.sampler import Sampler, SamplingParams
+from engine.lanes.text import TextCodec, TextStream
+
+
+def test_greedy_takes_the_argmax_with_its_logprob():
+    logits = np.array([0.1, 3.0, -1.0, 2.5], dtype=np.float32)
+    choice = Sampler(SamplingParams(temperature=0)).choose(logits, top_logprobs=2)
+    assert choice.token_id == 1
+    assert [t for t, _ in choice.top] == [1, 3]
+    assert choice.logprob == pytest.approx(np.log(np.exp(3.0) / np.exp(logits).sum()))
+
+
+def test_a_seed_repeats_and_top_k_top_p_cut():
+    logits = np.random.default_rng(0).normal(size=500).astype(np.float32)
+    params = SamplingParams(temperature=1.0, seed=3)
+    draws = [Sampler(params).choose(logits).token_id for _ in range(3)]
+    assert len(set(draws)) == 1
+    top3 = set(np.argsort(-logits)[:3].tolist())
+    sampler = Sampler(SamplingParams(temperature=1.5, top_k=3, seed=1))
+    assert {sampler.choose(logits).token_id for _ in range(200)} <= top3
+    nucleus = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
+    assert {nucleus.choose(logits).token_id for _ in range(50)} == {int(np.argmax(logits))}
+
+
+def test_stop_strings_split_across_tokens_are_held_back(make_model):
+    codec = TextCodec(make_model("qwen3"))
+    ids = codec.encode("the cat sat on the mat. END here")
+    stream = TextStream(codec, ("END",), [])
+    out = "".join(stream.push(t) for t in ids if not stream.stopped)
+    assert stream.stopped and out == "the cat sat on the mat. "
+    assert stream.flush() == ""
+
+
+def test_text_without_a_stop_comes_out_whole(make_model):
+    codec = TextCodec(make_model("qwen3"))
+    text = "héllo wörld — ünïcode ✓ 北京"
+    stream = TextStream(codec, ("zzz-never",), [])
+    out = "".join(stream.push(t) for t in codec.encode(text)) + stream.flush()
+    assert out == text
+
+
+def test_the_chat_template_renders_with_a_generation_prompt(make_model):
+    codec = TextCodec(make_model("qwen3"))
+    text = codec.render_chat([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>assistant\n") and "hi" in text
