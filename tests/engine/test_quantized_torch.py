@@ -40,8 +40,9 @@ PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn
                "down": "mlp.down_proj"}
 # hidden 64 and intermediate 96 let group size 32 pack every projection, the embeddings and
 # the head; head_dim 18 makes q and o 72 wide, so o_proj (input 72) stays dense at group 32.
+# The seed is fixed so the measured figures below do not depend on which tests ran first.
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-             num_key_value_heads=1, head_dim=18)
+             num_key_value_heads=1, head_dim=18, seed=5)
 GROUP = 32
 
 

@@ -7,7 +7,7 @@ teacher-forced top-1 agreement. Teacher forcing feeds the reference sequence as 
 input (never the sampled token), so one early difference cannot send the two runs down
 different paths and every position is compared on the same inputs.
 
-Each case drives rounds itself through rank 0's `run_round`: two streams, each opened with a
+Each case drives rounds itself through rank 0's runner (`engine.driver`): two streams, each opened with a
 32-row prompt chunk and then fed one token a round, give logits at 256 positions per stream
 (31 to 286), with rank 0 in this process and the other stages as `fleet-engine` processes.
 The figures are printed (`pytest -s`) and recorded in docs/exactness.md.
@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("mlx.core")
 
 from engine.checkpoint.quantize import quantize_checkpoint
+from engine.driver import RoundDriver
 from engine.launch import launch, placement_id
-from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.pipeline.conftest import pipeline, whole_runner
 
 POSITIONS = 256  # compared per stream
@@ -88,28 +88,18 @@ def sequences(vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab, PROMPT + POSITIONS - 1).tolist() for _ in range(STREAMS)]
 
 
-class TeacherForcing:
-    """Drives a runner round by round with fixed token sequences; round numbers keep rising."""
+def teacher_forced(driver: RoundDriver, seqs: list[list[int]]) -> np.ndarray:
+    """Logits [streams, POSITIONS, vocab] at positions PROMPT - 1 ... of every sequence.
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.round_no = 0
-
-    def _round(self, entries: list[StreamEntry], ids: list[int]) -> np.ndarray:
-        self.round_no += 1
-        return self.runner.run_round(RoundPlan(self.round_no, tuple(entries)), ids)
-
-    def run(self, seqs: list[list[int]]) -> np.ndarray:
-        """Logits [streams, POSITIONS, vocab] at positions PROMPT - 1 ... of every sequence."""
-        slots = range(len(seqs))
-        opened = [StreamEntry(s, Op.OPEN, 0, PROMPT, 0, 0, 0) for s in slots]
-        out = [self._round(opened, [t for seq in seqs for t in seq[:PROMPT]])]
-        for pos in range(PROMPT, PROMPT + POSITIONS - 1):
-            step = [StreamEntry(s, Op.CONTINUE, pos, 1, 1 if pos > PROMPT else PROMPT, 0, 0)
-                    for s in slots]
-            out.append(self._round(step, [seq[pos] for seq in seqs]))  # the reference token
-        self._round([StreamEntry(s, Op.CLOSE, 0, 0, 0, 0, 0) for s in slots], [])
-        return np.stack(out, axis=1)  # [streams, positions, vocab]
+    Each round feeds every stream the reference sequence's next token, whatever the model
+    would have picked; the driver's round numbers keep rising across calls.
+    """
+    streams = range(len(seqs))
+    rounds = [driver.round({s: seqs[s][:PROMPT] for s in streams})]
+    for pos in range(PROMPT, PROMPT + POSITIONS - 1):
+        rounds.append(driver.round({s: [seqs[s][pos]] for s in streams}))
+    driver.close(list(streams))
+    return np.stack([np.stack([r[s] for r in rounds]) for s in streams])
 
 
 def divergence(got: np.ndarray, want: np.ndarray) -> dict[str, float]:
@@ -190,7 +180,8 @@ def reference(make_model, tmp_path_factory):
 
 def forced(model_dir: Path, backend: str, seqs: list[list[int]]) -> np.ndarray:
     """The teacher-forced logits of a whole model in one process."""
-    return TeacherForcing(whole_runner(model_dir, backend=backend, context=CONTEXT)).run(seqs)
+    runner = whole_runner(model_dir, backend=backend, context=CONTEXT)
+    return teacher_forced(RoundDriver(runner), seqs)
 
 
 # (checkpoint, ring) -> the logits its first start gave, for the restart test.
@@ -202,8 +193,8 @@ def run_ring(model_dir: Path, ring: str, tmp_path: Path, seqs, runs: int = 2) ->
     stages, backends = RINGS[ring]
     with pipeline(model_dir, stages, tmp_path, backends=backends, context=CONTEXT,
                   extra_env=ONE_THREAD) as runner:
-        driver = TeacherForcing(runner)
-        results = [driver.run(seqs) for _ in range(runs)]
+        driver = RoundDriver(runner)
+        results = [teacher_forced(driver, seqs) for _ in range(runs)]
     for again in results[1:]:
         assert again.tobytes() == results[0].tobytes(), f"{ring}: two runs of one placement differ"
     FIRST_START.setdefault((model_dir, ring), results[0])
