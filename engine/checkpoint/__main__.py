@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +21,12 @@ from engine.checkpoint.maker import (
     SpecError,
     WriteProgress,
     make_checkpoint,
+)
+from engine.checkpoint.quantize import (
+    AFFINE_BITS,
+    AFFINE_GROUP_SIZES,
+    QuantConfigError,
+    quantize_checkpoint,
 )
 from engine.checkpoint.reader import CheckpointError, open_checkpoint
 
@@ -75,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--sliding-window", type=int, help="mistral only")
     make.add_argument("--max-position-embeddings", type=int)
     make.add_argument("--rms-norm-eps", type=float)
+    make.add_argument("--quantize", type=int, choices=AFFINE_BITS,
+                      help="write mlx-lm's affine format at this many bits (e.g. 4 or 8)")
+    make.add_argument("--group-size", type=int, choices=AFFINE_GROUP_SIZES,
+                      help="values sharing a scale and bias when quantizing (default 64)")
     make.add_argument("--force", action="store_true",
                       help="replace the checkpoint files in a non-empty OUT_DIR")
 
@@ -113,6 +125,9 @@ def _make(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out_dir: Path = args.out_dir
+    if args.group_size and not args.quantize:
+        print("error: --group-size needs --quantize", file=sys.stderr)
+        return 2
     if out_dir.is_dir() and any(out_dir.iterdir()) and not args.force:
         print(f"error: {out_dir} is not empty; pass --force to replace its checkpoint files",
               file=sys.stderr)
@@ -127,13 +142,29 @@ def _make(args: argparse.Namespace) -> int:
                             description=event.file_name)
 
         try:
-            make_checkpoint(out_dir, spec, overwrite=args.force, progress=report)
-        except (CheckpointExistsError, NotADirectoryError, SpecError) as error:
+            if args.quantize:
+                _make_quantized(out_dir, spec, args, report)
+            else:
+                make_checkpoint(out_dir, spec, overwrite=args.force, progress=report)
+        except (CheckpointExistsError, NotADirectoryError, SpecError, CheckpointError,
+                QuantConfigError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    quantized = f", {args.quantize}-bit affine" if args.quantize else ""
     print(f"wrote {out_dir}: {spec.family} {spec.num_hidden_layers} layers, hidden "
-          f"{spec.hidden_size}, {spec.dtype}, {spec.shards} shard(s)")
+          f"{spec.hidden_size}, {spec.dtype}{quantized}, {spec.shards} shard(s)")
     return 0
+
+
+def _make_quantized(out_dir: Path, spec: CheckpointSpec, args: argparse.Namespace,
+                    report) -> None:
+    """Write the dense checkpoint beside OUT_DIR, then quantize it into OUT_DIR."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".dense-") as dense:
+        make_checkpoint(Path(dense), spec, overwrite=True, progress=report)
+        if out_dir.exists() and args.force:
+            shutil.rmtree(out_dir)
+        quantize_checkpoint(dense, out_dir, args.quantize, args.group_size or 64)
 
 
 def _info(args: argparse.Namespace) -> int:

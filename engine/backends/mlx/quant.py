@@ -1,4 +1,4 @@
-"""mlx-lm's affine-quantized weights: which tensors are packed, their shapes, and the ops on them.
+"""mlx-lm's affine-quantized weights on MLX: the packed matmul and lookup (format: checkpoint.quantize).
 
 mlx-lm (`mlx_lm.convert -q`) stores a quantized linear or embedding `p` as three tensors:
 `p.weight` (uint32, `bits` values packed per 32 bits: [out, in * bits / 32]), `p.scales`
@@ -12,90 +12,9 @@ the float4/float8 modes (mxfp4, nvfp4, mxfp8) are refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import mlx.core as mx
-
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUP_SIZES = (32, 64, 128)
-
-
-class QuantConfigError(ValueError):
-    """config.json's `quantization` names a mode, bit width or group size we cannot run."""
-
-
-@dataclass(frozen=True)
-class QuantParams:
-    group_size: int
-    bits: int
-
-    @classmethod
-    def from_entry(cls, where: str, entry: Mapping[str, Any],
-                   default: QuantParams | None = None) -> QuantParams:
-        mode = entry.get("mode", "affine")
-        if mode != "affine":
-            raise QuantConfigError(f"config.json: quantization{where} mode {mode!r} is not "
-                                   "supported (the MLX backend reads affine only)")
-        group_size = entry.get("group_size", default.group_size if default else None)
-        bits = entry.get("bits", default.bits if default else None)
-        if bits not in AFFINE_BITS:
-            raise QuantConfigError(f"config.json: quantization{where} bits {bits!r} is not one "
-                                   f"of {AFFINE_BITS}")
-        if group_size not in AFFINE_GROUP_SIZES:
-            raise QuantConfigError(f"config.json: quantization{where} group_size {group_size!r} "
-                                   f"is not one of {AFFINE_GROUP_SIZES}")
-        return cls(group_size, bits)
-
-    def packed_shapes(self, path: str, out_features: int,
-                      in_features: int) -> dict[str, tuple[int, ...]]:
-        """Tensor name -> shape of the three tensors a packed [out, in] weight becomes."""
-        if in_features % self.group_size or (in_features * self.bits) % 32:
-            raise QuantConfigError(f"{path}: input width {in_features} cannot be packed in "
-                                   f"groups of {self.group_size} at {self.bits} bits")
-        groups = in_features // self.group_size
-        return {
-            f"{path}.weight": (out_features, in_features * self.bits // 32),
-            f"{path}.scales": (out_features, groups),
-            f"{path}.biases": (out_features, groups),
-        }
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """The checkpoint's defaults and its per-path overrides (None: left unpacked)."""
-
-    default: QuantParams
-    per_path: Mapping[str, QuantParams | None] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, raw: Mapping[str, Any]) -> QuantConfig | None:
-        """From config.json's dict; None for a checkpoint that is not quantized."""
-        entry = raw.get("quantization")
-        if entry is None:
-            legacy = raw.get("quantization_config")
-            if legacy is None:
-                return None
-            if "group_size" not in legacy or "bits" not in legacy:
-                method = legacy.get("quant_method", "?")
-                raise QuantConfigError(f"config.json: quantization_config method {method!r} "
-                                       "is not supported (the MLX backend reads mlx-lm's affine)")
-            entry = legacy
-        default = QuantParams.from_entry("", entry)
-        per_path: dict[str, QuantParams | None] = {}
-        for key, value in entry.items():
-            if isinstance(value, Mapping):
-                per_path[key] = QuantParams.from_entry(f"[{key!r}]", value, default)
-            elif value is False:
-                per_path[key] = None
-        return cls(default, per_path)
-
-    def params(self, path: str, packed: bool) -> QuantParams | None:
-        """How the layer at `path` is stored; `packed`: the checkpoint holds `path.scales`."""
-        if path in self.per_path:
-            return self.per_path[path]
-        return self.default if packed else None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ import numpy as np
 from engine.backends.base import ROW_DTYPES, BackendError, StageSpec
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.llama import LlamaRange, Rope
-from engine.backends.mlx.quant import QuantConfig, QuantConfigError, QuantizedWeight, Weight
+from engine.backends.mlx.quant import QuantizedWeight, Weight
+from engine.checkpoint.quantize import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import open_checkpoint
 from engine.config import ModelConfig
 from engine.rounds import RoundPlan
