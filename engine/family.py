@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from engine.config import ModelConfig
 
 
@@ -39,3 +42,25 @@ def end_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     return shapes
+
+
+def load_range(config: ModelConfig, layer_range: tuple[int, int],
+               load: Callable[[dict[str, tuple[int, ...]]], dict[str, Any]],
+               layer_weights: Callable[[dict[str, Any], int], Any],
+               on_layer: Callable[[int], None] | None = None) -> tuple[list[Any], tuple]:
+    """A range's weights, layer by layer, through a backend's `load`.
+
+    Returns the layers and (embeddings, final norm, head), which only the range starting at
+    layer 0 holds (all None elsewhere); a tied head is the embedding table itself.
+    """
+    start, end = layer_range
+    layers = []
+    for layer in range(start, end):
+        layers.append(layer_weights(load(layer_tensor_shapes(config, layer)), layer))
+        if on_layer:
+            on_layer(layer)
+    if start != 0:
+        return layers, (None, None, None)
+    ends = load(end_tensor_shapes(config))
+    embed = ends["model.embed_tokens.weight"]
+    return layers, (embed, ends["model.norm.weight"], ends.get("lm_head.weight", embed))

@@ -67,3 +67,60 @@ class RoundPlan:
     def returned_rows(self) -> list[int]:
         """Row indices that travel back to rank 0: the last row of each entry with rows."""
         return [stop - 1 for entry, _start, stop in self.row_spans() if entry.rows]
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """A multi-row entry's rows: [start, stop) in the round, positions [first, end)."""
+
+    start: int
+    stop: int
+    slot: int
+    first: int
+    end: int
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each row of a round sits, as plain lists every backend turns into tensors.
+
+    One-row entries (decode rows) are batched into one attention call; each multi-row
+    entry (a prompt chunk) attends over its own slot.
+    """
+
+    positions: list[int]  # per row
+    slots: list[int]  # per row
+    single_rows: list[int]  # rows that are one-row entries
+    single_slots: list[int]
+    single_positions: list[int]
+    spans: list[RowSpan]
+
+    @classmethod
+    def of(cls, plan: RoundPlan) -> RowLayout:
+        layout = cls([], [], [], [], [], [])
+        for entry, start, stop in plan.row_spans():
+            if not entry.rows:
+                continue
+            layout.positions.extend(range(entry.first, entry.end))
+            layout.slots.extend([entry.stream_id] * entry.rows)
+            if entry.rows == 1:
+                layout.single_rows.append(start)
+                layout.single_slots.append(entry.stream_id)
+                layout.single_positions.append(entry.first)
+            else:
+                layout.spans.append(RowSpan(start, stop, entry.stream_id, entry.first,
+                                            entry.end))
+        return layout
+
+    @property
+    def single_keys(self) -> int:
+        """Keys the batched single rows need: [0, single_keys)."""
+        return max(self.single_positions) + 1 if self.single_positions else 0
+
+    @property
+    def single_run(self) -> tuple[int, int] | None:
+        """The single rows' slots as [a, b) when they are consecutive (read as a view)."""
+        slots = self.single_slots
+        if slots and slots == list(range(slots[0], slots[0] + len(slots))):
+            return slots[0], slots[0] + len(slots)
+        return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.rounds import RoundPlan
+from engine.rounds import RoundPlan, RowLayout
 
 
 @dataclass
@@ -45,29 +45,18 @@ class RoundIndex:
 
     @classmethod
     def build(cls, plan: RoundPlan, sliding_window: int | None) -> RoundIndex:
-        positions: list[int] = []
-        slots: list[int] = []
-        single: list[int] = []
-        single_slot: list[int] = []
-        single_pos: list[int] = []
-        spans: list[PromptSpan] = []
-        for entry, start, stop in plan.row_spans():
-            if not entry.rows:
-                continue
-            positions.extend(range(entry.first, entry.end))
-            slots.extend([entry.stream_id] * entry.rows)
-            if entry.rows == 1:
-                single.append(start)
-                single_slot.append(entry.stream_id)
-                single_pos.append(entry.first)
-            else:
-                q = mx.arange(entry.first, entry.end)[:, None]
-                spans.append(PromptSpan(start, stop, entry.stream_id, entry.end,
-                                        _visible(q, entry.end, sliding_window)))
-        single_keys = max(single_pos) + 1 if single else 0
+        layout = RowLayout.of(plan)
+        spans = []
+        for span in layout.spans:
+            q = mx.arange(span.first, span.end)[:, None]
+            spans.append(PromptSpan(span.start, span.stop, span.slot, span.end,
+                                    _visible(q, span.end, sliding_window)))
+        single, single_slot = layout.single_rows, layout.single_slots
+        positions, slots = layout.positions, layout.slots
+        single_keys = layout.single_keys
         single_mask = None
         if single:
-            q = mx.array(single_pos)[:, None]
+            q = mx.array(layout.single_positions)[:, None]
             single_mask = _visible(q, single_keys, sliding_window)[:, None, None, :]
         produced = single + [row for span in spans for row in range(span.start, span.stop)]
         order = None

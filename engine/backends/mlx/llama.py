@@ -22,7 +22,7 @@ import mlx.core as mx
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.config import ModelConfig, rope_inv_freq
-from engine.family import end_tensor_shapes, layer_tensor_shapes
+from engine.family import load_range
 
 
 @dataclass
@@ -131,18 +131,8 @@ class LlamaRange:
         self.layer_range = layer_range
         self.cache = cache
         self.rope = rope
-        self.layers: list[LayerWeights] = []
-        start, end = layer_range
-        for layer in range(start, end):
-            self.layers.append(layer_weights(load(layer_tensor_shapes(config, layer)), layer))
-            if on_layer:
-                on_layer(layer)
-        self.embed = self.norm = self.head = None
-        if start == 0:
-            ends = load(end_tensor_shapes(config))
-            self.embed = ends["model.embed_tokens.weight"]
-            self.norm = ends["model.norm.weight"]
-            self.head = ends.get("lm_head.weight", self.embed)
+        self.layers, ends = load_range(config, layer_range, load, layer_weights, on_layer)
+        self.embed, self.norm, self.head = ends
 
     def embed_tokens(self, token_ids: mx.array) -> mx.array:
         if isinstance(self.embed, QuantizedWeight):

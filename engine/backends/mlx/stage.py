@@ -9,15 +9,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.backends.base import ROW_DTYPES, BackendError, StageSpec
+from engine.backends.base import (
+    ROW_DTYPES,
+    BackendError,
+    RangeStage,
+    StageSpec,
+    layer_progress,
+    open_range,
+)
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
-from engine.checkpoint.quantize import QuantConfig, QuantConfigError
-from engine.checkpoint.reader import open_checkpoint
+from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
 from engine.rounds import RoundPlan
-from engine.slots import SlotTable
 
 MLX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # numpy has no bfloat16: its rows cross numpy as their raw 16-bit patterns.
@@ -74,43 +79,23 @@ def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], dtyp
     return out
 
 
-class MlxStage:
-    planes = 1  # Llama-style rows carry one plane: the residual stream
-
+class MlxStage(RangeStage):
     def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange,
                  device: mx.Device) -> None:
-        self.spec = spec
-        self.config = config
+        super().__init__(spec, config)
         self.model = model
         self.device = device
         self.dtype = MLX_DTYPES[config.dtype]
-        self.layer_range = spec.layer_range
-        self.is_first = spec.layer_range[0] == 0
-        self.is_last = spec.layer_range[1] == config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.row_dtype = config.dtype
-        self.slots = SlotTable(spec.parallel, spec.context)
 
     @classmethod
     def load(cls, spec: StageSpec,
              progress: Callable[[int, int, str], None] | None = None) -> MlxStage:
         device = mlx_device(spec.backend)
-        checkpoint = open_checkpoint(spec.model_dir)
-        config = ModelConfig.from_dict(checkpoint.config)
-        if config.dtype not in MLX_DTYPES:
-            raise BackendError(f"config.json: dtype {config.dtype!r} is not supported")
+        opened = open_range(spec, MLX_DTYPES)
+        checkpoint, config, quant = opened.checkpoint, opened.config, opened.quant
         dtype = MLX_DTYPES[config.dtype]
-        try:
-            quant = QuantConfig.from_config(checkpoint.config)
-        except QuantConfigError as exc:
-            raise BackendError(str(exc)) from exc
-        start, end = spec.layer_range
-        if not 0 <= start < end <= config.num_hidden_layers:
-            raise BackendError(
-                f"layer range {start}:{end} is outside the model's {config.num_hidden_layers} layers"
-            )
-        total = end - start
-        on_layer = (lambda layer: progress(layer - start + 1, total, "layers")) if progress else None
+        total = spec.layer_range[1] - spec.layer_range[0]
+        on_layer = layer_progress(spec, progress)
         # Streams follow the device, so two stages in one process (tests) can sit on
         # different devices without touching the process-wide default.
         with mx.stream(device):
@@ -124,9 +109,7 @@ class MlxStage:
     def forward(self, plan: RoundPlan, rows: mx.array | None,
                 token_ids: Sequence[int] | None) -> mx.array:
         given = len(token_ids or ()) if self.is_first else (0 if rows is None else rows.shape[0])
-        if given != plan.total_rows:  # checked before the slot table moves
-            raise BackendError(f"round {plan.round_no}: the plan runs {plan.total_rows} rows, "
-                               f"this stage was given {given}")
+        self.check_rows_given(plan, given)
         self.slots.apply(plan)
         with mx.stream(self.device):
             if self.is_first and token_ids:
@@ -172,9 +155,6 @@ class MlxStage:
             rows = rows.astype(self.dtype)
             mx.eval(rows)
         return rows
-
-    def kv_capacity_rows(self) -> int:
-        return self.spec.context
 
     @property
     def state_nbytes(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.rounds import RoundPlan
+from engine.rounds import RoundPlan, RowLayout
 
 
 @dataclass
@@ -43,33 +43,24 @@ class RoundIndex:
     @classmethod
     def build(cls, plan: RoundPlan, device: torch.device,
               sliding_window: int | None) -> RoundIndex:
-        positions, slots, single, single_slot, single_pos, spans = [], [], [], [], [], []
-        for entry, start, stop in plan.row_spans():
-            if not entry.rows:
-                continue
-            positions.extend(range(entry.first, entry.end))
-            slots.extend([entry.stream_id] * entry.rows)
-            if entry.rows == 1:
-                single.append(start)
-                single_slot.append(entry.stream_id)
-                single_pos.append(entry.first)
-            else:
-                q = torch.arange(entry.first, entry.end, device=device)[:, None]
-                spans.append(PromptSpan(start, stop, entry.stream_id, entry.first,
-                                        _visible(q, entry.end, sliding_window, device)))
+        layout = RowLayout.of(plan)
+        spans = []
+        for span in layout.spans:
+            q = torch.arange(span.first, span.end, device=device)[:, None]
+            spans.append(PromptSpan(span.start, span.stop, span.slot, span.first,
+                                    _visible(q, span.end, sliding_window, device)))
         single_mask = None
-        if single:
-            q = torch.tensor(single_pos, device=device)[:, None]
-            single_mask = _visible(q, max(single_pos) + 1, sliding_window, device)[:, None, None, :]
+        if layout.single_rows:
+            q = torch.tensor(layout.single_positions, device=device)[:, None]
+            single_mask = _visible(q, layout.single_keys, sliding_window,
+                                   device)[:, None, None, :]
 
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        run = None
-        if single_slot and single_slot == list(range(single_slot[0], single_slot[0] + len(single))):
-            run = (single_slot[0], single_slot[0] + len(single))
-        return cls(as_tensor(positions), as_tensor(slots), as_tensor(single),
-                   as_tensor(single_slot), single_mask, spans, run)
+        return cls(as_tensor(layout.positions), as_tensor(layout.slots),
+                   as_tensor(layout.single_rows), as_tensor(layout.single_slots), single_mask,
+                   spans, layout.single_run)
 
 
 def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -8,15 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.backends.base import BackendError, StageSpec
+from engine.backends.base import BackendError, RangeStage, StageSpec, layer_progress, open_range
 from engine.backends.pytorch import dequant
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
-from engine.checkpoint.quantize import QuantConfig, QuantConfigError
-from engine.checkpoint.reader import open_checkpoint
 from engine.config import ModelConfig
 from engine.rounds import RoundPlan
-from engine.slots import SlotTable
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,41 +27,21 @@ def torch_device(backend: str) -> torch.device:
     return torch.device(kind)
 
 
-class TorchStage:
-    planes = 1  # Llama-style rows carry one plane: the residual stream
-
+class TorchStage(RangeStage):
     def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange,
                  device: torch.device) -> None:
-        self.spec = spec
-        self.config = config
+        super().__init__(spec, config)
         self.model = model
         self.device = device
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.layer_range = spec.layer_range
-        self.is_first = spec.layer_range[0] == 0
-        self.is_last = spec.layer_range[1] == config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.row_dtype = config.dtype
-        self.slots = SlotTable(spec.parallel, spec.context)
 
     @classmethod
     def load(cls, spec: StageSpec,
              progress: Callable[[int, int, str], None] | None = None) -> TorchStage:
-        checkpoint = open_checkpoint(spec.model_dir)
-        config = ModelConfig.from_dict(checkpoint.config)
-        if config.dtype not in TORCH_DTYPES:
-            raise BackendError(f"config.json: dtype {config.dtype!r} is not supported")
+        opened = open_range(spec, TORCH_DTYPES)
+        checkpoint, config, quant = opened.checkpoint, opened.config, opened.quant
         device = torch_device(spec.backend)
         dtype = TORCH_DTYPES[config.dtype]
-        try:
-            quant = QuantConfig.from_config(checkpoint.config)
-        except QuantConfigError as exc:
-            raise BackendError(str(exc)) from exc
-        start, end = spec.layer_range
-        if not 0 <= start < end <= config.num_hidden_layers:
-            raise BackendError(
-                f"layer range {start}:{end} is outside the model's {config.num_hidden_layers} layers"
-            )
 
         def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
             if quant is not None:  # mlx-lm's packed weights, made dense for this range
@@ -74,18 +51,20 @@ class TorchStage:
             tensors = checkpoint.load_tensors(list(shapes), "pt", str(device))
             return {n: t.to(dtype) for n, t in tensors.items()}
 
-        total = end - start
-        cache = KVCache(total, spec.parallel, config.num_key_value_heads, spec.context,
+        layers = spec.layer_range[1] - spec.layer_range[0]
+        cache = KVCache(layers, spec.parallel, config.num_key_value_heads, spec.context,
                         config.head_dim, dtype, device)
         rope = Rope(config, spec.context, device, dtype)
-        on_layer = (lambda layer: progress(layer - start + 1, total, "layers")) if progress else None
         with torch.inference_mode():
-            model = LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)
+            model = LlamaRange(config, spec.layer_range, load, cache, rope,
+                               layer_progress(spec, progress))
         return cls(spec, config, model, device)
 
     @torch.inference_mode()
     def forward(self, plan: RoundPlan, rows: torch.Tensor | None,
                 token_ids: Sequence[int] | None) -> torch.Tensor:
+        given = len(token_ids or ()) if self.is_first else (0 if rows is None else len(rows))
+        self.check_rows_given(plan, given)
         self.slots.apply(plan)
         if not plan.total_rows:  # only closes and cancels: nothing to compute
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
@@ -110,10 +89,8 @@ class TorchStage:
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
         rows = torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]).view(n_rows, self.hidden_size)
         # frombuffer aliases the receive buffer, which the link reuses: always take a copy.
+        # (A read-only buffer makes torch warn that it could be written through; it is not.)
         return rows.to(self.device, self.dtype, copy=True)
-
-    def kv_capacity_rows(self) -> int:
-        return self.spec.context
 
     @property
     def state_nbytes(self) -> int:
