@@ -44,6 +44,35 @@ def end_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# A decoder layer's weights by the name each backend's LayerWeights gives them.
+LAYER_FIELDS = {
+    "input_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+OPTIONAL_LAYER_FIELDS = {  # Qwen2's biases, Qwen3's q/k norms
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def layer_fields(tensors: dict[str, Any], layer: int) -> dict[str, Any]:
+    """A layer's loaded tensors keyed by field name (absent optional ones are None)."""
+    p = f"model.layers.{layer}."
+    fields = {f: tensors[p + name] for f, name in LAYER_FIELDS.items()}
+    fields.update({f: tensors.get(p + name) for f, name in OPTIONAL_LAYER_FIELDS.items()})
+    return fields
+
+
 def load_range(config: ModelConfig, layer_range: tuple[int, int],
                load: Callable[[dict[str, tuple[int, ...]]], dict[str, Any]],
                layer_weights: Callable[[dict[str, Any], int], Any],

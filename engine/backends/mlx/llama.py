@@ -22,7 +22,7 @@ import mlx.core as mx
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.config import ModelConfig, rope_inv_freq
-from engine.family import load_range
+from engine.family import layer_fields, load_range
 
 
 @dataclass
@@ -43,25 +43,8 @@ class LayerWeights:
     k_norm: mx.array | None = None
 
 
-def layer_weights(tensors: dict[str, Weight], layer: int) -> LayerWeights:
-    p = f"model.layers.{layer}."
-    a = p + "self_attn."
-    return LayerWeights(
-        input_norm=tensors[p + "input_layernorm.weight"],
-        q=tensors[a + "q_proj.weight"],
-        k=tensors[a + "k_proj.weight"],
-        v=tensors[a + "v_proj.weight"],
-        o=tensors[a + "o_proj.weight"],
-        post_norm=tensors[p + "post_attention_layernorm.weight"],
-        gate=tensors[p + "mlp.gate_proj.weight"],
-        up=tensors[p + "mlp.up_proj.weight"],
-        down=tensors[p + "mlp.down_proj.weight"],
-        q_bias=tensors.get(a + "q_proj.bias"),
-        k_bias=tensors.get(a + "k_proj.bias"),
-        v_bias=tensors.get(a + "v_proj.bias"),
-        q_norm=tensors.get(a + "q_norm.weight"),
-        k_norm=tensors.get(a + "k_norm.weight"),
-    )
+def layer_weights(tensors: dict, layer: int) -> LayerWeights:
+    return LayerWeights(**layer_fields(tensors, layer))
 
 
 def linear(x: mx.array, weight: Weight, bias: mx.array | None = None) -> mx.array:
