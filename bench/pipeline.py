@@ -6,7 +6,7 @@
     python bench/pipeline.py --preset demo --backends torch-cpu,mlx-cpu     # a mixed ring
 
 Prints, from one run: decode ms per step at 1 and 8 streams and prompt time, whole vs
-split, as ratios; the cost of each boundary at decode (split minus whole, over the number
+split, as ratios (a mixed ring against each of its backends alone); the cost of each boundary at decode (split minus whole, over the number
 of hops a round makes, the return to rank 0 included); and the link's throughput for row
 frames against a raw socket moving the same bytes on loopback.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -178,9 +179,18 @@ def main() -> int:
             if rank:
                 rank_env[rank] = {"CUDA_VISIBLE_DEVICES": device}
 
-    whole = measure(whole_runner(model_dir, backend=backends[0], **shape), streams, args.steps,
-                    args.prompt, args.chunk, args.repeats)
-    print(f"# whole on {backends[0]}: {whole}", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // len(stages))
+    if any(b.startswith("torch-") for b in backends):
+        import torch
+
+        # Like for like: the whole model gets the CPU threads each stage gets (launch's
+        # split), so the comparison isolates the ring, not a thread count.
+        torch.set_num_threads(threads)
+    wholes = {}
+    for backend in dict.fromkeys(backends):  # each backend alone, in placement order
+        wholes[backend] = measure(whole_runner(model_dir, backend=backend, **shape), streams,
+                                  args.steps, args.prompt, args.chunk, args.repeats)
+        print(f"# whole on {backend}: {wholes[backend]}", flush=True)
     with tempfile.TemporaryDirectory() as run_dir:
         with local_pipeline(model_dir, stages, Path(run_dir), backends=backends,
                             rank_env=rank_env, extra_env={"FLEET_LOG_LEVEL": "debug"},
@@ -196,17 +206,20 @@ def main() -> int:
                  if e.get("event") == "round timing"]))
     print(f"# split {stages} on {backends}: {split}", flush=True)
     hops = len(stages)  # rank 0 -> 1 -> ... -> last -> rank 0
-    rows = [[f"decode ms/step, {n} stream(s)", whole[f"decode{n}"], split[f"decode{n}"],
-             split[f"decode{n}"] / whole[f"decode{n}"],
-             (split[f"decode{n}"] - whole[f"decode{n}"]) * 1000 / hops] for n in streams]
-    rows.append([f"prompt ms, {args.prompt} tokens", whole["prompt"], split["prompt"],
-                 split["prompt"] / whole["prompt"], "-"])
+    rows = []
+    for backend, whole in wholes.items():
+        for n in streams:
+            key = f"decode{n}"
+            rows.append([f"decode ms/step, {n} stream(s)", backend, whole[key], split[key],
+                         split[key] / whole[key], (split[key] - whole[key]) * 1000 / hops])
+        rows.append([f"prompt ms, {args.prompt} tokens", backend, whole["prompt"],
+                     split["prompt"], split["prompt"] / whole["prompt"], "-"])
     table("where a one-stream decode round's time goes, per stage (median ms)",
           ["rank", "phases"], [[rank, ", ".join(f"{k} {v:.3f}" for k, v in p.items())]
                                for rank, p in enumerate(phases)])
     placement = ", ".join(f"{a}:{b}@{be}" for (a, b), be in zip(stages, backends, strict=True))
     table(f"split vs whole, {model_dir.name}, {placement}",
-          ["measure", "whole", "split", "split / whole", "µs per boundary"], rows)
+          ["measure", "whole on", "whole", "split", "split / whole", "µs per boundary"], rows)
 
     link_rows = []
     for rows_per_frame in (1, 8, args.chunk):
