@@ -87,9 +87,10 @@ class TorchStage(RangeStage):
     def rows_from_bytes(self, data: Any, n_rows: int, dtype: str) -> torch.Tensor:
         if n_rows == 0:
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        if memoryview(data).readonly:  # torch views only writable memory without a warning
+            data = bytearray(data)
         rows = torch.frombuffer(data, dtype=TORCH_DTYPES[dtype]).view(n_rows, self.hidden_size)
         # frombuffer aliases the receive buffer, which the link reuses: always take a copy.
-        # (A read-only buffer makes torch warn that it could be written through; it is not.)
         return rows.to(self.device, self.dtype, copy=True)
 
     @property
