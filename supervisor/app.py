@@ -1,0 +1,218 @@
+"""The supervisor's aiohttp app: the mutual-TLS API for agents and fleetctl, with the loop,
+the health checks and the front door (its own plain-HTTP port) owned by `cleanup_ctx`.
+
+Routes are marked with the roles that may call them (the OU of the caller's certificate):
+agents report about themselves only (the certificate's name must be the path's node);
+fleetctl's `admin` certificate drives everything else. `/v1/pki/ca` and `/v1/pki/join`
+are open: a joining node has no certificate yet, and its token is the proof.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from agent.pki import FleetCA, Identity, PkiError
+from agent.tls import client_context, peer_identity
+from supervisor import issuing
+from supervisor.agents import AgentClient
+from supervisor.front_door import FrontDoorConfig, make_front_door
+from supervisor.service import RequestError, Supervisor
+from supervisor.settings import SupervisorSettings, split_address
+
+log = structlog.get_logger()
+
+SETTINGS = web.AppKey("settings", SupervisorSettings)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+CA = web.AppKey("ca", FleetCA)
+LOOPS = web.AppKey("loops", list)
+PEER = web.RequestKey("peer", Identity)
+OPEN = frozenset({"open"})
+AGENT, ADMIN = frozenset({"agent"}), frozenset({"admin"})
+
+
+def error_body(message: str, status: int, **extra: Any) -> web.Response:
+    return web.json_response({"error": {"message": message, "status": status, **extra}},
+                             status=status)
+
+
+def roles(allowed: frozenset[str]) -> Callable:
+    def mark(handler: Callable) -> Callable:
+        handler.allowed_roles = allowed  # type: ignore[attr-defined]
+        return handler
+    return mark
+
+
+@web.middleware
+async def authorize_and_explain(request: web.Request, handler: Callable) -> web.StreamResponse:
+    allowed = getattr(handler, "allowed_roles", ADMIN)
+    if allowed is not OPEN:
+        who = peer_identity(request.transport)
+        if who is None:
+            return error_body("a fleet client certificate is required", 401)
+        if who.role not in allowed:
+            return error_body(f"certificate {who.node!r} has role {who.role!r}; this needs "
+                              f"{', '.join(sorted(allowed))}", 403)
+        node = request.match_info.get("node")
+        if allowed is AGENT and node != who.node:
+            return error_body(f"certificate {who.node!r} may not report for node {node!r}", 403)
+        request[PEER] = who
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return error_body(exc.message, exc.status, **exc.extra)
+    except PkiError as exc:
+        return error_body(str(exc), 403)
+    except json.JSONDecodeError as exc:
+        return error_body(f"the body is not valid JSON: {exc}", 400)
+
+
+async def body_of(request: web.Request) -> dict[str, Any]:
+    body = await request.json() if request.can_read_body else {}
+    if not isinstance(body, dict):
+        raise RequestError(400, "expected a JSON object")
+    return body
+
+
+# --- the PKI ------------------------------------------------------------------------------
+@roles(OPEN)
+async def pki_ca(request: web.Request) -> web.Response:
+    return web.json_response(issuing.ca_body(request.app[CA]))
+
+
+@roles(OPEN)
+async def pki_join(request: web.Request) -> web.Response:
+    supervisor = request.app[SUPERVISOR]
+    return web.json_response(issuing.join(request.app[CA], supervisor.state,
+                                          await body_of(request)))
+
+
+@roles(ADMIN)
+async def new_token(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    token = issuing.new_token(request.app[CA], request.app[SUPERVISOR].state,
+                              ttl_s=float(body.get("ttl_s", 3600)), node=str(body.get("node", "")))
+    return web.json_response({"token": str(token), "node": body.get("node", "")})
+
+
+# --- agents -------------------------------------------------------------------------------
+@roles(AGENT)
+async def heartbeat(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    if not isinstance(body.get("url"), str) or not body["url"].startswith("https://"):
+        raise RequestError(400, "a heartbeat needs the agent's url (https://HOST:PORT)",
+                           field="url")
+    reply = request.app[SUPERVISOR].heartbeat(request.match_info["node"], body)
+    return web.json_response(reply)
+
+
+@roles(AGENT)
+async def events(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    request.app[SUPERVISOR].engine_events(request.match_info["node"], list(body.get("events", [])))
+    return web.json_response({"ok": True})
+
+
+@roles(AGENT)
+async def goodbye(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    request.app[SUPERVISOR].goodbye(request.match_info["node"], str(body.get("reason", "")))
+    return web.json_response({"ok": True})
+
+
+# --- fleetctl -----------------------------------------------------------------------------
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SUPERVISOR].status())
+
+
+async def apply(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    result = request.app[SUPERVISOR].apply_desired(
+        str(body.get("text", "")), str(body.get("source", "fleet.yaml")),
+        dry_run=bool(body.get("dry_run")), force=bool(body.get("force")))
+    return web.json_response(result)
+
+
+async def plan(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    supervisor = request.app[SUPERVISOR]
+    config = supervisor.parse(str(body.get("text", "")), str(body.get("source", "fleet.yaml")))
+    return web.json_response({"plans": supervisor.plans(config)})
+
+
+async def drain_node(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    return web.json_response(request.app[SUPERVISOR].drain_node(
+        request.match_info["node"], undo=bool(body.get("undo"))))
+
+
+async def rebalance(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SUPERVISOR].rebalance())
+
+
+async def event_log(request: web.Request) -> web.Response:
+    after = int(request.query.get("after", "0"))
+    return web.json_response({"events": request.app[SUPERVISOR].state.events(after)})
+
+
+# --- what the app owns --------------------------------------------------------------------
+async def supervisor_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    agents = AgentClient(client_context(issuing.supervisor_credentials(settings.state_dir)))
+    await agents.start()
+    app[SUPERVISOR] = Supervisor(settings, agents)
+    yield
+    await app[SUPERVISOR].close()
+    await agents.close()
+
+
+async def loops_ctx(app: web.Application) -> AsyncIterator[None]:
+    supervisor = app[SUPERVISOR]
+    loop = asyncio.get_running_loop()
+    app[LOOPS] = [loop.create_task(supervisor.run()), loop.create_task(supervisor.health_loop())]
+    yield
+    for task in app[LOOPS]:
+        task.cancel()
+    await asyncio.gather(*app[LOOPS], return_exceptions=True)
+
+
+async def front_door_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings, supervisor = app[SETTINGS], app[SUPERVISOR]
+    door = make_front_door(FrontDoorConfig(supervisor.route, supervisor.models,
+                                           frozenset(settings.api_keys)))
+    runner = web.AppRunner(door, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    host, port = split_address(settings.front_door, "front_door")
+    await web.TCPSite(runner, host, port).start()
+    log.info("front door open", url=settings.front_door_url)
+    yield
+    await runner.cleanup()
+
+
+def make_app(settings: SupervisorSettings) -> web.Application:
+    """Serve it with `tls.server_context(settings)`; the front door opens with it."""
+    app = web.Application(middlewares=[authorize_and_explain], client_max_size=4 << 20)
+    app[SETTINGS] = settings
+    app[CA] = FleetCA.load(settings.state_dir / "pki")
+    app.router.add_routes([
+        web.get("/v1/pki/ca", pki_ca),
+        web.post("/v1/pki/join", pki_join),
+        web.post("/v1/tokens", new_token),
+        web.post("/v1/nodes/{node}/heartbeat", heartbeat),
+        web.post("/v1/nodes/{node}/events", events),
+        web.post("/v1/nodes/{node}/goodbye", goodbye),
+        web.post("/v1/nodes/{node}/drain", drain_node),
+        web.get("/v1/status", status),
+        web.post("/v1/apply", apply),
+        web.post("/v1/plan", plan),
+        web.post("/v1/rebalance", rebalance),
+        web.get("/v1/events", event_log),
+    ])
+    # Torn down in reverse: the front door closes first, then the loops, then the state.
+    app.cleanup_ctx.extend([supervisor_ctx, loops_ctx, front_door_ctx])
+    return app

@@ -1,0 +1,37 @@
+"""A model's shape, read from its checkpoint's config.json where the supervisor can read it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from supervisor.fleet_config import ModelSpec
+from supervisor.memory import ModelShape, ShapeError, model_shape_from_config
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def read_shape(spec: ModelSpec) -> ModelShape | str:
+    """The model's shape from its checkpoint's config.json, read where the supervisor can."""
+    found = read_config(spec)
+    return found if isinstance(found, str) else found[1]
+
+
+def read_config(spec: ModelSpec) -> tuple[dict[str, Any], ModelShape] | str:
+    """The checkpoint's config.json and the shape it gives, or why there is none."""
+    paths = [spec.checkpoint.all_nodes] if spec.checkpoint.all_nodes else []
+    paths += [p for _, p in spec.checkpoint.by_node]
+    for path in dict.fromkeys(paths):
+        config_path = Path(path) / "config.json"
+        try:
+            raw = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            continue
+        dtype = str(raw.get("torch_dtype", "bfloat16"))
+        try:
+            return raw, model_shape_from_config(raw, DTYPE_BYTES.get(dtype, 2))
+        except ShapeError as exc:
+            return f"{config_path}: {exc}"
+    return (f"no checkpoint path of {spec.id} has a readable config.json on the supervisor's "
+            f"machine ({', '.join(dict.fromkeys(paths))})")

@@ -1,0 +1,249 @@
+"""`fleetctl`: drive the fleet's supervisor (init, token, apply, plan, status, drain, rebalance).
+
+It talks to the supervisor over mutual TLS with its own `admin` certificate, which
+`fleetctl init` writes (with the CA and the supervisor's URL) to its credentials directory:
+`--credentials DIR`, else $FLEETCTL_DIR, else ~/.config/ringfleet/fleetctl.
+Exit codes: 0 done, 1 the supervisor refused, 2 bad input here, 3 supervisor unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import ssl
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from agent.pki import MissingCredentials, NodeCredentials, PkiError
+from supervisor.fleet_config import FleetConfigError, load_fleet_config
+from supervisor.memory import format_bytes
+
+# Tables are wide: keep them whole when the output is a pipe or a file.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+STATE_STYLE = {"serving": "green", "alive": "green", "warming": "cyan", "starting": "cyan",
+               "placing": "yellow", "draining": "yellow", "suspect": "yellow",
+               "failed": "red", "dead": "red", "left": "dim", "stopped": "dim"}
+
+
+class CtlError(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("FLEETCTL_DIR") or Path.home() / ".config/ringfleet/fleetctl")
+
+
+class Client:
+    def __init__(self, credentials: Path, url: str | None) -> None:
+        creds = NodeCredentials(credentials)
+        try:
+            creds.check()
+        except MissingCredentials as exc:
+            raise CtlError(f"no fleetctl credentials in {credentials} (run `fleetctl init` on "
+                           "the supervisor's machine, or pass --credentials DIR)", 2) from exc
+        except PkiError as exc:
+            raise CtlError(f"{credentials}: {exc}", 2) from exc
+        if url is None:
+            path = credentials / "supervisor_url"
+            url = path.read_text().strip() if path.exists() else None
+        if not url:
+            raise CtlError("no supervisor URL: pass --supervisor https://HOST:PORT", 2)
+        self.url = url.rstrip("/")
+        self.ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(creds.ca_path))
+        self.ctx.check_hostname = False
+        self.ctx.load_cert_chain(str(creds.cert_path), str(creds.key_path))
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, context=self.ctx, timeout=60) as reply:
+                return json.loads(reply.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            try:
+                payload = json.loads(exc.read() or b"{}")
+            except ValueError:
+                payload = {}
+            error = payload.get("error", {}) if isinstance(payload, dict) else {}
+            raise CtlError(error.get("message") or f"{exc.code} {exc.reason}", 1) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise CtlError(f"cannot reach the supervisor at {self.url}: {reason}", 3) from exc
+
+
+def styled(state: str) -> str:
+    return f"[{STATE_STYLE.get(state, 'white')}]{state}[/]"
+
+
+def read_fleet_file(path: Path) -> str:
+    """Validate locally first: a bad file gets its named error without a round trip."""
+    load_fleet_config(path)
+    return path.read_text(encoding="utf-8")
+
+
+def show_status(data: dict[str, Any]) -> None:
+    if not data["members"]:
+        out.print("no nodes have joined yet (`fleetctl token`, then `fleet-agent join`)")
+    nodes = Table(title="nodes", title_justify="left")
+    for col in ("node", "state", "seen", "platform", "RAM", "backends", "engines", "url"):
+        nodes.add_column(col)
+    for m in data["members"]:
+        state = styled(m["state"]) + (" [yellow](cordoned)[/]" if m["cordoned"] else "")
+        ram = format_bytes(m["ram_total_bytes"]) if m.get("ram_total_bytes") else "?"
+        engines = ", ".join(f"{k}: {v}" for k, v in m["engines"].items()) or "-"
+        nodes.add_row(m["node"], state, f"{m['seen_s_ago']} s ago",
+                      f"{m.get('platform') or '?'}/{m.get('arch') or '?'}", ram,
+                      ", ".join(m["backends"]) or "?", engines, m["url"])
+    if data["members"]:
+        out.print(nodes)
+    ended = [r for r in data["replicas"] if r["state"] in ("stopped", "failed")]
+    if ended:
+        history = Table(title="earlier replicas", title_justify="left")
+        for col in ("replica", "state", "stages", "why"):
+            history.add_column(col)
+        for r in ended:
+            stages = ", ".join(f"{s['node']} {s['layer_range'][0]}:{s['layer_range'][1]}"
+                               for s in r["stages"]) or "-"
+            history.add_row(r["id"], styled(r["state"]), stages, r["reason"] or "-")
+        out.print(history)
+    for r in (r for r in data["replicas"] if r not in ended):
+        health = "healthy" if r["healthy"] else "not answering"
+        title = (f"replica {r['id']} ({r['model_id']}): {styled(r['state'])}"
+                 + (f", {health}" if r["state"] in ("warming", "serving") else ""))
+        if not r["stages"]:
+            out.print(title + (f": {r['reason']}" if r["reason"] else ""))
+            continue
+        table = Table(title=title, title_justify="left",
+                      caption=(f"rank 0: {r['url'] or '-'}; placement {r['placement_id'] or '-'}"
+                               + (f"\n{r['reason']}" if r["reason"] else "")
+                               + (f"\n{r['note']}" if r.get("note") else "")),
+                      caption_justify="left")
+        for col in ("rank", "node", "backend", "layers", "engine", "listen"):
+            table.add_column(col)
+        for s in r["stages"]:
+            table.add_row(str(s["rank"]), s["node"], s["backend"],
+                          f"{s['layer_range'][0]}:{s['layer_range'][1]}", s["engine_id"],
+                          f"{s['host']}:{s['listen_port']}")
+        out.print(table)
+    if not data["replicas"]:
+        out.print("no replicas" + ("" if data["models"] else " (nothing applied yet)"))
+    out.print(f"front door: {data['front_door']}")
+
+
+def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
+    """The diff, then each model's placement; `plan` exits 1 when a model has none."""
+    refused = sum(1 for plan in data.get("plans", []) if "error" in plan)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for line in data.get("changes", []):
+            out.print(f"  {line}", markup=False)
+        if args.command == "apply" and not data.get("changes"):
+            out.print("no change")
+        for plan in data.get("plans", []):
+            if "error" in plan:
+                err.print(f"{plan['model']}: {plan['error']}", markup=False)
+            else:
+                out.print(plan["text"], markup=False, end="")
+        if args.command == "apply" and data.get("changes"):
+            out.print("applied" if data.get("applied") else "not applied (dry run)")
+    return 1 if args.command == "plan" and refused else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fleetctl", description=__doc__.split("\n")[0])
+    p.add_argument("--credentials", type=Path, default=None, help="fleetctl's PKI directory")
+    p.add_argument("--supervisor", help="https://HOST:PORT (default: from `fleetctl init`)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    sub = p.add_subparsers(dest="command", required=True)
+    init = sub.add_parser("init", help="make the fleet CA and the first certificates")
+    init.add_argument("--state-dir", type=Path, required=True, help="the supervisor's")
+    init.add_argument("--address", required=True, help="HOST:PORT agents and fleetctl reach")
+    init.add_argument("--force", action="store_true")
+    token = sub.add_parser("token", help="a one-time join token for `fleet-agent join`")
+    token.add_argument("--node", default="", help="only this node name may use it")
+    token.add_argument("--ttl-s", type=float, default=3600.0)
+    for name, what in (("apply", "make the fleet look like FILE"),
+                       ("plan", "show the placement FILE would get (changes nothing)")):
+        cmd = sub.add_parser(name, help=what)
+        cmd.add_argument("file", type=Path)
+        if name == "apply":
+            cmd.add_argument("--dry-run", action="store_true")
+            cmd.add_argument("--force", action="store_true",
+                             help="apply even if a model fits nowhere now")
+    sub.add_parser("status", help="nodes, replicas, placements, health")
+    drain = sub.add_parser("drain", help="move every replica off NODE (drains first)")
+    drain.add_argument("node")
+    drain.add_argument("--undo", action="store_true", help="let NODE take stages again")
+    sub.add_parser("rebalance", help="re-place replicas whose best placement changed")
+    args = p.parse_args(argv)
+    credentials = args.credentials or default_dir()
+    try:
+        return run(args, credentials)
+    except FleetConfigError as exc:
+        err.print(f"fleetctl: {exc}", markup=False)
+        return 2
+    except CtlError as exc:
+        err.print(f"fleetctl: {exc}", markup=False)
+        return exc.code
+
+
+def run(args: argparse.Namespace, credentials: Path) -> int:
+    if args.command == "init":
+        from supervisor.issuing import InitError, init_pki
+
+        try:
+            result = init_pki(args.state_dir, args.address, credentials, force=args.force)
+        except InitError as exc:
+            raise CtlError(str(exc), 2) from exc
+        if args.json:
+            print(json.dumps({"ca_fingerprint": result.ca_fingerprint,
+                              "credentials": str(credentials)}))
+        else:
+            out.print(f"fleet CA {result.ca_fingerprint[:16]}… in {args.state_dir / 'pki'}\n"
+                      f"supervisor certificate: {result.supervisor_credentials}\n"
+                      f"fleetctl certificate: {credentials}\n"
+                      f"next: fleet-supervisor --state-dir {args.state_dir} "
+                      f"--listen {args.address}, then `fleetctl token`")
+        return 0
+    client = Client(credentials, args.supervisor)
+    if args.command == "token":
+        data = client.call("POST", "/v1/tokens", {"node": args.node, "ttl_s": args.ttl_s})
+        print(json.dumps(data) if args.json else data["token"])
+    elif args.command in ("apply", "plan"):
+        text = read_fleet_file(args.file)
+        body = {"text": text, "source": str(args.file)}
+        if args.command == "apply":
+            body.update(dry_run=args.dry_run, force=args.force)
+        return show_apply(args, client.call("POST", f"/v1/{args.command}", body))
+    elif args.command == "status":
+        data = client.call("GET", "/v1/status")
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            show_status(data)
+    elif args.command == "drain":
+        data = client.call("POST", f"/v1/nodes/{args.node}/drain", {"undo": args.undo})
+        what = "cordoned; its replicas drain and move" if data["cordoned"] else "uncordoned"
+        print(json.dumps(data)) if args.json else out.print(f"{args.node}: {what}")
+    elif args.command == "rebalance":
+        data = client.call("POST", "/v1/rebalance", {})
+        text = f"rebalance {data['rebalance_epoch']} asked at {time.strftime('%H:%M:%S')}"
+        print(json.dumps(data)) if args.json else out.print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""A whole fleet on one machine, on loopback: a supervisor and N agents as real processes.
+
+What the one-machine demo (`scripts/fleet_demo.py`) and the end-to-end tests run: `fleetctl
+init`, `fleet-supervisor`, and per node a join token, `fleet-agent join` and `fleet-agent
+run`, each with its own state directory under one root and its log in `root/logs/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class LocalFleetError(RuntimeError):
+    """A process of the local fleet failed to start or to answer; the message has its log."""
+
+
+class LocalFleet:
+    def __init__(self, root: Path, nodes: tuple[str, ...] = ("node-a", "node-b"), *,
+                 supervisor_flags: tuple[str, ...] = (), agent_settings: dict | None = None,
+                 engine_ports: int = 200) -> None:
+        self.root = root
+        self.nodes = nodes
+        self.supervisor_flags = supervisor_flags
+        self.agent_settings = dict(heartbeat_interval_s=1.0, os_floor_bytes=256 << 20,
+                                   drain_s=30.0, term_grace_s=3.0, kill_grace_s=2.0)
+        self.agent_settings.update(agent_settings or {})
+        self.address = f"{LOOPBACK}:{free_port()}"
+        self.front_door = f"{LOOPBACK}:{free_port()}"
+        first = 20000 + free_port() % 10000  # below the ephemeral range (32768 and up)
+        self.engine_ports = f"{first}:{first + engine_ports}"
+        self.state_dir = root / "supervisor"
+        self.credentials = root / "fleetctl"
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.supervisor: subprocess.Popen | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.agent_ports: dict[str, int] = {}
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            PYTHONUNBUFFERED="1")
+
+    @property
+    def front_door_url(self) -> str:
+        return f"http://{self.front_door}/v1"
+
+    def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
+        with open(self.logs / log_name, "ab") as log:
+            return subprocess.Popen([sys.executable, *args], env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def fleetctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "supervisor.fleetctl", "--credentials",
+                               str(self.credentials), *args], env=self.env, capture_output=True,
+                              text=True, timeout=120, check=False)
+        if check and done.returncode != 0:
+            raise LocalFleetError(f"fleetctl {' '.join(args)}: exit {done.returncode}\n"
+                                  f"{done.stdout}{done.stderr}")
+        return done
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.fleetctl("--json", "status").stdout)
+
+    # --- processes ------------------------------------------------------------------------
+    def init(self) -> None:
+        self.fleetctl("init", "--state-dir", str(self.state_dir), "--address", self.address)
+
+    def start_supervisor(self, timeout_s: float = 30.0) -> None:
+        self.supervisor = self._popen(
+            ["-m", "supervisor.main", "--state-dir", str(self.state_dir), "--listen",
+             self.address, "--front-door", self.front_door, "--engine-ports", self.engine_ports,
+             *self.supervisor_flags], "supervisor.log")
+        self.wait(lambda: self.fleetctl("status", check=False).returncode == 0, timeout_s,
+                  "the supervisor to answer", "supervisor.log")
+
+    def agent_state_dir(self, node: str) -> Path:
+        return self.root / "agents" / node
+
+    def join(self, node: str) -> None:
+        token = self.fleetctl("token", "--node", node).stdout.strip()
+        port = self.agent_ports.setdefault(node, free_port())
+        done = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "join", f"https://{self.address}", "--token",
+             token, "--node", node, "--state-dir", str(self.agent_state_dir(node)),
+             "--listen", f"{LOOPBACK}:{port}"], env=self.env, capture_output=True, text=True,
+            timeout=60, check=False)
+        if done.returncode != 0:
+            raise LocalFleetError(f"fleet-agent join {node}: {done.stdout}{done.stderr}")
+
+    def start_agent(self, node: str) -> None:
+        state_dir = self.agent_state_dir(node)
+        first = free_port()
+        config = dict(self.agent_settings, node=node, state_dir=str(state_dir),
+                      listen_host=LOOPBACK, listen_port=self.agent_ports[node],
+                      supervisor_url=f"https://{self.address}",
+                      stage_port_first=first, stage_port_last=first + 10)
+        path = state_dir / "agent.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.agents[node] = self._popen(["-m", "agent.cli", "run", "--config", str(path)],
+                                        f"agent-{node}.log")
+
+    def start(self) -> None:
+        """init, the supervisor, and every node joined and running; wait until all are alive."""
+        self.init()
+        self.start_supervisor()
+        for node in self.nodes:
+            self.join(node)
+            self.start_agent(node)
+        self.wait_members(self.nodes)
+
+    def wait_members(self, nodes: tuple[str, ...], timeout_s: float = 90.0) -> None:
+        def alive() -> bool:
+            members = {m["node"]: m for m in self.status()["members"]}
+            return all(n in members and members[n]["state"] == "alive"
+                       and members[n]["backends"] for n in nodes)
+        self.wait(alive, timeout_s, f"{', '.join(nodes)} to be alive with facts")
+
+    def wait_replica(self, model: str, state: str = "serving", timeout_s: float = 120.0,
+                     where: Callable[[dict], bool] = lambda r: True) -> dict:
+        found: dict = {}
+
+        def ready() -> bool:
+            nonlocal found
+            for r in self.status()["replicas"]:
+                if r["model_id"] == model and r["state"] == state and where(r):
+                    found = r
+                    return True
+            return False
+        self.wait(ready, timeout_s, f"a {state} replica of {model}")
+        return found
+
+    def wait(self, predicate: Callable[[], bool], timeout_s: float, what: str,
+             log_name: str | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.supervisor is not None and self.supervisor.poll() is not None:
+                raise LocalFleetError(f"the supervisor exited {self.supervisor.returncode}:\n"
+                                      + self.tail("supervisor.log"))
+            try:
+                if predicate():
+                    return
+            except LocalFleetError:
+                pass
+            time.sleep(0.3)
+        raise LocalFleetError(f"timed out after {timeout_s} s waiting for {what}\n"
+                              + self.tail(log_name or "supervisor.log"))
+
+    def tail(self, log_name: str, lines: int = 30) -> str:
+        path = self.logs / log_name
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop_supervisor(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
+        return _stop(self.supervisor, sig, timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Agents first (they drain their engines and say goodbye), then the supervisor."""
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.agents.values():
+            _stop(proc, signal.SIGTERM, timeout_s)
+        self.stop_supervisor()
+
+
+def _stop(proc: subprocess.Popen | None, sig: int, timeout_s: float) -> int | None:
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: what it left behind too
+            proc.wait(10)
+    return proc.returncode

@@ -1,0 +1,107 @@
+"""What placement measures before it places: each node's ms per layer for a model (the agent's
+calibration) and the links between nodes (the agents' probes).
+
+The pure part turns an agent's calibration result into a node's timing for one model spec;
+the async part asks the agents (a calibration is cached on the agent, so asking again after a
+restart answers at once). Until a measurement is in, or when one fails, placement uses
+nominal numbers and says which (`supervisor/planning.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.agents import AgentClient, AgentError
+from supervisor.fleet_config import ModelSpec
+from supervisor.placement import LinkSnapshot
+
+POLL_S = 0.5
+PROBE_BYTES = 8 << 20
+PROBE_PINGS = 10
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    """A node's calibrated ms per layer for one model spec on one backend."""
+
+    decode_ms_per_layer: float  # one row
+    decode_batch_ms_per_layer: float  # `parallel` rows
+    prefill_ms_per_layer: float  # one chunk of `chunk` rows
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Everything measured so far, for a snapshot. Keys: `timing_key(...)`; (node, peer)."""
+
+    timings: Mapping[str, NodeTiming | str] = field(default_factory=dict)  # str: why none
+    links: Mapping[tuple[str, str], LinkSnapshot | str] = field(default_factory=dict)
+    pending: frozenset[str] = frozenset()  # nodes with a calibration or probe under way
+
+    def link(self, a: str, b: str) -> LinkSnapshot | None:
+        """The link from a to b; one measured only the other way is used both ways."""
+        found = self.links.get((a, b))
+        if isinstance(found, LinkSnapshot):
+            return found
+        back = self.links.get((b, a))
+        if isinstance(back, LinkSnapshot):
+            return LinkSnapshot(b, back.rtt_ms, back.bandwidth_bytes_per_s)
+        return None
+
+
+NOTHING_MEASURED = Measured()
+
+
+def timing_key(spec: ModelSpec, node: str, backend: str) -> str:
+    """A calibration answers for a shape, a backend and the execution shape measured."""
+    return f"{spec.id}|{node}|{backend}|{spec.context}|{spec.parallel}|{spec.chunk}"
+
+
+def calibration_body(config_json: dict[str, Any], spec: ModelSpec, backend: str,
+                     budget_s: float) -> dict[str, Any]:
+    return {"config": config_json, "backend": backend, "contexts": [spec.context],
+            "batch_rows": spec.parallel, "chunk_rows": spec.chunk, "budget_s": budget_s}
+
+
+def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming:
+    """The decode times at the spec's context (1 row and `parallel` rows) and the prefill
+    chunk's; ValueError when the result lacks a point."""
+    timings = result.get("timings") or []
+
+    def decode(rows: int) -> float:
+        points = [t for t in timings if t["kind"] == "decode" and t["rows"] == rows]
+        if not points:
+            raise ValueError(f"the calibration has no decode point at {rows} row(s)")
+        return min(points, key=lambda t: abs(t["context"] - spec.context))["ms_per_layer"]
+
+    prefill = [t["ms_per_layer"] for t in timings if t["kind"] == "prefill"]
+    if not prefill:
+        raise ValueError("the calibration has no prompt-chunk point")
+    one = decode(1)
+    batch = decode(spec.parallel) if spec.parallel > 1 else one
+    return NodeTiming(one, batch, prefill[0])
+
+
+async def calibrate(agents: AgentClient, node: str, url: str, body: dict[str, Any],
+                    timeout_s: float) -> dict[str, Any]:
+    """Ask the agent for a calibration and wait for it; AgentError / TimeoutError if none."""
+    reply = await agents.call(node, "POST", f"{url}/v1/calibrations", body)
+    deadline = time.monotonic() + timeout_s
+    while reply.get("state") == "running":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"calibration on {node} not done after {timeout_s:g} s")
+        await asyncio.sleep(POLL_S)
+        reply = await agents.call(node, "GET", f"{url}/v1/calibrations/jobs/{reply['job_id']}")
+    if reply.get("state") != "done" or not reply.get("result"):
+        raise AgentError(node, f"calibration failed: {reply.get('error') or reply}")
+    return reply["result"]
+
+
+async def probe(agents: AgentClient, node: str, url: str, peer: str,
+                peer_url: str) -> LinkSnapshot:
+    result = await agents.call(node, "POST", f"{url}/v1/probe",
+                               {"peer": peer_url, "bytes": PROBE_BYTES, "pings": PROBE_PINGS})
+    return LinkSnapshot(peer, float(result["rtt_ms"]), float(result["bandwidth_bytes_per_s"]))

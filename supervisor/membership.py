@@ -1,0 +1,153 @@
+"""Membership: alive → suspect → dead from missed heartbeats, left on a goodbye. Pure.
+
+A member is a frozen record of what the supervisor last heard from one agent: its URL, its
+facts, its engines' states, and when it last beat. The service feeds heartbeats, events and
+goodbyes through the functions here and calls `tick` on a timer; each returns new records,
+so the tests drive a clock by hand and the loop only stores what comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
+STATES = (ALIVE, SUSPECT, DEAD, LEFT)
+
+
+@dataclass(frozen=True)
+class MembershipTimes:
+    """How long without a heartbeat makes a member suspect, then dead (seconds)."""
+
+    suspect_after_s: float = 15.0
+    dead_after_s: float = 45.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.suspect_after_s < self.dead_after_s:
+            raise ValueError(f"need 0 < suspect_after_s ({self.suspect_after_s}) < "
+                             f"dead_after_s ({self.dead_after_s})")
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """One engine as its agent last reported it."""
+
+    engine_id: str
+    replica: str
+    rank: int
+    state: str  # starting, ready, draining, exited
+    exit: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_view(cls, view: Mapping[str, Any]) -> EngineState:
+        return cls(str(view["engine_id"]), str(view.get("replica", "")),
+                   int(view.get("rank", 0)), str(view["state"]), view.get("exit"))
+
+
+@dataclass(frozen=True)
+class Member:
+    node: str
+    url: str  # the agent's API
+    state: str
+    last_heartbeat_at: float
+    joined_at: float
+    facts: Mapping[str, Any] | None = None
+    facts_digest: str | None = None
+    engines: Mapping[str, EngineState] = field(default_factory=dict)
+    cordoned: bool = False  # `fleetctl drain NODE`: nothing new is placed here
+    reason: str = ""  # why the state is what it is
+
+    @property
+    def placeable(self) -> bool:
+        return self.state == ALIVE and not self.cordoned and self.facts is not None
+
+    def present_backends(self) -> tuple[str, ...]:
+        backends = (self.facts or {}).get("backends", ())
+        return tuple(b["backend"] for b in backends if b.get("present"))
+
+    def usable_memory_bytes(self, backend: str) -> int:
+        for b in (self.facts or {}).get("backends", ()):
+            if b.get("backend") == backend and b.get("devices"):
+                return max(int(d.get("memory_usable_bytes", 0)) for d in b["devices"])
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "url": self.url, "state": self.state,
+                "last_heartbeat_at": self.last_heartbeat_at, "joined_at": self.joined_at,
+                "facts": self.facts, "facts_digest": self.facts_digest,
+                "engines": {k: vars(v) | {"exit": v.exit} for k, v in self.engines.items()},
+                "cordoned": self.cordoned, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Member:
+        engines = {k: EngineState(**v) for k, v in (raw.get("engines") or {}).items()}
+        return cls(raw["node"], raw["url"], raw["state"], float(raw["last_heartbeat_at"]),
+                   float(raw["joined_at"]), raw.get("facts"), raw.get("facts_digest"), engines,
+                   bool(raw.get("cordoned", False)), raw.get("reason", ""))
+
+
+@dataclass(frozen=True)
+class BeatResult:
+    member: Member
+    want_facts: bool  # ask the agent to send its facts with the next beat
+    changed: str | None  # "joined", "back" (from suspect / dead / left), or None
+
+
+def on_heartbeat(old: Member | None, beat: Mapping[str, Any], now: float) -> BeatResult:
+    """A heartbeat from `beat["node"]`: the member is alive, with the engines it reports."""
+    engines = {v["engine_id"]: EngineState.from_view(v) for v in beat.get("engines", ())}
+    facts = beat.get("facts")
+    digest = beat.get("facts_digest")
+    if old is None:
+        member = Member(str(beat["node"]), str(beat["url"]), ALIVE, now, now, facts, digest,
+                        engines)
+        return BeatResult(member, facts is None, "joined")
+    if facts is None and digest == old.facts_digest:
+        facts = old.facts
+    member = replace(old, url=str(beat.get("url") or old.url), state=ALIVE,
+                     last_heartbeat_at=now, facts=facts, facts_digest=digest,
+                     engines=engines, reason="")
+    return BeatResult(member, facts is None, None if old.state == ALIVE else "back")
+
+
+def on_events(old: Member, events: list[Mapping[str, Any]]) -> Member:
+    """Engine state changes pushed by the agent at once (ahead of the next heartbeat)."""
+    engines = dict(old.engines)
+    for event in events:
+        engine_id = str(event["engine_id"])
+        detail = event.get("detail") or {}
+        prior = engines.get(engine_id)
+        engines[engine_id] = EngineState(
+            engine_id, str(detail.get("replica") or (prior.replica if prior else "")),
+            int(detail.get("rank", prior.rank if prior else 0)), str(event["state"]),
+            detail.get("exit") or (detail if event["state"] == "exited" else None))
+    return replace(old, engines=engines)
+
+
+def on_goodbye(old: Member, reason: str) -> Member:
+    return replace(old, state=LEFT, reason=reason or "said goodbye")
+
+
+def on_unreachable(old: Member, reason: str) -> Member:
+    """The supervisor could not reach the agent's API: stop placing there until it beats."""
+    if old.state != ALIVE:
+        return old
+    return replace(old, state=SUSPECT, reason=reason)
+
+
+def tick(members: Mapping[str, Member], now: float,
+         times: MembershipTimes) -> dict[str, Member]:
+    """Members whose state changes because heartbeats stopped (only those)."""
+    out: dict[str, Member] = {}
+    for name, member in members.items():
+        if member.state in (LEFT, DEAD):
+            continue
+        silent_s = now - member.last_heartbeat_at
+        if silent_s >= times.dead_after_s:
+            out[name] = replace(member, state=DEAD,
+                                reason=f"no heartbeat for {silent_s:.1f} s")
+        elif silent_s >= times.suspect_after_s and member.state == ALIVE:
+            out[name] = replace(member, state=SUSPECT,
+                                reason=f"no heartbeat for {silent_s:.1f} s")
+    return out

@@ -1,0 +1,133 @@
+"""From members to placement inputs: which backend each node runs a model on, its node
+snapshot (calibrated ms per layer, measured links), and the placement itself, with the
+fallback a lost node needs. Pure.
+
+A node not calibrated (yet, or whose calibration failed) is costed with a nominal ms per
+layer, and a pair of nodes with no probe with a nominal LAN link; the placement's `why`
+names every nominal input, so a plan never hides a guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from supervisor.fleet_config import FleetConfig, ModelSpec
+from supervisor.measure import NOTHING_MEASURED, Measured, NodeTiming, timing_key
+from supervisor.membership import Member
+from supervisor.memory import ModelShape
+from supervisor.placement import DoesNotFit, LinkSnapshot, NodeSnapshot, Placement, place
+
+NOMINAL_DECODE_MS_PER_LAYER = 1.0
+NOMINAL_PREFILL_MS_PER_LAYER = 20.0
+NOMINAL_LINK = (0.5, 125e6)  # rtt ms, bytes/s: 1 GbE
+NOMINAL_TIMING = NodeTiming(NOMINAL_DECODE_MS_PER_LAYER, NOMINAL_DECODE_MS_PER_LAYER,
+                            NOMINAL_PREFILL_MS_PER_LAYER)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A placement, or why there is none (`error`)."""
+
+    placement: Placement | None
+    error: str = ""
+    note: str = ""  # e.g. an explicit placement replaced by auto because a node is gone
+
+
+def spec_digest(spec: ModelSpec) -> str:
+    """Changes when anything about how the model is served changes."""
+    return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+
+
+def node_backend(spec: ModelSpec, member: Member, config: FleetConfig) -> str | None:
+    """The node's `backend` label when the model allows it, else the model's first backend
+    the node has."""
+    present = member.present_backends()
+    node = config.node(member.node)
+    label = dict(node.labels).get("backend") if node else None
+    if label and label in spec.backends and label in present:
+        return label
+    return next((b for b in spec.backends if b in present), None)
+
+
+def candidates(spec: ModelSpec, config: FleetConfig,
+               members: Mapping[str, Member]) -> list[tuple[Member, str]]:
+    """Members that may hold a stage of `spec` now, with their backend, in fleet.yaml's order."""
+    out = []
+    for node in config.nodes:
+        member = members.get(node.name)
+        if member is None or not member.placeable or spec.checkpoint.path_for(node.name) is None:
+            continue
+        backend = node_backend(spec, member, config)
+        if backend is not None:
+            out.append((member, backend))
+    return out
+
+
+def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, Member],
+                   measured: Measured = NOTHING_MEASURED) -> tuple[list[NodeSnapshot], list[str]]:
+    """One snapshot per candidate, and a line for every nominal input used."""
+    found = candidates(spec, config, members)
+    snapshots, nominal_nodes, nominal_links = [], [], []
+    for member, backend in found:
+        timing = measured.timings.get(timing_key(spec, member.node, backend))
+        if not isinstance(timing, NodeTiming):
+            nominal_nodes.append(member.node + (f" ({timing})" if timing else ""))
+            timing = NOMINAL_TIMING
+        links = []
+        for other, _ in found:
+            if other is member:
+                continue
+            link = measured.link(member.node, other.node)
+            if link is None:
+                nominal_links.append(f"{member.node} -> {other.node}")
+                link = LinkSnapshot(other.node, *NOMINAL_LINK)
+            links.append(link)
+        snapshots.append(NodeSnapshot(member.node, member.usable_memory_bytes(backend), backend,
+                                      timing.decode_ms_per_layer,
+                                      timing.decode_batch_ms_per_layer,
+                                      timing.prefill_ms_per_layer, tuple(links)))
+    notes = []
+    if nominal_nodes:
+        notes.append("not calibrated, nominal ms per layer: " + ", ".join(nominal_nodes))
+    if nominal_links:
+        notes.append("not probed, nominal links: " + ", ".join(nominal_links))
+    return snapshots, notes
+
+
+def plan_model(spec: ModelSpec, shape: ModelShape, config: FleetConfig,
+               members: Mapping[str, Member], measured: Measured = NOTHING_MEASURED) -> ModelPlan:
+    """Place `spec` on the members that may hold it now. An explicit placement that names a
+    node which is not live falls back to auto over what remains (fail-fast re-placement must
+    not wait for a dead node); the note says so."""
+    nodes, nominal = node_snapshots(spec, config, members, measured)
+    if not nodes:
+        return ModelPlan(None, f"{spec.id}: no live node may hold a stage (needs one of "
+                               f"backends {', '.join(spec.backends)} and a checkpoint path)")
+    try:
+        return ModelPlan(_with_note(place(spec, shape, nodes), *nominal))
+    except DoesNotFit as exc:
+        live = {n.name for n in nodes}
+        missing = [s.node for s in spec.placement if s.node not in live]
+        if not missing:
+            return ModelPlan(None, str(exc))
+        try:
+            auto = place(replace(spec, placement=(), rank0=None), shape, nodes)
+        except ValueError as auto_exc:
+            return ModelPlan(None, f"{exc}; auto placement over what remains: {auto_exc}")
+        note = (f"explicit placement needs {', '.join(missing)}, which cannot take stages now "
+                f"(not alive, or cordoned): placed automatically on {', '.join(auto.ring)} "
+                "until a rebalance")
+        return ModelPlan(_with_note(auto, note, *nominal), note=note)
+    except ValueError as exc:  # PlacementError: the inputs contradict each other
+        return ModelPlan(None, str(exc))
+
+
+def _with_note(placement: Placement, *notes: str) -> Placement:
+    return replace(placement, why=(*placement.why, *notes))
+
+
+def same_layout(a: Placement, stages: tuple[tuple[str, str, tuple[int, int]], ...]) -> bool:
+    """Does `a` put the same layers on the same nodes with the same backends?"""
+    return tuple((s.node, s.backend, s.layer_range) for s in a.stages) == stages

@@ -1,0 +1,455 @@
+"""The supervisor's loop: keep members and replicas in memory and on disk, call the pure
+decisions (membership.tick, lifecycle.decide) on a timer, and apply the actions they return
+(spawn and drain engines through the agents, probe rank 0's health, record every change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from agent.spawn import port_in_use
+from supervisor import lifecycle as lc
+from supervisor.agents import AgentClient, AgentError
+from supervisor.checkpoints import read_shape
+from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
+from supervisor.front_door import Route
+from supervisor.measurer import Measurer
+from supervisor.membership import (
+    ALIVE,
+    DEAD,
+    LEFT,
+    SUSPECT,
+    Member,
+    on_events,
+    on_goodbye,
+    on_heartbeat,
+    on_unreachable,
+    tick,
+)
+from supervisor.memory import ModelShape
+from supervisor.placement import render_plan
+from supervisor.planning import plan_model, spec_digest
+from supervisor.settings import SupervisorSettings
+from supervisor.state import State
+
+log = structlog.get_logger()
+
+HEALTH_TIMEOUT_S = 2.0
+STATUS_HISTORY = 3  # generations per model that `status` shows
+
+
+class RequestError(Exception):
+    """A fleetctl request the supervisor refuses: HTTP status, message, and the field/line."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+def render_text(renderable: Any) -> str:
+    """A rich table as plain text, for fleetctl to print as it is."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+class Supervisor:
+    """Everything the API handlers and the loop share; one per process."""
+
+    def __init__(self, settings: SupervisorSettings, agents: AgentClient) -> None:
+        self.settings = settings
+        self.state = State(settings.db_path)
+        self.agents = agents
+        now = time.time()
+        # A restarted supervisor gives every member a fresh grace period: their agents have
+        # kept beating to nobody, and their engines kept serving.
+        self.members = {n: replace(m, last_heartbeat_at=now) if m.state in (ALIVE, SUSPECT)
+                        else m for n, m in self.state.members().items()}
+        self.replicas = self.state.replicas()
+        self.desired: FleetConfig | None = None
+        stored = self.state.desired()
+        if stored is not None:
+            self.desired = parse_fleet_config(stored.text, stored.source)
+        self.shapes: dict[str, ModelShape | str] = {}
+        self.healthy: set[str] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.port_cursor = settings.engine_port_first
+        self.forgetting: set[lc.ForgetEngine] = set()
+        self.measurer = Measurer(agents, settings.calibration_budget_s,
+                                 settings.measure_timeout_s, self._measured_one)
+        adopted = [r.id for r in self.replicas.values() if r.state in lc.RUNNING_STATES]
+        if adopted:
+            self.event("adopt", f"re-adopting {', '.join(adopted)} after a restart")
+
+    def event(self, kind: str, message: str, *, node: str = "", replica: str = "") -> None:
+        self.state.log_event(kind, message, node=node, replica=replica)
+        log.info(message, kind=kind, node=node or None, replica=replica or None)
+
+    # --- agents' reports ------------------------------------------------------------------
+    def heartbeat(self, node: str, beat: dict[str, Any]) -> dict[str, Any]:
+        result = on_heartbeat(self.members.get(node), dict(beat, node=node), time.time())
+        if result.changed:
+            self.event("member", f"{node} {result.changed} ({result.member.url})", node=node)
+        self._put_member(result.member)
+        return {"want_facts": result.want_facts}
+
+    def engine_events(self, node: str, events: list[dict[str, Any]]) -> None:
+        member = self.members.get(node)
+        if member is None:
+            return
+        for e in events:
+            log.info("engine event", node=node, engine=e.get("engine_id"), state=e.get("state"))
+        self._put_member(on_events(member, events))
+        self.step()  # a lost stage fails its replica now, not at the next tick
+
+    def goodbye(self, node: str, reason: str) -> None:
+        member = self.members.get(node)
+        if member is not None:
+            self._put_member(on_goodbye(member, reason))
+            self.event("member", f"{node} left: {reason}", node=node)
+
+    def _put_member(self, member: Member) -> None:
+        self.members[member.node] = member
+        self.state.put_member(member)
+
+    # --- the loop -------------------------------------------------------------------------
+    def snapshot(self) -> lc.Snapshot:
+        return lc.Snapshot(now=time.time(), desired=self.desired, members=dict(self.members),
+                           replicas=dict(self.replicas), shapes=dict(self.shapes),
+                           healthy=frozenset(self.healthy),
+                           rebalance_epoch=self.state.rebalance_epoch(),
+                           policy=self.settings.policy, measured=self.measurer.snapshot())
+
+    def _measured_one(self, failure: str, node: str) -> None:
+        if failure:
+            self.event("measure", failure, node=node)
+        self.step()
+
+    def step(self) -> None:
+        now = time.time()
+        for member in tick(self.members, now, self.settings.membership).values():
+            self.event("member", f"{member.node} is {member.state}: {member.reason}",
+                       node=member.node)
+            self._put_member(member)
+        for spec in self.desired.models if self.desired else ():
+            if not isinstance(self.shapes.get(spec.id), ModelShape):
+                self.shapes[spec.id] = read_shape(spec)
+        if self.settings.calibration_budget_s > 0 and self.desired is not None:
+            self.measurer.start_missing(self.desired, self.members, self._spawn_task)
+        for action in lc.decide(self.snapshot()):
+            self.apply(action)
+
+    def apply(self, action: lc.Action) -> None:
+        if isinstance(action, lc.Record):
+            self.record(action.replica)
+        elif isinstance(action, lc.StartStages):
+            self.start_stages(action)
+        elif isinstance(action, lc.StopEngines):
+            self._spawn_task(self.stop_engines(action))
+        elif isinstance(action, lc.ForgetEngine) and action not in self.forgetting:
+            self.forgetting.add(action)
+            self._spawn_task(self.forget_engine(action))
+
+    def record(self, replica: lc.Replica) -> None:
+        old = self.replicas.get(replica.id)
+        self.replicas[replica.id] = replica
+        self.state.put_replica(replica)
+        if old is None or old.state != replica.state:
+            why = f": {replica.reason}" if replica.reason else ""
+            self.event("replica", f"{replica.id} is {replica.state}{why}", replica=replica.id)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.step()
+            except Exception:
+                log.exception("supervisor step failed")
+            await asyncio.sleep(self.settings.tick_s)
+
+    async def health_loop(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                watched = [r for r in self.replicas.values()
+                           if r.state in (lc.WARMING, lc.SERVING)]
+                results = await asyncio.gather(*(self._healthy(session, r) for r in watched))
+                self.healthy = {r.id for r, ok in zip(watched, results) if ok}
+                await asyncio.sleep(self.settings.health_interval_s)
+
+    @staticmethod
+    async def _healthy(session: aiohttp.ClientSession, replica: lc.Replica) -> bool:
+        try:
+            async with session.get(replica.url + "/health") as reply:
+                return reply.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    # --- starting and stopping stages -----------------------------------------------------
+    def _ports(self, host: str, count: int) -> list[int]:
+        """`count` ports no running replica uses on `host` (and free here, when local)."""
+        used = {p for r in self.replicas.values() if r.state in lc.RUNNING_STATES
+                for s in r.stages if s.host == host
+                for p in (s.listen_port, s.http_port, r.master_port if s.rank == 0 else 0)}
+        first, last = self.settings.engine_port_first, self.settings.engine_port_last
+        out: list[int] = []
+        for _ in range(last - first + 1):
+            port = self.port_cursor
+            self.port_cursor = first if port >= last else port + 1
+            local = host in ("127.0.0.1", "localhost", "::1")
+            if port not in used and port not in out and not (local and port_in_use(host, port)):
+                out.append(port)
+                if len(out) == count:
+                    return out
+        raise RequestError(503, f"no free engine port on {host} in {first}..{last}")
+
+    def start_stages(self, action: lc.StartStages) -> None:
+        replica, placement = action.replica, action.placement
+        assert self.desired is not None
+        stages = []
+        master_port = 0
+        try:
+            for stage in placement.stages:
+                member = self.members[stage.node]
+                host = member.url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+                if stage.rank == 0:
+                    listen, http, master_port = self._ports(host, 3)
+                else:
+                    listen, http = self._ports(host, 1)[0], 0
+                stages.append(lc.StageRecord(stage.rank, stage.node, stage.backend,
+                                             stage.layer_range, f"{replica.id}-r{stage.rank}",
+                                             host, listen, http))
+        except RequestError as exc:
+            self.apply_all(lc.fail_actions(replica, exc.message, time.time(),
+                                           self.settings.policy))
+            return
+        placement_id = ",".join(f"{s.layer_range[0]}-{s.layer_range[1]}@{s.backend}"
+                                for s in stages)
+        started = replace(replica, state=lc.STARTING, since=time.time(), stages=tuple(stages),
+                          master_port=master_port, placement_id=placement_id)
+        self.record(started)
+        self._spawn_task(self._spawn_all(started))
+
+    def apply_all(self, actions: list[lc.Action]) -> None:
+        for action in actions:
+            self.apply(action)
+
+    def _key_file(self, replica: lc.Replica) -> Path:
+        path = self.settings.keys_dir / f"{replica.id}.key"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            from agent.pki import write_private
+
+            write_private(path, secrets.token_hex(32).encode())
+        return path
+
+    def spawn_body(self, replica: lc.Replica, stage: lc.StageRecord) -> dict[str, Any]:
+        assert self.desired is not None
+        spec = self.desired.model(replica.model_id)
+        assert spec is not None
+        rank0 = replica.stages[0]
+        return {
+            "engine_id": stage.engine_id, "model_dir": spec.checkpoint.path_for(stage.node),
+            "backend": stage.backend, "replica": replica.id, "rank": stage.rank,
+            "world_size": len(replica.stages),
+            "layers": f"{stage.layer_range[0]}:{stage.layer_range[1]}",
+            "layout": ",".join(f"{s.layer_range[0]}:{s.layer_range[1]}" for s in replica.stages),
+            "listen": f"{stage.host}:{stage.listen_port}",
+            "http": f"{rank0.host}:{rank0.http_port}" if stage.rank == 0 else "",
+            "master_addr": rank0.host, "master_port": replica.master_port,
+            "key_file": str(self._key_file(replica)), "placement": replica.placement_id,
+            "model_id": spec.id, "context": spec.context, "parallel": spec.parallel,
+            "chunk": spec.chunk, "drain_s": self.settings.policy.drain_s,
+        }
+
+    async def _spawn_all(self, replica: lc.Replica) -> None:
+        async def one(stage: lc.StageRecord) -> None:
+            member = self.members[stage.node]
+            await self.agents.spawn(stage.node, member.url, self.spawn_body(replica, stage))
+
+        results = await asyncio.gather(*(one(s) for s in replica.stages), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for exc in errors:
+            if isinstance(exc, AgentError) and exc.status == 0 and exc.node in self.members:
+                self._put_member(on_unreachable(self.members[exc.node], exc.message))
+        if errors:
+            current = self.replicas.get(replica.id, replica)
+            if current.state in (lc.STARTING, lc.WARMING):
+                self.apply_all(lc.fail_actions(current, f"spawn refused: {errors[0]}",
+                                               time.time(), self.settings.policy))
+
+    async def stop_engines(self, action: lc.StopEngines) -> None:
+        """A drain is asked of one stage, rank 0 first: SIGTERM to any stage drains the whole
+        replica, and a stage signalled after the replica's drain began takes it as a second
+        signal (stop at once), which would cut the in-flight requests the drain protects.
+        A failed replica's stages are all stopped (drain_s 0): nothing is left to protect."""
+        async def one(stage: lc.StageRecord) -> bool:
+            member = self.members.get(stage.node)
+            if member is None or member.state in (DEAD, LEFT):
+                return False
+            try:
+                await self.agents.drain(stage.node, member.url, stage.engine_id,
+                                        action.drain_s, action.reason)
+                return True
+            except AgentError as exc:
+                if exc.status not in (404, 409):
+                    log.warning("drain not delivered", node=stage.node, error=str(exc),
+                                replica=action.replica.id)
+                return False
+
+        if action.drain_s <= 0:
+            await asyncio.gather(*(one(s) for s in action.replica.stages))
+            return
+        for stage in action.replica.stages:
+            if await one(stage):
+                return
+
+    async def forget_engine(self, action: lc.ForgetEngine) -> None:
+        member = self.members.get(action.node)
+        try:
+            if member is not None:
+                await self.agents.forget(action.node, member.url, action.engine_id)
+                engines = {k: v for k, v in member.engines.items() if k != action.engine_id}
+                self._put_member(replace(self.members[action.node], engines=engines))
+        except AgentError as exc:
+            log.info("engine record not forgotten", node=action.node, error=str(exc))
+        finally:
+            self.forgetting.discard(action)
+
+    # --- fleetctl -------------------------------------------------------------------------
+    def parse(self, text: str, source: str) -> FleetConfig:
+        from supervisor.fleet_config import FleetConfigError
+
+        try:
+            return parse_fleet_config(text, source)
+        except FleetConfigError as exc:
+            raise RequestError(422, str(exc), field=exc.field, line=exc.line,
+                               source=exc.source) from exc
+
+    def plans(self, config: FleetConfig, only: set[str] | None = None) -> list[dict[str, Any]]:
+        out = []
+        for spec in config.models:
+            if only is not None and spec.id not in only:
+                continue
+            shape = read_shape(spec)
+            if not isinstance(shape, ModelShape):
+                out.append({"model": spec.id, "error": shape})
+                continue
+            plan = plan_model(spec, shape, config, self.members, self.measurer.snapshot())
+            if plan.placement is None:
+                out.append({"model": spec.id, "error": plan.error})
+            else:
+                out.append({"model": spec.id, "ring": list(plan.placement.ring),
+                            "note": plan.note, "text": render_text(render_plan(plan.placement))})
+        return out
+
+    def apply_desired(self, text: str, source: str, *, dry_run: bool = False,
+                      force: bool = False) -> dict[str, Any]:
+        new = self.parse(text, source)
+        old = self.desired
+        changes = diff(old, new) if old else [(f"first apply: {len(new.models)} model(s), "
+                                               f"{len(new.nodes)} node(s)")]
+        before = {m.id: spec_digest(m) for m in old.models} if old else {}
+        changed = {m.id for m in new.models if before.get(m.id) != spec_digest(m)}
+        plans = self.plans(new, changed)
+        errors = [p for p in plans if "error" in p]
+        if errors and not force and not dry_run:
+            raise RequestError(422, "; ".join(p["error"] for p in errors) +
+                               " (nothing was changed; --force applies it anyway)",
+                               changes=changes)
+        if not dry_run and changes:
+            self.state.set_desired(text, source)
+            self.desired = new
+            self.shapes = {}
+            self.event("apply", f"applied {source}: " + ("; ".join(changes) or "no change"))
+            self.step()
+        return {"changes": changes, "plans": plans, "applied": not dry_run and bool(changes)}
+
+    def drain_node(self, node: str, undo: bool = False) -> dict[str, Any]:
+        member = self.members.get(node)
+        if member is None:
+            known = ", ".join(sorted(self.members)) or "none yet"
+            raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
+        self._put_member(replace(member, cordoned=not undo))
+        self.event("drain", f"{node} {'uncordoned' if undo else 'cordoned: its replicas drain'}",
+                   node=node)
+        self.step()
+        return {"node": node, "cordoned": not undo}
+
+    def rebalance(self) -> dict[str, Any]:
+        self.measurer.forget_failures()  # tried again: a rebalance is when they matter
+        epoch = self.state.bump_rebalance_epoch()
+        self.event("rebalance", f"rebalance {epoch} asked")
+        self.step()
+        return {"rebalance_epoch": epoch}
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        members = []
+        for m in sorted(self.members.values(), key=lambda m: m.node):
+            host = (m.facts or {}).get("host", {})
+            members.append({
+                "node": m.node, "state": m.state, "cordoned": m.cordoned, "url": m.url,
+                "seen_s_ago": round(now - m.last_heartbeat_at, 1), "reason": m.reason,
+                "platform": host.get("platform"), "arch": host.get("arch"),
+                "ram_total_bytes": host.get("ram_total_bytes"),
+                "backends": list(m.present_backends()),
+                "engines": {k: v.state for k, v in m.engines.items()}})
+        latest = lc.latest_by_model(self.replicas)
+        # Every live replica, and the last few ended ones: how the current one came to be.
+        shown = sorted((r for r in self.replicas.values() if r.state in lc.LIVE_STATES
+                        or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
+                       key=lambda r: (r.model_id, r.generation))
+        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy) for r in shown]
+        stored = self.state.desired()
+        return {"members": members, "replicas": replicas,
+                "models": [m.id for m in self.desired.models] if self.desired else [],
+                "desired": {"source": stored.source, "applied_at": stored.applied_at}
+                if stored else None,
+                "front_door": self.settings.front_door_url,
+                "measured": self.measurer.to_dict(),
+                "events": self.state.events(limit=15)}
+
+    # --- the front door's view ------------------------------------------------------------
+    def route(self, model: str | None) -> Route:
+        ids = [m.id for m in self.desired.models] if self.desired else []
+        if model is None:
+            return Route(status=400, message="'model' is required (models: "
+                         f"{', '.join(ids) or 'none'})")
+        if model not in ids:
+            return Route(status=404, message=f"model {model!r} is not served by this fleet "
+                         f"(models: {', '.join(ids) or 'none'})")
+        replica = lc.latest_by_model(self.replicas).get(model)
+        if replica is None or replica.state != lc.SERVING:
+            state = replica.state if replica else "not placed"
+            return Route(status=503, message=f"model {model!r} has no serving replica now "
+                         f"({state}); retry shortly")
+        return Route(url=replica.url, replica=replica.id)
+
+    def models(self) -> list[dict[str, Any]]:
+        latest = lc.latest_by_model(self.replicas)
+        return [{"id": m.id, "object": "model", "owned_by": "ringfleet",
+                 "serving": (r := latest.get(m.id)) is not None and r.state == lc.SERVING}
+                for m in (self.desired.models if self.desired else ())]
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.state.close()

@@ -1,0 +1,61 @@
+"""The supervisor process's own settings (fleet.yaml holds the fleet; these hold the process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.lifecycle import Policy
+from supervisor.membership import MembershipTimes
+
+
+class SettingsError(ValueError):
+    """A supervisor setting is out of range; the message names it."""
+
+
+def split_address(text: str, what: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingsError(f"{what}={text!r}: expected host:port")
+    if host.strip("[]") in ("", "0.0.0.0", "::", "*"):
+        raise SettingsError(f"{what}={text!r}: give a concrete address, not a wildcard")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    state_dir: Path
+    listen: str = "127.0.0.1:7400"  # the mutual-TLS API for agents and fleetctl
+    front_door: str = "127.0.0.1:8000"  # the OpenAI endpoint for clients (plain HTTP)
+    api_keys: tuple[str, ...] = ()  # empty: the front door takes any client
+    membership: MembershipTimes = field(default_factory=MembershipTimes)
+    policy: Policy = field(default_factory=Policy)
+    tick_s: float = 0.5
+    health_interval_s: float = 1.0
+    calibration_budget_s: float = 30.0  # per node and model; 0: nominal timings, no probes
+    measure_timeout_s: float = 300.0  # a calibration or probe not done by then counts as failed
+    engine_port_first: int = 29600  # ports the supervisor gives stages, on every node
+    engine_port_last: int = 29999
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state_dir", Path(self.state_dir).expanduser())
+        split_address(self.listen, "listen")
+        split_address(self.front_door, "front_door")
+        if not 0 < self.engine_port_first < self.engine_port_last < 65536:
+            raise SettingsError(f"engine ports {self.engine_port_first}..{self.engine_port_last}"
+                                ": expected 1 <= first < last <= 65535")
+        for name in ("tick_s", "health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name}={getattr(self, name)!r}: must be positive")
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "supervisor.sqlite"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.state_dir / "keys"
+
+    @property
+    def front_door_url(self) -> str:
+        return f"http://{self.front_door}/v1"

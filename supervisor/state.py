@@ -1,0 +1,138 @@
+"""The supervisor's state on disk: one SQLite file in the state directory.
+
+It keeps the desired state (the applied fleet.yaml's text), the members, every replica with
+its placement, join tokens (hashes only) and an event log. Writes are small and immediate
+(autocommit, WAL), so a supervisor that is killed and started again finds the replicas it
+was running and re-adopts them instead of restarting them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.pki import TokenRecord
+from supervisor.lifecycle import Replica
+from supervisor.membership import Member
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS members (node TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS replicas (
+    id TEXT PRIMARY KEY, model_id TEXT NOT NULL, generation INTEGER NOT NULL,
+    state TEXT NOT NULL, record TEXT NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (secret_sha256 TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL,
+    node TEXT NOT NULL DEFAULT '', replica TEXT NOT NULL DEFAULT '', message TEXT NOT NULL);
+"""
+KEEP_REPLICAS_PER_MODEL = 20
+KEEP_EVENTS = 10_000
+
+
+@dataclass(frozen=True)
+class Desired:
+    """The last applied fleet.yaml: its text and where it came from."""
+
+    text: str
+    source: str
+    applied_at: float
+
+
+class State:
+    """One connection, used from the event loop's thread only (every call is short)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # settings ----------------------------------------------------------------------------
+    def _get(self, key: str) -> Any:
+        row = self.db.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def _put(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)",
+                        (key, json.dumps(value)))
+
+    def desired(self) -> Desired | None:
+        raw = self._get("desired")
+        return Desired(**raw) if raw else None
+
+    def set_desired(self, text: str, source: str, now: float | None = None) -> None:
+        self._put("desired", {"text": text, "source": source,
+                              "applied_at": time.time() if now is None else now})
+
+    def rebalance_epoch(self) -> int:
+        return int(self._get("rebalance_epoch") or 0)
+
+    def bump_rebalance_epoch(self) -> int:
+        epoch = self.rebalance_epoch() + 1
+        self._put("rebalance_epoch", epoch)
+        return epoch
+
+    # members -----------------------------------------------------------------------------
+    def members(self) -> dict[str, Member]:
+        rows = self.db.execute("SELECT record FROM members").fetchall()
+        return {m.node: m for m in (Member.from_dict(json.loads(r[0])) for r in rows)}
+
+    def put_member(self, member: Member) -> None:
+        self.db.execute("INSERT OR REPLACE INTO members (node, record) VALUES (?, ?)",
+                        (member.node, json.dumps(member.to_dict())))
+
+    # replicas ----------------------------------------------------------------------------
+    def replicas(self) -> dict[str, Replica]:
+        rows = self.db.execute("SELECT record FROM replicas ORDER BY generation").fetchall()
+        return {r.id: r for r in (Replica.from_dict(json.loads(row[0])) for row in rows)}
+
+    def put_replica(self, replica: Replica) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO replicas (id, model_id, generation, state, record, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (replica.id, replica.model_id, replica.generation, replica.state,
+             json.dumps(replica.to_dict()), time.time()))
+        self.db.execute(
+            "DELETE FROM replicas WHERE model_id = ? AND generation <= ?",
+            (replica.model_id, replica.generation - KEEP_REPLICAS_PER_MODEL))
+
+    # tokens ------------------------------------------------------------------------------
+    def tokens(self) -> list[TokenRecord]:
+        rows = self.db.execute("SELECT record FROM tokens").fetchall()
+        return [TokenRecord.from_dict(json.loads(r[0])) for r in rows]
+
+    def put_token(self, record: TokenRecord) -> None:
+        self.db.execute("INSERT OR REPLACE INTO tokens (secret_sha256, record) VALUES (?, ?)",
+                        (record.secret_sha256, json.dumps(record.to_dict())))
+
+    def use_token(self, record: TokenRecord) -> None:
+        """A join token is good for one join."""
+        self.db.execute("DELETE FROM tokens WHERE secret_sha256 = ?", (record.secret_sha256,))
+
+    # events ------------------------------------------------------------------------------
+    def log_event(self, kind: str, message: str, *, node: str = "", replica: str = "",
+                  now: float | None = None) -> int:
+        cursor = self.db.execute(
+            "INSERT INTO events (at, kind, node, replica, message) VALUES (?, ?, ?, ?, ?)",
+            (time.time() if now is None else now, kind, node, replica, message))
+        seq = int(cursor.lastrowid or 0)
+        if seq % 1000 == 0:
+            self.db.execute("DELETE FROM events WHERE seq <= ?", (seq - KEEP_EVENTS,))
+        return seq
+
+    def events(self, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+        rows = self.db.execute(
+            "SELECT seq, at, kind, node, replica, message FROM events WHERE seq > ? "
+            "ORDER BY seq DESC LIMIT ?", (after, limit)).fetchall()
+        keys = ("seq", "at", "kind", "node", "replica", "message")
+        return [dict(zip(keys, row)) for row in reversed(rows)]

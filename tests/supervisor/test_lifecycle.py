@@ -1,0 +1,209 @@
+"""Replica lifecycle decisions over frozen snapshots, with no network and a hand-driven clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.checkpoint.maker import PRESETS, config_json
+from supervisor import lifecycle as lc
+from supervisor.fleet_config import parse_fleet_config
+from supervisor.membership import ALIVE, DEAD, SUSPECT, EngineState, Member
+from supervisor.memory import model_shape_from_config
+
+SHAPE = model_shape_from_config(config_json(PRESETS["demo"]), 2)
+FLEET = """
+version: 1
+supervisor: {address: "127.0.0.1:7400", state_dir: /tmp/x}
+nodes:
+  - {name: a, labels: {backend: torch-cpu}}
+  - {name: b, labels: {backend: mlx-cpu}}
+models:
+  - id: demo
+    checkpoint: /models/demo
+    backends: [torch-cpu, mlx-cpu]
+    context: 1024
+    parallel: %d
+    placement:
+      - {node: a, layers: "0:4"}
+      - {node: b, layers: "4:8"}
+"""
+POLICY = lc.Policy(backoff_first_s=1.0, backoff_max_s=8.0, start_timeout_s=100.0, drain_s=30.0)
+
+
+def config(parallel: int = 2):
+    return parse_fleet_config(FLEET % parallel)
+
+
+def member(name: str, state: str = ALIVE, engines: dict[str, str] | None = None,
+           cordoned: bool = False) -> Member:
+    facts = {"host": {}, "backends": [
+        {"backend": b, "present": True, "devices": [{"memory_usable_bytes": 8 << 30}]}
+        for b in ("torch-cpu", "mlx-cpu")]}
+    views = {e: EngineState(e, "", int(e[-1]), s,
+                            {"reason": "killed by SIGKILL"} if s == "exited" else None)
+             for e, s in (engines or {}).items()}
+    return Member(name, f"https://127.0.0.1:{7700 + ord(name[0])}", state, 0.0, 0.0, facts,
+                  "d", views, cordoned)
+
+
+def snap(replicas, members=None, now=10.0, healthy=(), cfg=None, epoch=0):
+    members = members or {"a": member("a"), "b": member("b")}
+    return lc.Snapshot(now=now, desired=cfg or config(), members=members,
+                       replicas={r.id: r for r in replicas}, shapes={"demo": SHAPE},
+                       healthy=frozenset(healthy), rebalance_epoch=epoch, policy=POLICY)
+
+
+def started(state: str = lc.STARTING, since: float = 5.0, failures: int = 0) -> lc.Replica:
+    from supervisor.planning import spec_digest
+
+    stages = (lc.StageRecord(0, "a", "torch-cpu", (0, 4), "demo-g1-r0", "127.0.0.1", 9000, 9001),
+              lc.StageRecord(1, "b", "mlx-cpu", (4, 8), "demo-g1-r1", "127.0.0.1", 9002))
+    return lc.Replica("demo-g1", "demo", 1, state, since, spec_digest(config().model("demo")),
+                      failures=failures, stages=stages, master_port=9003)
+
+
+def both(states: tuple[str, str]) -> dict[str, Member]:
+    return {"a": member("a", engines={"demo-g1-r0": states[0]}),
+            "b": member("b", engines={"demo-g1-r1": states[1]})}
+
+
+def only(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_a_new_model_gets_a_placing_replica_then_its_stages():
+    [record] = lc.decide(snap([]))
+    assert isinstance(record, lc.Record) and record.replica.state == lc.PLACING
+    assert record.replica.id == "demo-g1"
+    [start] = lc.decide(snap([record.replica]))
+    assert isinstance(start, lc.StartStages)
+    assert start.placement.ring == ("a", "b")
+    assert [s.layer_range for s in start.placement.stages] == [(0, 4), (4, 8)]
+
+
+def test_placing_waits_with_the_reason_when_nothing_fits():
+    placing = lc.decide(snap([]))[0].replica
+    nobody = {"a": member("a", state=SUSPECT), "b": member("b", state=DEAD)}
+    [record] = lc.decide(snap([placing], members=nobody))
+    assert record.replica.state == lc.PLACING and "no live node" in record.replica.reason
+    assert lc.decide(snap([record.replica], members=nobody)) == []  # same reason: no churn
+
+
+def test_explicit_placement_falls_back_to_what_remains_when_a_node_is_gone():
+    placing = lc.decide(snap([]))[0].replica
+    [start] = lc.decide(snap([placing], members={"a": member("a"), "b": member("b", DEAD)}))
+    assert start.placement.ring == ("a",)
+    assert "needs b" in start.replica.note
+
+
+def test_starting_to_warming_to_serving():
+    assert lc.decide(snap([started()], members=both(("ready", "starting")))) == []
+    [warm] = lc.decide(snap([started()], members=both(("ready", "ready"))))
+    assert warm.replica.state == lc.WARMING
+    assert lc.decide(snap([warm.replica], members=both(("ready", "ready")))) == []
+    [serve] = lc.decide(snap([warm.replica], members=both(("ready", "ready")),
+                             healthy={"demo-g1"}))
+    assert serve.replica.state == lc.SERVING and serve.replica.failures == 0
+
+
+def test_one_stage_lost_fails_the_replica_and_stops_the_rest():
+    serving = started(lc.SERVING, failures=0)
+    actions = lc.decide(snap([serving], members=both(("ready", "exited"))))
+    [record], [stop] = only(actions, lc.Record), only(actions, lc.StopEngines)
+    assert record.replica.state == lc.FAILED
+    assert "rank 1 on b exited: killed by SIGKILL" in record.replica.reason
+    assert record.replica.next_attempt_at == 10.0 + 1.0 and stop.drain_s == 0.0
+
+
+def test_a_dead_node_fails_the_replica_a_suspect_one_does_not():
+    serving = started(lc.SERVING)
+    members = both(("ready", "ready"))
+    suspect = dict(members, b=replace(members["b"], state=SUSPECT))
+    assert lc.decide(snap([serving], members=suspect)) == []
+    dead = dict(members, b=replace(members["b"], state=DEAD))
+    record = only(lc.decide(snap([serving], members=dead)), lc.Record)[0]
+    assert record.replica.state == lc.FAILED and "node b (rank 1) is dead" in record.replica.reason
+
+
+def test_an_ended_replicas_exited_engines_are_forgotten():
+    failed = started(lc.FAILED)
+    actions = lc.decide(snap([failed], members=both(("exited", "draining")), now=0.0))
+    assert only(actions, lc.ForgetEngine) == [lc.ForgetEngine("a", "demo-g1-r0")]
+
+
+def test_failures_back_off_then_a_new_generation_is_placed():
+    failed = replace(started(lc.FAILED, failures=3), next_attempt_at=14.0)
+    assert lc.decide(snap([failed], now=13.9)) == []
+    [record] = lc.decide(snap([failed], now=14.0))
+    assert record.replica.id == "demo-g2" and record.replica.state == lc.PLACING
+    assert record.replica.failures == 3
+    assert [POLICY.backoff_s(n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 8.0, 8.0]
+
+
+def test_a_start_that_takes_too_long_fails():
+    actions = lc.decide(snap([started(since=0.0)], members=both(("ready", "starting")),
+                             now=101.0))
+    assert only(actions, lc.Record)[0].replica.state == lc.FAILED
+
+
+def test_a_join_changes_nothing_for_a_serving_replica():
+    members = dict(both(("ready", "ready")), c=member("c"))
+    assert lc.decide(snap([started(lc.SERVING)], members=members)) == []
+
+
+def test_a_changed_spec_drains_first_then_stops_then_replaces():
+    serving = started(lc.SERVING)
+    actions = lc.decide(snap([serving], members=both(("ready", "ready")), cfg=config(3)))
+    [record], [stop] = only(actions, lc.Record), only(actions, lc.StopEngines)
+    assert record.replica.state == lc.DRAINING and "fleet.yaml changed" in record.replica.reason
+    assert stop.drain_s == 30.0
+    draining = record.replica
+    assert lc.decide(snap([draining], members=both(("draining", "exited")), cfg=config(3))) == []
+    [stopped] = lc.decide(snap([draining], members=both(("exited", "exited")), cfg=config(3)))
+    assert stopped.replica.state == lc.STOPPED
+    [new] = lc.decide(snap([stopped.replica], cfg=config(3)))
+    assert new.replica.id == "demo-g2" and new.replica.state == lc.PLACING
+
+
+def test_a_drain_that_outlives_its_deadline_counts_as_stopped():
+    draining = started(lc.DRAINING, since=0.0)
+    [stopped] = lc.decide(snap([draining], members=both(("draining", "draining")), now=61.0))
+    assert stopped.replica.state == lc.STOPPED
+
+
+def test_a_cordoned_node_drains_its_replicas():
+    members = both(("ready", "ready"))
+    members["b"] = replace(members["b"], cordoned=True)
+    record = only(lc.decide(snap([started(lc.SERVING)], members=members)), lc.Record)[0]
+    assert record.replica.state == lc.DRAINING and "node b is being drained" in record.replica.reason
+
+
+def test_rebalance_moves_only_a_replica_whose_placement_changed():
+    # Placed on `a` alone while `b` was gone; a rebalance with `b` back returns to fleet.yaml's.
+    lone = replace(started(lc.SERVING), stages=started().stages[:1])
+    members = {"a": member("a", engines={"demo-g1-r0": "ready"}), "b": member("b")}
+    record = only(lc.decide(snap([lone], members=members, epoch=1)), lc.Record)[0]
+    assert record.replica.state == lc.DRAINING and record.replica.reason.startswith("rebalance")
+    [seen] = lc.decide(snap([started(lc.SERVING)], members=both(("ready", "ready")), epoch=1))
+    assert seen.replica.state == lc.SERVING and seen.replica.rebalance_epoch == 1
+
+
+def test_a_model_removed_from_fleet_yaml_drains_and_is_not_replaced():
+    empty = parse_fleet_config((FLEET % 2).split("models:")[0])
+    actions = lc.decide(snap([started(lc.SERVING)], members=both(("ready", "ready")), cfg=empty))
+    assert only(actions, lc.Record)[0].replica.state == lc.DRAINING
+    assert only(actions, lc.StopEngines)
+
+
+def test_replica_round_trips_through_a_dict():
+    replica = started(lc.SERVING)
+    assert lc.Replica.from_dict(replica.to_dict()) == replica
+    assert replica.url == "http://127.0.0.1:9001"
+
+
+def test_a_serving_stage_its_agent_no_longer_reports_is_lost():
+    members = {"a": member("a", engines={"demo-g1-r0": "ready"}), "b": member("b")}
+    record = only(lc.decide(snap([started(lc.SERVING)], members=members)), lc.Record)[0]
+    assert record.replica.state == lc.FAILED and "no longer reports rank 1" in record.replica.reason
+    # while starting, a stage not reported yet is only not there yet
+    assert lc.decide(snap([started()], members=members)) == []

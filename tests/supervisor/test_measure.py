@@ -1,0 +1,67 @@
+"""From an agent's calibration and probes to placement inputs: timings per spec, links used
+both ways, and every nominal input named in the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.checkpoint.maker import PRESETS, config_json
+from supervisor.fleet_config import parse_fleet_config
+from supervisor.measure import Measured, NodeTiming, timing_from_result, timing_key
+from supervisor.membership import ALIVE, Member
+from supervisor.memory import model_shape_from_config
+from supervisor.placement import LinkSnapshot
+from supervisor.planning import plan_model
+
+FLEET = parse_fleet_config("""
+version: 1
+supervisor: {address: "127.0.0.1:7400", state_dir: /tmp/x}
+nodes: [{name: a}, {name: b}]
+models:
+  - {id: m, checkpoint: /m, backends: [torch-cpu, mlx-cpu], context: 1024, parallel: 4,
+     chunk: 64}
+""")
+SPEC = FLEET.model("m")
+SHAPE = model_shape_from_config(config_json(PRESETS["demo"]), 2)
+
+
+def point(kind: str, context: int, rows: int, ms: float) -> dict:
+    return {"kind": kind, "context": context, "rows": rows, "ms_per_layer": ms, "runs": 3,
+            "spread_ms": 0.1}
+
+
+def member(name: str, backend: str) -> Member:
+    facts = {"backends": [{"backend": backend, "present": True,
+                           "devices": [{"memory_usable_bytes": 8 << 30}]}]}
+    return Member(name, "https://127.0.0.1:1", ALIVE, 0.0, 0.0, facts, "d")
+
+
+def test_timing_picks_the_spec_points():
+    result = {"timings": [point("decode", 512, 1, 9.0), point("decode", 1024, 1, 2.0),
+                          point("decode", 1024, 4, 3.0), point("prefill", 1024, 64, 40.0)]}
+    assert timing_from_result(result, SPEC) == NodeTiming(2.0, 3.0, 40.0)
+    with pytest.raises(ValueError, match="4 row"):
+        timing_from_result({"timings": [point("decode", 1024, 1, 2.0),
+                                        point("prefill", 1024, 64, 1.0)]}, SPEC)
+
+
+def test_a_link_measured_one_way_serves_both():
+    measured = Measured(links={("a", "b"): LinkSnapshot("b", 0.3, 1e9)})
+    assert measured.link("b", "a") == LinkSnapshot("a", 0.3, 1e9)
+    assert measured.link("a", "c") is None
+
+
+def test_measured_numbers_drive_the_placement_and_guesses_are_named():
+    members = {"a": member("a", "torch-cpu"), "b": member("b", "mlx-cpu")}
+    nominal = plan_model(SPEC, SHAPE, FLEET, members)
+    assert any("not calibrated, nominal ms per layer: a, b" in w for w in nominal.placement.why)
+    assert any("not probed" in w for w in nominal.placement.why)
+    fast_b = Measured(timings={timing_key(SPEC, "a", "torch-cpu"): NodeTiming(9.0, 9.0, 90.0),
+                               timing_key(SPEC, "b", "mlx-cpu"): NodeTiming(1.0, 1.0, 10.0)},
+                      links={("a", "b"): LinkSnapshot("b", 0.2, 1e9)})
+    plan = plan_model(SPEC, SHAPE, FLEET, members, fast_b)
+    assert plan.placement.ring == ("b",)  # b alone is fastest: no hop, fewer ms per layer
+    assert not any("nominal" in w for w in plan.placement.why)
+    failed = Measured(timings={timing_key(SPEC, "a", "torch-cpu"): "calibration failed: x"})
+    assert any("a (calibration failed: x)" in w
+               for w in plan_model(SPEC, SHAPE, FLEET, members, failed).placement.why)
