@@ -17,7 +17,7 @@ $(INSTALLED): pyproject.toml Makefile
 	touch $@
 
 demo: $(INSTALLED)
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/fleet_demo.py $(DEMO_ARGS)
 
 test: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -23,6 +23,7 @@ import structlog
 
 from agent.child import ChildExit, ChildProcess, GracePeriods, RotatingLog, SpawnError
 from agent.config import AgentConfig
+from agent.pki import write_private
 from agent.spawn import (
     EngineSpec,
     SpawnRefused,
@@ -320,6 +321,8 @@ class EngineManager:
 
     def spawn(self, spec: EngineSpec) -> EngineView:
         """Check and start one stage; SpawnRefused names what is wrong."""
+        if spec.link_key:  # the key arrives over mTLS; only a file of ours names it after
+            spec = replace(spec, key_file=str(self._write_link_key(spec)), link_key="")
         drain_s = self.config.drain_s
         info = read_checkpoint_info(spec.model_dir)
         running = tuple(e.record.spec for e in self.engines.values()
@@ -344,6 +347,18 @@ class EngineManager:
         self._emit(engine, EngineState.STARTING, pid=child.pid)
         child.start_monitor()
         return engine.view()
+
+    def _write_link_key(self, spec: EngineSpec) -> Path:
+        try:
+            key = bytes.fromhex(spec.link_key)
+        except ValueError:
+            raise SpawnRefused("link_key", "expected the link key in hex") from None
+        if len(key) < 16:
+            raise SpawnRefused("link_key", f"{len(key)} bytes; a link key has at least 16")
+        path = self.config.state_dir / "keys" / f"{spec.engine_id}.key"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(path, spec.link_key.encode())
+        return path
 
     def drain(self, engine_id: str, *, reason: str = "asked", drain_s: float | None = None) -> (
             EngineView):

@@ -59,7 +59,8 @@ class EngineSpec:
     http: str = ""  # rank 0's API host:port
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    key_file: str = ""
+    key_file: str = ""  # a link key already on this machine, or:
+    link_key: str = ""  # the key itself (hex), written to the agent's own keys/ at spawn
     placement: str = ""
     model_id: str = ""
     context: int = 2048

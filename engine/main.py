@@ -40,7 +40,7 @@ async def serve_rank0(env: EngineEnv, runner, codec: TextCodec, config: ModelCon
     """Serve the API until a signal or a failed round; returns the exit code.
 
     SIGTERM drains: new requests get 503, in-flight ones finish for up to FLEET_DRAIN_S,
-    then the engine exits 0. SIGINT, or a second signal, stops at once. A runner with a
+    then the engine exits 0 (more SIGTERMs change nothing). SIGINT stops at once. A runner with a
     `ring_failed()` coroutine (a pipeline) ends the engine when its ring dies.
     """
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
@@ -58,8 +58,10 @@ async def serve_rank0(env: EngineEnv, runner, codec: TextCodec, config: ModelCon
     drain_asked, stop_now = asyncio.Event(), asyncio.Event()
 
     def on_signal(sig: signal.Signals) -> None:
-        if sig == signal.SIGTERM and not drain_asked.is_set():
-            log.info("draining", deadline_s=env.drain_s)
+        # SIGTERM always means drain: an agent stopping, a supervisor re-placing and a
+        # stage asking may all ask for the same drain. SIGINT (Ctrl-C) stops at once.
+        if sig == signal.SIGTERM:
+            log.info("draining", deadline_s=env.drain_s, already=drain_asked.is_set())
             drain_asked.set()
         else:
             stop_now.set()

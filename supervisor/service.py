@@ -273,7 +273,9 @@ class Supervisor:
             "listen": f"{stage.host}:{stage.listen_port}",
             "http": f"{rank0.host}:{rank0.http_port}" if stage.rank == 0 else "",
             "master_addr": rank0.host, "master_port": replica.master_port,
-            "key_file": str(self._key_file(replica)), "placement": replica.placement_id,
+            # The key travels inside the mutual-TLS request: agents need not share a disk.
+            "link_key": self._key_file(replica).read_text().strip(),
+            "placement": replica.placement_id,
             "model_id": spec.id, "context": spec.context, "parallel": spec.parallel,
             "chunk": spec.chunk, "drain_s": self.settings.policy.drain_s,
         }

@@ -80,8 +80,12 @@ def _follow(env: EngineEnv, stage: Stage, ring, liveness: LivenessConfig) -> int
     asked = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        if asked:  # a second signal: stop at once
-            on_fatal(f"stopped by signal {signal.Signals(signum).name}")
+        # Any stage asked to stop asks rank 0 to drain the whole replica; asking again
+        # (SIGTERM) changes nothing, a second Ctrl-C stops this stage at once.
+        if asked and signum == signal.SIGINT:
+            on_fatal("stopped by a second SIGINT")
+        if asked:
+            return
         asked.append(signum)
         log.info("asking rank 0 to drain the replica", signal=signal.Signals(signum).name)
         try:

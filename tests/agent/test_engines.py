@@ -205,6 +205,10 @@ def test_bad_spawn_requests_are_refused_with_a_reason(fleet, tmp_path, tiny_mode
                  "outside the model's 4 layers"),
                 (dict(engine_id="d", model_dir=str(tiny_model), backend="mlx-metal"), 422,
                  "backend", "not available"),
+                (dict(engine_id="e", model_dir=str(tiny_model), link_key="not hex"), 422,
+                 "link_key", "hex"),
+                (dict(engine_id="f", model_dir=str(tiny_model), link_key="abcd"), 422,
+                 "link_key", "at least 16"),
             ]
             for body, status, field, words in cases:
                 async with session.post(url + "/v1/engines", json=body) as r:
@@ -282,3 +286,28 @@ def test_after_a_restart_engines_are_ended_when_adoption_is_off_and_dead_ones_fo
         for proc in left_behind.values():
             proc.kill()
             proc.wait(10)
+
+
+def test_a_link_key_sent_in_the_spawn_lands_in_a_private_file_and_nowhere_else(
+        fleet, tmp_path, tiny_model):
+    config = agent_config(fleet, tmp_path, engine_command=fake_engine_command())
+    key = "ab" * 32
+
+    async def scenario():
+        async with serving(config) as url, client(fleet) as session:
+            body = dict(engine_id="ringed", model_dir=str(tiny_model), world_size=2, rank=1,
+                        layers="2:4", layout="0:2,2:4", listen=f"127.0.0.1:{free_port()}",
+                        link_key=key)
+            async with session.post(url + "/v1/engines", json=body) as r:
+                assert r.status == 201, await r.text()
+                view = await r.json()
+            assert view["spec"]["link_key"] == ""
+            key_file = Path(view["spec"]["key_file"])
+            assert key_file.read_text() == key
+            assert key_file.stat().st_mode & 0o077 == 0
+            assert key not in (config.run_dir / "ringed.json").read_text()
+            async with session.post(f"{url}/v1/engines/ringed/drain", json={"drain_s": 0.5}):
+                pass
+            await wait_state(session, url, "ringed", {"exited"}, 30)
+
+    asyncio.run(scenario())
