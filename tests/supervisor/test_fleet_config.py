@@ -31,7 +31,7 @@ def test_repo_fleet_yaml_parses():
     assert fleet.version == 1
     assert fleet.supervisor.address == "192.168.1.10:7400"
     assert [n.name for n in fleet.nodes] == ["gb10", "mac-studio"]
-    assert dict(fleet.node("gb10").labels) == {"backend": "torch-cuda"}
+    assert dict(fleet.node("gb10").labels) == {"room": "lab"}
     model = fleet.model("qwen3-8b")
     assert model.checkpoint.path_for("mac-studio") == "/Users/me/models/Qwen3-8B"
     assert model.backends == ("torch-cuda", "mlx-metal")
@@ -132,7 +132,7 @@ def test_diff_names_every_change():
     text = (REPO_FLEET.read_text()
             .replace("context: 8192", "context: 16384")
             .replace("parallel: 4 ", "parallel: 8 ")
-            .replace("labels: {backend: mlx-metal}", "labels: {backend: mlx-cpu}")
+            .replace("labels: {room: office}", "labels: {room: hall}")
             .replace("address: 192.168.1.10:7400", "address: 192.168.1.11:7400")
             .replace("    placement: auto ",
                      "    placement: [{node: gb10, layers: '0:20'}, "
@@ -143,7 +143,7 @@ def test_diff_names_every_change():
     assert diff(old, new) == [
         "supervisor.address: 192.168.1.10:7400 -> 192.168.1.11:7400",
         "node added: pi5",
-        "node mac-studio: labels {backend: mlx-metal} -> {backend: mlx-cpu}",
+        "node mac-studio: labels {room: office} -> {room: hall}",
         "model added: tiny",
         "model qwen3-8b: context 8192 -> 16384",
         "model qwen3-8b: parallel 4 -> 8",
