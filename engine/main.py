@@ -17,7 +17,7 @@ from engine.backends.base import BackendError, load_stage
 from engine.checkpoint.reader import CheckpointError, open_checkpoint
 from engine.config import ConfigError, ModelConfig
 from engine.env import EngineEnv, EnvError
-from engine.lanes.host import LaneHost
+from engine.lanes.host import LaneHost, RoundRunner
 from engine.lanes.text import TextCodec
 from engine.logs import configure_logging
 from engine.runner import LocalRunner
@@ -36,24 +36,35 @@ def load_progress(what: str):
     return report
 
 
-async def serve_rank0(env: EngineEnv, runner, codec: TextCodec, config: ModelConfig) -> int:
-    """Serve the API until a signal or a failed round; returns the exit code.
+async def serve_rank0(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
+                      config: ModelConfig) -> int:
+    """Serve the API until a signal, a failed round or a dead ring; returns the exit code.
 
     SIGTERM drains: new requests get 503, in-flight ones finish for up to FLEET_DRAIN_S,
-    then the engine exits 0 (more SIGTERMs change nothing). SIGINT stops at once. A runner with a
-    `ring_failed()` coroutine (a pipeline) ends the engine when its ring dies.
+    then the engine exits 0 (more SIGTERMs change nothing). SIGINT stops at once.
     """
+    host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting)
+    host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting))
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
-    host_ref: list[LaneHost] = []
-    metrics = EngineMetrics(lambda: host_ref[0].slots_in_use(), lambda: len(host_ref[0].waiting))
-    host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting, metrics=metrics)
-    host_ref.append(host)
-    app = make_app(host, ApiConfig(served, env.placement, int(time.time())), metrics)
+    app = make_app(host, ApiConfig(served, env.placement, int(time.time())), host.metrics)
     web_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await web_runner.setup()
     await web.TCPSite(web_runner, env.http[0], env.http[1]).start()
     log.info("ready", http=f"http://{env.http[0]}:{env.http[1]}/v1", model=env.model_id)
 
+    code, reason = await _serve_until_the_end(env, runner, host)
+    host.fail(reason if code else "the engine is shutting down")
+    await asyncio.sleep(0.1)  # let handlers write their last bytes (503s, SSE error events)
+    await web_runner.cleanup()
+    host.close()
+    runner.stop(reason, clean=code == 0)
+    log.info("exiting", code=code, reason=reason)
+    return code
+
+
+async def _serve_until_the_end(env: EngineEnv, runner: RoundRunner,
+                               host: LaneHost) -> tuple[int, str]:
+    """Run rounds until one of: a drain finished, SIGINT, a failed round, a dead ring."""
     loop = asyncio.get_running_loop()
     drain_asked, stop_now = asyncio.Event(), asyncio.Event()
 
@@ -68,36 +79,27 @@ async def serve_rank0(env: EngineEnv, runner, codec: TextCodec, config: ModelCon
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    if hasattr(runner, "start"):  # a pipeline: keep-alives, watchers, drains asked by stages
-        runner.start(loop, on_drain=lambda: loop.call_soon_threadsafe(drain_asked.set))
-    rounds = asyncio.create_task(host.run(), name="rounds")
-    draining = asyncio.create_task(_drain_when_asked(host, drain_asked, env.drain_s))
-    watchers = {rounds, draining, asyncio.create_task(stop_now.wait())}
-    if hasattr(runner, "ring_failed"):
-        watchers.add(asyncio.create_task(runner.ring_failed(), name="ring"))
-    done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
-    code, reason = 0, "stopped"
-    finished = done.pop()
-    if finished is draining:
-        reason = "drained" if finished.result() else "drain deadline passed"
-    elif finished.get_name() in ("rounds", "ring"):
-        code = 1
-        reason = host.failure or (finished.result() if finished.get_name() == "ring" else "failed")
-    host.fail(reason if code else "the engine is shutting down")
-    for task in watchers:
+    runner.start(loop, on_drain=lambda: loop.call_soon_threadsafe(drain_asked.set))
+
+    async def drained() -> str:
+        await drain_asked.wait()
+        return "drained" if await host.drain(env.drain_s) else "drain deadline passed"
+
+    async def stopped() -> str:
+        await stop_now.wait()
+        return "stopped"
+
+    async def failed() -> str:
+        await host.run()  # returns only when a round failed
+        return host.failure or "the round loop ended"
+
+    clean = {asyncio.create_task(drained()), asyncio.create_task(stopped())}
+    unclean = {asyncio.create_task(failed()), asyncio.create_task(runner.ring_failed())}
+    done, pending = await asyncio.wait(clean | unclean, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
         task.cancel()
-    await asyncio.sleep(0.1)  # let handlers write their last bytes (503s, SSE error events)
-    await web_runner.cleanup()
-    host.close()
-    if hasattr(runner, "stop"):
-        runner.stop(reason, clean=code == 0)
-    log.info("exiting", code=code, reason=reason)
-    return code
-
-
-async def _drain_when_asked(host: LaneHost, asked: asyncio.Event, deadline_s: float) -> bool:
-    await asked.wait()
-    return await host.drain(deadline_s)
+    first = done.pop()
+    return (0 if first in clean else 1), first.result()
 
 
 def main() -> int:

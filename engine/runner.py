@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,3 +23,13 @@ class LocalRunner:
     def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
         rows = self.stage.forward(plan, None, token_ids)
         return self.stage.logits(rows)
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_drain: Callable[[], None]) -> None:
+        """One process has no peers to keep alive or to ask for a drain."""
+
+    async def ring_failed(self) -> str:
+        await asyncio.Event().wait()  # there is no ring to fail
+        return ""
+
+    def stop(self, reason: str, *, clean: bool) -> None:
+        """Nothing beyond this process to end."""

@@ -42,6 +42,15 @@ class RoundRunner(Protocol):
 
     def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray: ...
 
+    def start(self, loop: asyncio.AbstractEventLoop, on_drain: Callable[[], None]) -> None:
+        """Begin any background work (a pipeline's keep-alives); `on_drain`: a stage asks."""
+
+    async def ring_failed(self) -> str:
+        """Completes, with the reason, if the runner's ring dies (never for one process)."""
+
+    def stop(self, reason: str, *, clean: bool) -> None:
+        """End the runner's peers: cleanly, or failing with `reason`."""
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -162,7 +171,7 @@ class LaneHost:
         self._wake.set()
 
     async def run(self) -> None:
-        """Build and run rounds until cancelled or failed."""
+        """Build and run rounds until cancelled or failed (then `failure` says why)."""
         loop = asyncio.get_running_loop()
         while not self.failure:
             built = self._build_round()
@@ -174,10 +183,10 @@ class LaneHost:
             try:
                 logits = await loop.run_in_executor(
                     self._executor, self.runner.run_round, plan, token_ids)
-            except Exception as exc:  # the round or the ring failed: fail fast
+            except Exception as exc:  # noqa: BLE001 - any failed round is fatal: fail fast
                 log.error("round failed", round=plan.round_no, error=str(exc))
                 self.fail(f"round {plan.round_no} failed: {exc}")
-                raise
+                return
             if self.on_round:
                 self.on_round(plan, logits)
             self._deliver(plan, logits)
