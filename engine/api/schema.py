@@ -71,7 +71,7 @@ def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = model.codec.encode(prompt)
+        ids = model.codec.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in prompt):
         ids = list(prompt)

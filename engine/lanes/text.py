@@ -52,8 +52,11 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids; `add_special_tokens` applies tokenizer.json's own post-processor (a
+        Llama BOS, say), as transformers does for plain text. A rendered chat template
+        already holds its special tokens, so it is encoded without."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -50,3 +50,24 @@ def test_the_chat_template_renders_with_a_generation_prompt(make_model):
     codec = TextCodec(make_model("qwen3"))
     text = codec.render_chat([{"role": "user", "content": "hi"}])
     assert text.endswith("<|im_start|>assistant\n") and "hi" in text
+
+
+def test_plain_text_gets_the_tokenizers_own_special_tokens_as_transformers_does(
+        make_model, tmp_path):
+    import shutil
+
+    import transformers
+    from tokenizers import Tokenizer, processors
+
+    model = tmp_path / "bos"
+    shutil.copytree(make_model("llama"), model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tokenizer.save(str(model / "tokenizer.json"))
+    text = "a prompt for a model with a BOS"
+    codec = TextCodec(model)
+    assert codec.encode(text, add_special_tokens=True)[0] == 0
+    assert codec.encode(text)[0] != 0  # a rendered chat template carries its own
+    reference = transformers.AutoTokenizer.from_pretrained(model)
+    assert codec.encode(text, add_special_tokens=True) == reference(text).input_ids
