@@ -52,6 +52,12 @@ class RoundRunner(Protocol):
         """End the runner's peers: cleanly, or failing with `reason`."""
 
 
+class TokenMetrics(Protocol):
+    """Where each sampled token is counted (engine.api.metrics in a served engine)."""
+
+    def token(self, *, first: bool, since_s: float) -> None: ...
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -109,7 +115,7 @@ class Stream:
 
 class LaneHost:
     def __init__(self, runner: RoundRunner, codec: TextCodec, *, chunk: int, max_waiting: int,
-                 metrics: object | None = None,
+                 metrics: TokenMetrics | None = None,
                  on_round: Callable[[RoundPlan, np.ndarray], None] | None = None) -> None:
         self.runner = runner
         self.codec = codec
