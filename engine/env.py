@@ -55,6 +55,7 @@ class EngineEnv:
     boot_deadline_s: float  # how long bootstrap waits for the other stages
     cpu_threads: int  # 0: the framework's default; stages sharing a CPU should split it
     log_level: str  # debug adds each round's timing per stage
+    cuda_graphs: bool  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
@@ -127,8 +128,9 @@ class EngineEnv:
             boot_deadline_s=number("FLEET_BOOT_DEADLINE_S", 300.0),
             cpu_threads=integer("FLEET_CPU_THREADS", 0, 0),
             log_level=log_level,
+            cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
         )
 
     def stage_spec(self, n_layers: int) -> StageSpec:
         return StageSpec(self.model_dir, self.layer_range or (0, n_layers), self.backend,
-                         self.parallel, self.context, self.chunk)
+                         self.parallel, self.context, self.chunk, self.cuda_graphs)

@@ -35,6 +35,7 @@ class StageSpec:
     parallel: int  # slots
     context: int  # positions a slot can hold
     chunk: int  # most prompt rows a round
+    cuda_graphs: bool = True  # replay decode rounds as CUDA graphs where the device has them
 
 
 class Stage(Protocol):

@@ -58,8 +58,9 @@ def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path
 
 
 def whole_runner(model_dir: Path, *, backend: str = "torch-cpu", parallel: int = 4,
-                 context: int = 512, chunk: int = 64) -> LocalRunner:
+                 context: int = 512, chunk: int = 64, cuda_graphs: bool = True) -> LocalRunner:
     env = EngineEnv.from_environ({"FLEET_MODEL": str(model_dir), "FLEET_BACKEND": backend,
                                   "FLEET_PARALLEL": str(parallel), "FLEET_CONTEXT": str(context),
-                                  "FLEET_CHUNK": str(chunk)})
+                                  "FLEET_CHUNK": str(chunk),
+                                  "FLEET_CUDA_GRAPHS": "1" if cuda_graphs else "0"})
     return LocalRunner(load_stage(env.stage_spec(model_config(model_dir).num_hidden_layers)))

@@ -63,6 +63,22 @@ class RoundIndex:
                    spans, layout.single_run)
 
 
+def decode_index(positions: torch.Tensor, run: tuple[int, int], context: int,
+                 window: int | None) -> RoundIndex:
+    """The index of a decode round over consecutive slots [a, b), one row each, built from
+    device tensors only (no host values), so that it can be captured in a CUDA graph.
+
+    Its rows attend over the whole preallocated context with a mask, which keeps every
+    shape fixed from one step to the next.
+    """
+    a, b = run
+    device = positions.device
+    slots = torch.arange(a, b, device=device)
+    mask = _visible(positions[:, None], context, window, device)[:, None, None, :]
+    return RoundIndex(positions, slots, torch.arange(b - a, device=device), slots, mask, [],
+                      run)
+
+
 def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
     """Causal (and sliding-window) visibility of keys [0, keys) from query positions q [n, 1]."""
     k = torch.arange(keys, device=device)[None, :]

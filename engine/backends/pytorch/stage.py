@@ -10,6 +10,7 @@ import torch
 
 from engine.backends.base import BackendError, RangeStage, StageSpec, layer_progress, open_range
 from engine.backends.pytorch import dequant
+from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
 from engine.config import ModelConfig
@@ -34,6 +35,10 @@ class TorchStage(RangeStage):
         self.model = model
         self.device = device
         self.dtype = TORCH_DTYPES[config.dtype]
+        self.graphs = None
+        if device.type == "cuda" and spec.cuda_graphs:
+            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window,
+                                       takes_tokens=self.is_first)
 
     @classmethod
     def load(cls, spec: StageSpec,
@@ -68,6 +73,13 @@ class TorchStage(RangeStage):
         self.slots.apply(plan)
         if not plan.total_rows:  # only closes and cancels: nothing to compute
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        if self.graphs and (run := self.graphs.run_of(plan)):
+            # One row per stream, each returned: the graph's rows are the round's output.
+            positions = torch.tensor([e.first for e in plan.entries if e.rows],
+                                     dtype=torch.int64, device=self.device)
+            inputs = (torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+                      if self.is_first else rows)
+            return self.graphs.replay(run, inputs, positions)
         if self.is_first:
             ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
             rows = self.model.embed_tokens(ids)

@@ -1,0 +1,78 @@
+"""Decode rounds replayed as CUDA graphs: one graph per run of consecutive slots.
+
+An eager decode step launches a few hundred small kernels from Python, and on a GPU that
+host work, not memory, sets the pace. A decode round whose streams sit in consecutive
+slots [a, b) (the usual case) has fixed shapes: one row per slot, attention over the
+whole preallocated context under a mask. It is captured once per [a, b) and replayed
+with new token ids (or rows) and positions copied into its static inputs. Rounds of any
+other shape (prompt chunks, scattered slots) run eagerly. Whole model and pipeline stages
+take the same path for the same round, so a pipeline still gives one process's bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends.pytorch.kv_cache import decode_index
+from engine.backends.pytorch.llama import LlamaRange
+from engine.rounds import RoundPlan, RowLayout
+
+WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [n] token ids (first stage) or [n, hidden] rows
+    positions: torch.Tensor  # [n]
+    output: torch.Tensor  # [n, hidden]
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaRange, context: int, window: int | None,
+                 takes_tokens: bool) -> None:
+        self.model = model
+        self.context = context
+        self.window = window
+        self.takes_tokens = takes_tokens
+        self.captured: dict[tuple[int, int], Captured] = {}
+
+    @staticmethod
+    def run_of(plan: RoundPlan) -> tuple[int, int] | None:
+        """[a, b) when the round is decode rows of consecutive slots only, else None."""
+        layout = RowLayout.of(plan)
+        return None if layout.spans else layout.single_run
+
+    def replay(self, run: tuple[int, int], inputs: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        captured = self.captured.get(run) or self._capture(run, inputs, positions)
+        captured.inputs.copy_(inputs)
+        captured.positions.copy_(positions)
+        captured.graph.replay()
+        return captured.output.clone()  # the next replay reuses the output buffer
+
+    def _step(self, run: tuple[int, int], inputs: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+        rows = self.model.embed_tokens(inputs) if self.takes_tokens else inputs
+        return self.model.run_layers(rows, decode_index(positions, run, self.context,
+                                                        self.window))
+
+    def _capture(self, run: tuple[int, int], inputs: torch.Tensor,
+                 positions: torch.Tensor) -> Captured:
+        # Static inputs hold this round's values, so the warm-up steps write the same K and V
+        # the captured step will: running them changes no slot's state.
+        static_inputs, static_positions = inputs.clone(), positions.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._step(run, static_inputs, static_positions)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self._step(run, static_inputs, static_positions)
+        captured = Captured(graph, static_inputs, static_positions, output)
+        self.captured[run] = captured
+        return captured
