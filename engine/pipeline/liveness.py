@@ -37,20 +37,27 @@ class LivenessConfig:
 
 
 class Fate:
-    """The first fatal error of this rank, acted on once."""
+    """The first fatal error of this rank, acted on once; later callers wait for it."""
+
+    HANDLING_LIMIT_S = 10.0  # aborts linger about a second each, in parallel
 
     def __init__(self, links: Callable[[], list[Link]], on_fatal: Callable[[str], None]) -> None:
         self._links = links
         self._on_fatal = on_fatal
         self._lock = threading.Lock()
+        self._handled = threading.Event()
         self.reason: str | None = None
         self.stopping = False  # a clean stop: later link errors are expected, not fatal
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
-            if self.reason is not None or self.stopping:
-                return
-            self.reason = f"{type(error).__name__}: {error}"
+            first = self.reason is None and not self.stopping
+            if first:
+                self.reason = f"{type(error).__name__}: {error}"
+        if not first:  # another thread is ending this rank; let it finish (it may exit)
+            if not self.stopping:
+                self._handled.wait(self.HANDLING_LIMIT_S)
+            return
         log.error("ring failed", reason=self.reason)
         threads = [threading.Thread(target=link.abort, args=(error,), daemon=True)
                    for link in self._links()]
@@ -60,7 +67,10 @@ class Fate:
             thread.join(1.0)
         for link in self._links():
             link.shutdown()
-        self._on_fatal(self.reason)
+        try:
+            self._on_fatal(self.reason)
+        finally:
+            self._handled.set()
 
 
 class KeepAlive:

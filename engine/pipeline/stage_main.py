@@ -99,7 +99,7 @@ def _follow(env: EngineEnv, stage: Stage, ring, liveness: LivenessConfig) -> int
     try:
         follow(stage, ring, liveness, fate, env.round_deadline_s)
     except Exception as error:  # noqa: BLE001 - fate has the reason and exits
-        fate.fail(error)
-        return 1
+        fate.fail(error)  # ends the process, here or in the thread that failed first
+        on_fatal(fate.reason or f"{type(error).__name__}: {error}")  # exits: never returns
     log.info("exiting", code=0, reason="rank 0 ended the replica")
     return 0
