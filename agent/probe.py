@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import structlog
 
+from engine.link.messages import is_wildcard_host
+
 log = structlog.get_logger()
 
 MAGIC = b"RFPB"
@@ -34,7 +36,6 @@ VERSION = 1
 HELLO = struct.Struct("<4sB3x16s")
 MAX_PINGS = 64
 CHUNK = 1 << 20
-WILDCARDS = ("", "0.0.0.0", "::", "*", "[::]")
 
 
 class ProbeError(RuntimeError):
@@ -95,7 +96,7 @@ class ProbeListener:
         self._closer: asyncio.Task | None = None
 
     async def open(self, host: str, ports: range) -> int:
-        if host in WILDCARDS:
+        if is_wildcard_host(host):
             raise ProbeError(f"probe listener on {host!r}: a wildcard address is refused; "
                              "set the agent's listen_host to this node's address")
         for port in ports:

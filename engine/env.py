@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.backends.base import BACKENDS, StageSpec
-
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*", "[::]")
+from engine.link.messages import is_wildcard_host
 
 
 class EnvError(ValueError):
@@ -106,7 +105,7 @@ class EngineEnv:
         listen = http = None
         if world > 1:
             listen = split_host_port(need("FLEET_LISTEN"), "FLEET_LISTEN")
-            if listen[0] in WILDCARD_HOSTS:
+            if is_wildcard_host(listen[0]):
                 raise EnvError(f"FLEET_LISTEN={env['FLEET_LISTEN']!r}: a wildcard address is "
                                "refused; bind the stage link to one interface's address")
         if rank == 0:

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from engine.link.messages import is_wildcard_host
+
 BACKENDS = ("torch-cuda", "torch-mps", "torch-cpu", "mlx-metal", "mlx-cuda", "mlx-cpu")
 OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
@@ -24,7 +26,6 @@ DEFAULT_PARALLEL = 1
 DEFAULT_CHUNK = 512
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 LAYERS_PATTERN = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
 _UNSET = object()
 # libyaml composes some 15x faster when present; its nodes carry the same marks.
 _COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -284,7 +285,7 @@ def _parse_supervisor(at: _Field) -> SupervisorConfig:
     host, _, port = address.rpartition(":")
     if not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
         raise fields_["address"].error(f"expected host:port, got {address!r}", address)
-    if host in WILDCARD_HOSTS:
+    if is_wildcard_host(host):
         raise fields_["address"].error(
             f"{host!r} is a wildcard: give the address agents and fleetctl reach", address)
     return SupervisorConfig(address=address, state_dir=fields_["state_dir"].string())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from typing import Any
 
 import yaml
 
+from engine.launch import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 class LocalFleetError(RuntimeError):

@@ -9,7 +9,6 @@ import datetime as dt
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,14 +25,9 @@ from agent.app import make_app
 from agent.config import AgentConfig
 from agent.pki import FleetCA, NodeCredentials, cert_pem, utcnow
 from agent.tls import server_context
+from engine.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

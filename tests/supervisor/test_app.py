@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from pathlib import Path
 
@@ -11,16 +10,11 @@ import aiohttp
 from aiohttp import web
 
 from agent.pki import FleetCA, NodeCredentials, cert_pem, make_csr, new_key
+from engine.launch import free_port
 from supervisor.app import make_app
 from supervisor.issuing import init_pki
 from supervisor.main import server_context
 from supervisor.settings import SupervisorSettings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_ssl(creds: NodeCredentials | None, ca_path: Path) -> ssl.SSLContext:

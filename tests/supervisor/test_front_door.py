@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 from aiohttp import web
 
+from engine.launch import free_port
 from supervisor.front_door import FrontDoorConfig, Route, make_front_door
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chunk(text: str, finish: str | None = None) -> bytes:
