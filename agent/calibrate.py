@@ -202,8 +202,8 @@ class TorchTimer:
         from engine.backends.pytorch.kv_cache import RoundIndex
 
         torch = self.torch
-        plan = _round_plan(kind, context, rows)
-        index = RoundIndex.build(plan, self.device, self.config.sliding_window)
+        index = RoundIndex.build(_round_layout(kind, context, rows), self.device,
+                                 self.config.sliding_window)
         x = (torch.randn(rows, self.config.hidden_size) * 0.5).to(self.device, self.dtype)
 
         def run() -> None:
@@ -258,8 +258,7 @@ class MlxTimer:
         from engine.backends.mlx.kv_cache import RoundIndex
 
         mx = self.mx
-        plan = _round_plan(kind, context, rows)
-        index = RoundIndex.build(plan, self.config.sliding_window)
+        index = RoundIndex.build(_round_layout(kind, context, rows), self.config.sliding_window)
         x = (mx.random.normal((rows, self.config.hidden_size)) * 0.5).astype(self.dtype)
         mx.eval(x)
 
@@ -270,15 +269,17 @@ class MlxTimer:
         return run
 
 
-def _round_plan(kind: str, context: int, rows: int):
+def _round_layout(kind: str, context: int, rows: int):
     """Decode: `rows` streams of one row attending over `context` keys. Prefill: one prompt
     chunk of `rows` rows at positions [context - rows, context)."""
-    from engine.rounds import Op, RoundPlan, StreamEntry
+    from engine.rounds import Op, RoundPlan, RowLayout, StreamEntry
 
     if kind == "decode":
-        return RoundPlan(1, tuple(StreamEntry(slot, Op.CONTINUE, context - 1, 1, 1, 0, 0)
-                                  for slot in range(rows)))
-    return RoundPlan(1, (StreamEntry(0, Op.OPEN, context - rows, rows, 0, 0, 0),))
+        entries = tuple(StreamEntry(slot, Op.CONTINUE, context - 1, 1, 1, 0, 0)
+                        for slot in range(rows))
+    else:
+        entries = (StreamEntry(0, Op.OPEN, context - rows, rows, 0, 0, 0),)
+    return RowLayout.of(RoundPlan(1, entries))
 
 
 def make_timer(config, backend: str, layers: int, slots: int, context: int, threads: int = 0):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.rounds import RoundPlan, RowLayout
+from engine.rounds import RowLayout
 
 
 @dataclass
@@ -44,8 +44,7 @@ class RoundIndex:
     order: mx.array | None
 
     @classmethod
-    def build(cls, plan: RoundPlan, sliding_window: int | None) -> RoundIndex:
-        layout = RowLayout.of(plan)
+    def build(cls, layout: RowLayout, sliding_window: int | None) -> RoundIndex:
         spans = []
         for span in layout.spans:
             q = mx.arange(span.first, span.end)[:, None]

@@ -22,7 +22,7 @@ from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
-from engine.rounds import RoundPlan
+from engine.rounds import RoundPlan, RowLayout
 
 MLX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # numpy has no bfloat16: its rows cross numpy as their raw 16-bit patterns.
@@ -117,7 +117,7 @@ class MlxStage(RangeStage):
             elif not given:  # a round without rows: keep-alive, close, cancel
                 rows = mx.zeros((0, self.hidden_size), dtype=self.dtype)
             if plan.total_rows:
-                index = RoundIndex.build(plan, self.config.sliding_window)
+                index = RoundIndex.build(RowLayout.of(plan), self.config.sliding_window)
                 rows = self.model.run_layers(rows, index)
             if self.is_last:
                 rows = rows[mx.array(plan.returned_rows(), dtype=mx.int32)]

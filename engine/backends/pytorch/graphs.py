@@ -17,7 +17,6 @@ import torch
 
 from engine.backends.pytorch.kv_cache import decode_index
 from engine.backends.pytorch.llama import LlamaRange
-from engine.rounds import RoundPlan, RowLayout
 
 WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
 
@@ -38,12 +37,6 @@ class DecodeGraphs:
         self.window = window
         self.takes_tokens = takes_tokens
         self.captured: dict[tuple[int, int], Captured] = {}
-
-    @staticmethod
-    def run_of(plan: RoundPlan) -> tuple[int, int] | None:
-        """[a, b) when the round is decode rows of consecutive slots only, else None."""
-        layout = RowLayout.of(plan)
-        return None if layout.spans else layout.single_run
 
     def replay(self, run: tuple[int, int], inputs: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:

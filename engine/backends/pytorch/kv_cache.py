@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.rounds import RoundPlan, RowLayout
+from engine.rounds import RowLayout
 
 
 @dataclass
@@ -41,9 +41,8 @@ class RoundIndex:
     single_run: tuple[int, int] | None = None
 
     @classmethod
-    def build(cls, plan: RoundPlan, device: torch.device,
+    def build(cls, layout: RowLayout, device: torch.device,
               sliding_window: int | None) -> RoundIndex:
-        layout = RowLayout.of(plan)
         spans = []
         for span in layout.spans:
             q = torch.arange(span.first, span.end, device=device)[:, None]

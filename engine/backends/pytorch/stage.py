@@ -14,7 +14,7 @@ from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
 from engine.config import ModelConfig
-from engine.rounds import RoundPlan
+from engine.rounds import RoundPlan, RowLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,17 +73,18 @@ class TorchStage(RangeStage):
         self.slots.apply(plan)
         if not plan.total_rows:  # only closes and cancels: nothing to compute
             return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
-        if self.graphs and (run := self.graphs.run_of(plan)):
-            # One row per stream, each returned: the graph's rows are the round's output.
-            positions = torch.tensor([e.first for e in plan.entries if e.rows],
-                                     dtype=torch.int64, device=self.device)
+        layout = RowLayout.of(plan)
+        if self.graphs and layout.single_run and not layout.spans:
+            # Decode rows of consecutive slots, each returned: the graph's rows are the output.
+            positions = torch.tensor(layout.single_positions, dtype=torch.int64,
+                                     device=self.device)
             inputs = (torch.tensor(token_ids, dtype=torch.int64, device=self.device)
                       if self.is_first else rows)
-            return self.graphs.replay(run, inputs, positions)
+            return self.graphs.replay(layout.single_run, inputs, positions)
         if self.is_first:
             ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
             rows = self.model.embed_tokens(ids)
-        index = RoundIndex.build(plan, self.device, self.config.sliding_window)
+        index = RoundIndex.build(layout, self.device, self.config.sliding_window)
         rows = self.model.run_layers(rows, index)
         if self.is_last:
             rows = rows[plan.returned_rows()]
