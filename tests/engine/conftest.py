@@ -7,7 +7,6 @@ from pathlib import Path
 from engine.backends.base import StageSpec, load_stage
 from engine.driver import RoundDriver
 from engine.runner import LocalRunner
-from tests.conftest import FAMILY_SPECS  # noqa: F401 - re-exported for the backend tests
 
 
 def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk: int = 64,

@@ -16,11 +16,12 @@ from mlx_lm.generate import generate_step
 
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.rounds import Op, RoundPlan, StreamEntry
+from tests.conftest import FAMILY_SPECS
 from tests.engine.conftest import Driver
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
-WINDOW = 9  # FAMILY_SPECS["mistral"]["sliding_window"]
+WINDOW = FAMILY_SPECS["mistral"]["sliding_window"]
 # mlx-lm's qwen2 module ignores config.json's head_dim and uses hidden_size // heads (as
 # every published Qwen2 does); FAMILY_SPECS' odd head_dim 8 (36 / 6 = 6) is checked against
 # our torch backend and transformers instead.

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pipeline.conftest import greedy_trace, pipeline, whole_runner
+from engine.pipeline.local import whole_runner
+from tests.pipeline.conftest import greedy_trace, pipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -31,7 +31,8 @@ pytest.importorskip("mlx.core")
 from engine.checkpoint.quantize import quantize_checkpoint
 from engine.driver import RoundDriver
 from engine.launch import launch, placement_id
-from tests.pipeline.conftest import pipeline, whole_runner
+from engine.pipeline.local import whole_runner
+from tests.pipeline.conftest import pipeline
 
 POSITIONS = 256  # compared per stream
 PROMPT = 32  # rows of the opening chunk
