@@ -52,7 +52,7 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any 
     if value is None:
         return default
     # bool is an int in Python; never accept true/false where a number is asked for.
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
         raise bad(f"'{name}' must be {names}, got {type(value).__name__}", name)
     return value

@@ -18,6 +18,6 @@ def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk
     return load_stage(spec)
 
 
-def Driver(stage) -> RoundDriver:
+def stage_driver(stage) -> RoundDriver:
     """Rounds by hand over a whole-model stage."""
     return RoundDriver(LocalRunner(stage))

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine.backends.base import StageSpec, load_stage
-from tests.engine.conftest import Driver
+from tests.engine.conftest import stage_driver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -19,7 +19,7 @@ def test_cuda_logits_match_transformers_on_cuda(make_model, family):
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = ref.to("cuda").eval()
     stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 2, 128, 64))
-    driver = Driver(stage)
+    driver = stage_driver(stage)
     ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
@@ -37,7 +37,7 @@ def test_cuda_graph_decode_matches_eager_decode(make_model):
 
     def run(cuda_graphs: bool):
         stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 4, 128, 64, cuda_graphs))
-        driver = Driver(stage)
+        driver = stage_driver(stage)
         tokens = driver.greedy(prompts, 24)
         logits = driver.round({s: [t[-1]] for s, t in tokens.items()})
         return tokens, logits, stage

@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.conftest import FAMILY_SPECS
-from tests.engine.conftest import Driver
+from tests.engine.conftest import stage_driver
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
@@ -68,7 +68,7 @@ def test_logits_match_mlx_lm_at_every_position(make_model, family, tie):
     ref = reference(model_dir)
     batch = prompts(1)
     expected = [whole_prompt_logits(ref, ids) for ids in batch]
-    driver = Driver(mlx_stage(model_dir))
+    driver = stage_driver(mlx_stage(model_dir))
     # One row per stream per round, every stream in the same round: every position checked.
     for pos in range(max(PROMPT_LENGTHS)):
         feeds = {slot: [ids[pos]] for slot, ids in enumerate(batch) if pos < len(ids)}
@@ -94,7 +94,7 @@ def test_stock_mlx_lm_ignores_mistral_sliding_window(make_model):
     stock = reference(model_dir, honour_window=False)
     ids = prompts(1)[1]  # 23 positions, window 9
     expected = whole_prompt_logits(stock, ids)
-    driver = Driver(mlx_stage(model_dir))
+    driver = stage_driver(mlx_stage(model_dir))
     diffs = []
     for pos, token in enumerate(ids):
         diffs.append(float(np.abs(driver.round({0: [token]})[0] - expected[pos]).max()))
@@ -108,7 +108,7 @@ def test_greedy_generation_matches_mlx_lm(make_model, family):
     ref = reference(model_dir)
     prompt = prompts(2)[1]
     expected = [int(token) for token, _ in generate_step(mx.array(prompt), ref, max_tokens=32)]
-    driver = Driver(mlx_stage(model_dir))
+    driver = stage_driver(mlx_stage(model_dir))
     got = []
     logits = driver.round({0: prompt})[0]
     for _ in range(32):
@@ -154,7 +154,7 @@ def test_quantized_logits_and_greedy_match_mlx_lm(quantized_model, name):
     ref = reference(model_dir)
     batch = prompts(1)
     expected = [whole_prompt_logits(ref, ids) for ids in batch]
-    driver = Driver(mlx_stage(model_dir))
+    driver = stage_driver(mlx_stage(model_dir))
     assert type(driver.stage.model.layers[0].q).__name__ == "QuantizedWeight"
     for pos in range(max(PROMPT_LENGTHS)):
         feeds = {slot: [ids[pos]] for slot, ids in enumerate(batch) if pos < len(ids)}

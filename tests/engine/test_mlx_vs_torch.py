@@ -15,7 +15,7 @@ from engine.backends.mlx import stage as mlx_stage_module
 from engine.config import ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
 from engine.rounds import Op, RoundPlan, StreamEntry
-from tests.engine.conftest import Driver
+from tests.engine.conftest import stage_driver
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
@@ -37,7 +37,7 @@ def prompts(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_torch_at_every_position(make_model, family, tie, shards):
     model_dir = make_model(family, tie=tie, shards=shards)
-    drivers = [Driver(stage(model_dir, "torch-cpu")), Driver(stage(model_dir, "mlx-cpu"))]
+    drivers = [stage_driver(stage(model_dir, "torch-cpu")), stage_driver(stage(model_dir, "mlx-cpu"))]
     batch = prompts(1)
 
     def same(feeds):
@@ -162,7 +162,7 @@ def test_two_runs_give_identical_bytes(make_model, dtype):
 
     def run() -> list[bytes]:
         s = stage(model_dir, "mlx-cpu")
-        driver = Driver(s)
+        driver = stage_driver(s)
         out = []
         logits = driver.round(dict(enumerate(batch)))
         for _ in range(6):

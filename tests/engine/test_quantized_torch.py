@@ -32,7 +32,7 @@ from engine.checkpoint.quantize import (
 )
 from engine.config import ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
-from tests.engine.conftest import Driver
+from tests.engine.conftest import stage_driver
 
 # LayerWeights field -> the projection's path inside a layer.
 PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -136,7 +136,7 @@ def test_our_quantized_checkpoint_gives_mlx_lms_logits(quantized):
     model, _ = mlx_lm_utils.load(str(model_dir))
     ids = np.random.default_rng(5).integers(0, 300, 24).tolist()
     want = np.array(model(mx.array([ids]))[0].astype(mx.float32))  # [positions, vocab]
-    driver = Driver(stage(model_dir, "mlx-cpu"))
+    driver = stage_driver(stage(model_dir, "mlx-cpu"))
     got = np.stack([driver.round({0: [token]})[0] for token in ids])
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
@@ -256,7 +256,7 @@ def test_torch_stage_on_a_quantized_checkpoint_is_close_to_mlx(quantized, dtype,
     ids = np.random.default_rng(bits).integers(0, 300, 48).tolist()
     logits = []
     for backend in ("torch-cpu", "mlx-cpu"):
-        driver = Driver(stage(model_dir, backend))
+        driver = stage_driver(stage(model_dir, backend))
         prompt = driver.round({0: ids[:16]})[0]  # a 16-row chunk, then decode rows
         logits.append(np.stack([prompt] + [driver.round({0: [t]})[0] for t in ids[16:]]))
     got, want = logits

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from tests.engine.conftest import Driver, whole_stage
+from tests.engine.conftest import stage_driver, whole_stage
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
@@ -29,7 +29,7 @@ def prompts(seed: int) -> list[list[int]]:
 def test_logits_match_transformers_at_every_position(make_model, family, tie, shards):
     model_dir = make_model(family, tie=tie, shards=shards)
     ref = reference(model_dir)
-    driver = Driver(whole_stage(model_dir))
+    driver = stage_driver(whole_stage(model_dir))
     batch = prompts(1)
     expected = []
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_greedy_generation_matches_transformers(make_model, family):
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                            min_new_tokens=64, pad_token_id=0)
     expected = out[0, len(prompt):].tolist()
-    driver = Driver(whole_stage(model_dir))
+    driver = stage_driver(whole_stage(model_dir))
     got = []
     logits = driver.round({0: prompt})[0]
     for _ in range(64):
@@ -71,7 +71,7 @@ def test_batched_round_gives_each_stream_its_own_tokens(make_model):
     model_dir = make_model("qwen3")
     batch = prompts(3)
 
-    together = Driver(whole_stage(model_dir)).greedy(dict(enumerate(batch)), 24)
+    together = stage_driver(whole_stage(model_dir)).greedy(dict(enumerate(batch)), 24)
     for slot, ids in enumerate(batch):
-        alone = Driver(whole_stage(model_dir)).greedy({slot: ids}, 24)
+        alone = stage_driver(whole_stage(model_dir)).greedy({slot: ids}, 24)
         assert alone[slot] == together[slot]
