@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.backends.base import BACKENDS, StageSpec
-from engine.link.messages import is_wildcard_host
+from engine.wildcard import wildcard_refusal
+
+MIN_API_SECRET_CHARS = 16
 
 
 class EnvError(ValueError):
@@ -20,6 +22,30 @@ def split_host_port(value: str, name: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise EnvError(f"{name}={value!r}: expected host:port")
     return host.strip("[]"), int(port)
+
+
+def listen_address(env: Mapping[str, str], name: str, default: str = "") -> tuple[str, int]:
+    """A host:port some listener binds: never a wildcard, literally or once resolved."""
+    value = env.get(name) or default
+    if not value:
+        raise EnvError(f"{name} is not set")
+    host, port = split_host_port(value, name)
+    refusal = wildcard_refusal(host, f"{name}={value!r}")
+    if refusal:
+        raise EnvError(refusal)
+    return host, port
+
+
+def read_api_secret(path: Path, name: str = "FLEET_API_SECRET_FILE") -> str:
+    """The bearer secret rank 0's API requires, from the 0600 file its agent wrote."""
+    try:
+        secret = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EnvError(f"{name}={str(path)!r}: cannot read the API secret: {exc}") from exc
+    if len(secret) < MIN_API_SECRET_CHARS or not secret.isascii() or not secret.isprintable():
+        raise EnvError(f"{name}={str(path)!r}: expected a secret of at least "
+                       f"{MIN_API_SECRET_CHARS} printable ASCII characters")
+    return secret
 
 
 def parse_layers(value: str, name: str = "FLEET_LAYERS") -> tuple[int, int]:
@@ -55,6 +81,9 @@ class EngineEnv:
     cpu_threads: int  # 0: the framework's default; stages sharing a CPU should split it
     log_level: str  # debug adds each round's timing per stage
     cuda_graphs: bool  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
+    # Rank 0's API answers only requests bearing it (FLEET_API_SECRET_FILE); "" keeps it open,
+    # as a standalone engine is. Kept out of repr so no log line can carry it.
+    api_secret: str = field(default="", repr=False)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
@@ -103,15 +132,20 @@ class EngineEnv:
                 raise EnvError(f"FLEET_LAYOUT={env['FLEET_LAYOUT']!r} must list WORLD_SIZE={world} "
                                f"ranges with FLEET_LAYERS={env['FLEET_LAYERS']!r} at rank {rank}")
         listen = http = None
+        api_secret = ""
         if world > 1:
-            listen = split_host_port(need("FLEET_LISTEN"), "FLEET_LISTEN")
-            if is_wildcard_host(listen[0]):
-                raise EnvError(f"FLEET_LISTEN={env['FLEET_LISTEN']!r}: a wildcard address is "
-                               "refused; bind the stage link to one interface's address")
+            listen = listen_address(env, "FLEET_LISTEN")
         if rank == 0:
-            http = split_host_port(env.get("FLEET_HTTP", "127.0.0.1:8000"), "FLEET_HTTP")
-        master = split_host_port(env.get("MASTER_ADDR", "127.0.0.1") + ":"
-                                 + env.get("MASTER_PORT", "29500"), "MASTER_ADDR:MASTER_PORT")
+            http = listen_address(env, "FLEET_HTTP", "127.0.0.1:8000")
+            if env.get("FLEET_API_SECRET_FILE"):
+                api_secret = read_api_secret(Path(env["FLEET_API_SECRET_FILE"]))
+        master_value = (env.get("MASTER_ADDR", "127.0.0.1") + ":"
+                        + env.get("MASTER_PORT", "29500"))
+        if world > 1:  # rank 0 binds it; the others dial it
+            master = listen_address({"MASTER_ADDR:MASTER_PORT": master_value},
+                                    "MASTER_ADDR:MASTER_PORT")
+        else:
+            master = split_host_port(master_value, "MASTER_ADDR:MASTER_PORT")
         return cls(
             rank=rank, world_size=world, master=master, layer_range=layers, layout=layout,
             model_dir=model_dir, backend=backend, listen=listen,
@@ -128,6 +162,7 @@ class EngineEnv:
             cpu_threads=integer("FLEET_CPU_THREADS", 0, 0),
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
+            api_secret=api_secret,
         )
 
     def stage_spec(self, n_layers: int) -> StageSpec:

@@ -12,11 +12,12 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from engine.api.auth import api_secret_middlewares
 from engine.api.metrics import EngineMetrics
 from engine.api.schema import ApiError, ParsedRequest, ServedModel, parse_chat, parse_completion
 from engine.lanes.host import Busy, Done, EngineFailed, Failed, LaneHost, Stream, Token
@@ -30,6 +31,7 @@ class ApiConfig:
     served: ServedModel
     system_fingerprint: str  # the placement id
     created: int = 0
+    api_secret: str = field(default="", repr=False)  # "" (standalone): the API stays open
 
 
 HOST = web.AppKey("host", LaneHost)
@@ -38,7 +40,8 @@ METRICS = web.AppKey("metrics", EngineMetrics)
 
 
 def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.Application:
-    app = web.Application(middlewares=[_errors_as_json])
+    app = web.Application(middlewares=[*api_secret_middlewares(config.api_secret),
+                                       _errors_as_json])
     app[HOST], app[CONFIG], app[METRICS] = host, config, metrics
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", prometheus)
