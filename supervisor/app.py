@@ -21,7 +21,7 @@ from agent.pki import FleetCA, Identity, PkiError
 from agent.tls import client_context, peer_identity
 from supervisor import issuing
 from supervisor.agents import AgentClient
-from supervisor.front_door import FrontDoorConfig, make_front_door
+from supervisor.front_door import FrontDoorConfig, open_front_door
 from supervisor.service import RequestError, Supervisor
 from supervisor.settings import SupervisorSettings, split_address
 
@@ -183,12 +183,10 @@ async def loops_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def front_door_ctx(app: web.Application) -> AsyncIterator[None]:
     settings, supervisor = app[SETTINGS], app[SUPERVISOR]
-    door = make_front_door(FrontDoorConfig(supervisor.route, supervisor.models,
-                                           frozenset(settings.api_keys)))
-    runner = web.AppRunner(door, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
+    config = FrontDoorConfig(supervisor.route, supervisor.models, frozenset(settings.api_keys),
+                             relays=supervisor.relays)
     host, port = split_address(settings.front_door, "front_door")
-    await web.TCPSite(runner, host, port).start()
+    runner = await open_front_door(config, host, port)
     log.info("front door open", url=settings.front_door_url)
     yield
     await runner.cleanup()

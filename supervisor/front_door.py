@@ -1,11 +1,16 @@
 """The front door: a stable OpenAI-compatible endpoint that proxies to the serving replica's
 rank 0, streaming included, with the fleet's client semantics.
 
-- no serving replica for the model: 503, `Retry-After`, an OpenAI-style error body;
-- the upstream lost before its first byte: the same 503;
+- no serving replica for the model, or the replica lost before its first byte (unreachable,
+  closed, failed by the supervisor, silent past the ring's dead-ring time): 503,
+  `Retry-After`, an OpenAI-style error body; an engine's own 503 (failed, busy, draining)
+  keeps its `Retry-After`;
+- any other reply of the engine about this one request (a 400 for a bad parameter, a 500
+  for a failure of this request alone) passes through as it is, with no `Retry-After`;
 - the upstream lost after tokens were sent: an SSE error event, and no `finish_reason`;
 - a model the fleet does not serve: 404 `model_not_found`; with API keys configured, a
   request without one of them: 401.
+The client's own `Authorization` never travels upstream; the replica's secret does.
 """
 
 from __future__ import annotations
@@ -14,18 +19,22 @@ import asyncio
 import hmac
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
+from supervisor.http_limits import CappedSite, ListenerLimits, RepeatLimiter
+from supervisor.relays import Relays, ReplicaLost, ReplicaWatch, UpstreamSilence, until_lost
+
 log = structlog.get_logger()
 
 RETRY_AFTER_S = 5
 CONNECT_TIMEOUT_S = 5.0
 PROXIED_HEADERS = ("Content-Type", "Retry-After", "Cache-Control")
+TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError)
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class Route:
     replica: str = ""
     status: int = 200
     message: str = ""
+    api_secret: str = ""  # sent upstream as `Authorization: Bearer …` when set
 
 
 @dataclass(frozen=True)
@@ -43,10 +53,14 @@ class FrontDoorConfig:
     router: Callable[[str | None], Route]  # model id (None: not given) -> where to go
     models: Callable[[], list[dict[str, Any]]]  # /v1/models entries
     api_keys: frozenset[str] = frozenset()
+    relays: Relays = field(default_factory=Relays)  # the supervisor fails replicas here
+    silence: UpstreamSilence = field(default_factory=UpstreamSilence)
+    limits: ListenerLimits = field(default_factory=ListenerLimits)
 
 
 CONFIG = web.AppKey("front_door_config", FrontDoorConfig)
 SESSION = web.AppKey("front_door_session", aiohttp.ClientSession)
+LOGS = web.AppKey("front_door_logs", RepeatLimiter)
 
 
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
@@ -66,13 +80,26 @@ def sse_error(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+def _as_bytes(text: str) -> bytes:
+    # Headers arrive as str; a non-ASCII key must compare (and fail) as bytes, not raise.
+    return text.encode("utf-8", "surrogatepass")
+
+
+def key_matches(given: str, keys: frozenset[str]) -> bool:
+    given_bytes = _as_bytes(given)
+    matched = False
+    for key in keys:  # every key compared, so timing says nothing about which one is near
+        matched |= hmac.compare_digest(given_bytes, _as_bytes(key))
+    return matched
+
+
 @web.middleware
 async def check_api_key(request: web.Request, handler: Callable) -> web.StreamResponse:
     keys = request.app[CONFIG].api_keys
     if keys and request.path != "/health":
         auth = request.headers.get("Authorization", "")
         given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if not any(hmac.compare_digest(given, key) for key in keys):
+        if not given or not key_matches(given, keys):
             return error(401, "a valid API key is required (Authorization: Bearer KEY)",
                          kind="invalid_request_error", code="invalid_api_key")
     return await handler(request)
@@ -90,7 +117,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
-    raw = await request.read()
+    config = request.app[CONFIG]
+    try:
+        async with asyncio.timeout(config.limits.request_body_s):
+            raw = await request.read()
+    except TimeoutError:
+        return error(408, f"the request body did not arrive within "
+                     f"{config.limits.request_body_s:g} s", kind="invalid_request_error")
     try:
         body = json.loads(raw)
     except ValueError:
@@ -98,72 +131,149 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         return error(400, "expected a JSON object", kind="invalid_request_error")
     model = body.get("model")
-    route = request.app[CONFIG].router(model if isinstance(model, str) else None)
+    route = config.router(model if isinstance(model, str) else None)
     if route.status == 503:
         return unavailable(route.message)
     if route.status != 200:
         code = "model_not_found" if route.status == 404 else None
         return error(route.status, route.message, kind="invalid_request_error", code=code,
                      param="model")
-    url = route.url + request.path
-    bound = log.bind(replica=route.replica, path=request.path)
-    session = request.app[SESSION]
-    try:
-        upstream_cm = session.post(url, data=raw, headers={"Content-Type": "application/json"})
-        upstream = await upstream_cm.__aenter__()
-    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        bound.warning("upstream not reachable", error=str(exc) or type(exc).__name__)
-        return unavailable(f"the replica serving {model!r} is not reachable; retry shortly")
-    try:
-        return await _relay(request, upstream, route, bound, bool(body.get("stream")))
-    finally:
-        await upstream_cm.__aexit__(None, None, None)
+    failure = config.relays.failure(route.replica)
+    if failure is not None:
+        return unavailable(f"the replica serving {model!r} failed ({failure}); retry shortly")
+    with config.relays.open(route.replica) as watch:
+        relay = Relay(request, route, watch, bool(body.get("stream")))
+        return await relay.run(raw, model)
 
 
-async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, route: Route,
-                 bound: Any, stream: bool) -> web.StreamResponse:
-    headers = {k: upstream.headers[k] for k in PROXIED_HEADERS if k in upstream.headers}
-    headers["X-Ringfleet-Replica"] = route.replica
-    is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-    if not (stream and is_sse and upstream.status == 200):
+class Relay:
+    """One client request carried to rank 0 and its reply carried back."""
+
+    def __init__(self, request: web.Request, route: Route, watch: ReplicaWatch,
+                 stream: bool) -> None:
+        self.request, self.route, self.watch, self.stream = request, route, watch, stream
+        self.config = request.app[CONFIG]
+        self.session = request.app[SESSION]
+        self.logs = request.app[LOGS]
+        self.log = log.bind(replica=route.replica, path=request.path)
+
+    def warn(self, message: str, **kw: Any) -> None:
+        self.logs.warning(self.log, message, key=self.route.replica, **kw)
+
+    def upstream_headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.route.api_secret:
+            headers["Authorization"] = f"Bearer {self.route.api_secret}"
+        return headers
+
+    async def alive(self) -> bool:
+        """Whether rank 0 answers /health at all within the probe timeout."""
+        timeout = aiohttp.ClientTimeout(total=self.config.silence.probe_timeout_s)
         try:
-            data = await upstream.read()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            bound.warning("upstream lost before the reply", error=str(exc) or type(exc).__name__)
-            return unavailable("the replica was lost before the reply; retry shortly")
-        if upstream.status >= 500 and "Retry-After" not in headers:
-            headers["Retry-After"] = str(RETRY_AFTER_S)
+            async with self.session.get(self.route.url + "/health", timeout=timeout,
+                                        headers=self.upstream_headers()) as reply:
+                await reply.read()
+                return True
+        except TRANSPORT_ERRORS:
+            return False
+
+    async def bounded(self, work: Any) -> Any:
+        return await until_lost(work, self.watch, self.config.silence, self.alive)
+
+    async def run(self, raw: bytes, model: Any) -> web.StreamResponse:
+        try:
+            upstream = await self.bounded(self.session.post(
+                self.route.url + self.request.path, data=raw, headers=self.upstream_headers()))
+        except ReplicaLost as exc:
+            self.warn("upstream lost before the reply", reason=str(exc))
+            return unavailable(f"{exc}; retry shortly")
+        except TRANSPORT_ERRORS as exc:
+            self.warn("upstream not reachable", error=str(exc) or type(exc).__name__)
+            return unavailable(f"the replica serving {model!r} is not reachable; retry shortly")
+        complete = False
+        try:
+            response = await self.relay(upstream)
+            complete = True
+            return response
+        finally:
+            # A reply not carried whole (a client gone, a replica lost) closes the upstream
+            # connection, which cancels the request on rank 0 and frees its slot.
+            if complete and upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def relay(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        headers = {k: upstream.headers[k] for k in PROXIED_HEADERS if k in upstream.headers}
+        headers["X-Ringfleet-Replica"] = self.route.replica
+        is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if not (self.stream and is_sse and upstream.status == 200):
+            return await self.whole(upstream, headers)
+        try:
+            first = await self.bounded(upstream.content.readany())
+        except (ReplicaLost, *TRANSPORT_ERRORS) as exc:
+            self.warn("upstream lost before the first byte", reason=str(exc))
+            return unavailable(f"{exc}; retry shortly" if isinstance(exc, ReplicaLost) else
+                               "the replica was lost before the first token; retry shortly")
+        if not first:
+            self.warn("upstream lost before the first byte", reason="closed")
+            return unavailable("the replica was lost before the first token; retry shortly")
+        return await self.streamed(upstream, headers, first)
+
+    async def whole(self, upstream: aiohttp.ClientResponse,
+                    headers: dict[str, str]) -> web.Response:
+        """A whole reply, as the engine gave it: its 4xx and 5xx about this request too."""
+        try:
+            data = await self.bounded(upstream.read())
+        except (ReplicaLost, *TRANSPORT_ERRORS) as exc:
+            self.warn("upstream lost before the reply", reason=str(exc) or type(exc).__name__)
+            reason = str(exc) if isinstance(exc, ReplicaLost) else "the replica was lost"
+            return unavailable(f"{reason} before the reply; retry shortly")
+        if upstream.status == 503 and "Retry-After" not in headers:
+            headers["Retry-After"] = str(RETRY_AFTER_S)  # the engine failed or is busy
         return web.Response(body=data, status=upstream.status, headers=headers)
-    try:
-        first = await upstream.content.readany()
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        first = b""
-    if not first:
-        bound.warning("upstream lost before the first byte")
-        return unavailable("the replica was lost before the first token; retry shortly")
-    response = web.StreamResponse(status=200, headers=headers)
-    await response.prepare(request)
-    tail = first[-256:]
-    await response.write(first)
-    try:
-        while chunk := await upstream.content.readany():
+
+    async def streamed(self, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+                       first: bytes) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=headers)
+        try:
+            await response.prepare(self.request)
+            await response.write(first)
+            reason = await self.pump(upstream, response, first)
+            if reason:
+                self.warn("stream cut", reason=reason)
+                await response.write(sse_error(reason + "; the reply is incomplete"))
+            await response.write_eof()
+        except TRANSPORT_ERRORS:  # only writes to the client are left to fail here
+            self.log.info("client gone mid-stream")
+        return response
+
+    async def pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+                   first: bytes) -> str:
+        """Carry the rest of the stream; returns why it is incomplete, or "" when whole."""
+        tail = first[-256:]
+        while True:
+            try:
+                chunk = await self.bounded(upstream.content.readany())
+            except ReplicaLost as exc:
+                return str(exc)
+            except TRANSPORT_ERRORS as exc:
+                return f"the replica was lost mid-stream ({type(exc).__name__})"
+            if not chunk:
+                break
             await response.write(chunk)
             tail = (tail + chunk)[-256:]
-        finished = b"[DONE]" in tail or b'data: {"error"' in tail
-        reason = "the replica closed the stream before it was complete"
-    except (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        finished = False
-        reason = f"the replica was lost mid-stream ({type(exc).__name__})"
-    if not finished:
-        bound.warning("stream cut", reason=reason)
-        await response.write(sse_error(reason + "; the reply is incomplete"))
-    await response.write_eof()
-    return response
+        if b"[DONE]" in tail or b'data: {"error"' in tail:
+            return ""
+        return "the replica closed the stream before it was complete"
 
 
 async def _session_ctx(app: web.Application):
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-    app[SESSION] = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+    # No pool cap of its own: the listener's connection cap bounds what is relayed.
+    connector = aiohttp.TCPConnector(limit=0)
+    app[SESSION] = aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                         auto_decompress=False)
     yield
     await app[SESSION].close()
 
@@ -171,6 +281,7 @@ async def _session_ctx(app: web.Application):
 def make_front_door(config: FrontDoorConfig) -> web.Application:
     app = web.Application(middlewares=[check_api_key], client_max_size=16 << 20)
     app[CONFIG] = config
+    app[LOGS] = RepeatLimiter()
     app.router.add_routes([
         web.get("/health", health),
         web.get("/v1/models", models),
@@ -179,3 +290,16 @@ def make_front_door(config: FrontDoorConfig) -> web.Application:
     ])
     app.cleanup_ctx.append(_session_ctx)
     return app
+
+
+async def open_front_door(config: FrontDoorConfig, host: str, port: int) -> web.AppRunner:
+    """Serve the front door on host:port with its limits; `await runner.cleanup()` ends it.
+
+    Handlers are cancelled when their client goes away, so a relay that waits for a whole
+    reply ends (and closes its upstream request) with its client.
+    """
+    runner = web.AppRunner(make_front_door(config), access_log=None, shutdown_timeout=5.0,
+                           handler_cancellation=True, **config.limits.runner_kwargs())
+    await runner.setup()
+    await CappedSite(runner, host, port, config.limits).start()
+    return runner

@@ -37,6 +37,7 @@ from supervisor.membership import (
 from supervisor.memory import ModelShape
 from supervisor.placement import render_plan
 from supervisor.planning import plan_model, spec_digest
+from supervisor.relays import Relays
 from supervisor.settings import SupervisorSettings
 from supervisor.state import State
 
@@ -87,6 +88,7 @@ class Supervisor:
         self.tasks: set[asyncio.Task] = set()
         self.port_cursor = settings.engine_port_first
         self.forgetting: set[lc.ForgetEngine] = set()
+        self.relays = Relays()  # the front door's open relays, ended when a replica fails
         self.measurer = Measurer(agents, settings.calibration_budget_s,
                                  settings.measure_timeout_s, self._measured_one)
         adopted = [r.id for r in self.replicas.values() if r.state in lc.RUNNING_STATES]
@@ -169,6 +171,8 @@ class Supervisor:
         if old is None or old.state != replica.state:
             why = f": {replica.reason}" if replica.reason else ""
             self.event("replica", f"{replica.id} is {replica.state}{why}", replica=replica.id)
+            if replica.state == lc.FAILED:  # its streams end now, not when the process dies
+                self.relays.replica_failed(replica.id, replica.reason)
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
