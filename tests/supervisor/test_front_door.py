@@ -1,17 +1,27 @@
-"""The front door's client semantics against a fake rank 0 served in-process: 503 with
-Retry-After before the first byte, an SSE error and no finish_reason after it, 404 for a
-model the fleet does not serve, 401 without an API key."""
+"""The front door's client semantics against a fake rank 0 served in-process (a fault
+injector: it answers what each test needs, stalls or cuts): 503 with Retry-After before the
+first byte, an SSE error and no finish_reason after it, an engine's reply about one request
+passed through as it is, 404 for a model the fleet does not serve, 401 without an API key
+(a non-ASCII one too), a failed or silent replica's relays ended, and the listener's limits
+(slow heads and bodies, the connection cap)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from engine.launch import free_port
-from supervisor.front_door import FrontDoorConfig, Route, make_front_door
+from supervisor.front_door import FrontDoorConfig, Route, open_front_door
+from supervisor.http_limits import ListenerLimits, RepeatLimiter
+from supervisor.relays import Relays, UpstreamSilence
+
+QUICK_SILENCE = UpstreamSilence(keepalive_s=0.25, dead_after=3)  # 0.75 s without a sign
 
 
 def chunk(text: str, finish: str | None = None) -> bytes:
@@ -20,16 +30,58 @@ def chunk(text: str, finish: str | None = None) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+@dataclass
+class Upstream:
+    """What the fake rank 0 saw, and a switch that freezes it (no reply, no /health)."""
+
+    frozen: bool = False
+    authorizations: list[str | None] = field(default_factory=list)
+    cancelled: int = 0
+
+
+UPSTREAM = web.AppKey("upstream", Upstream)
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def upstream_health(request: web.Request) -> web.Response:
+    if request.app[UPSTREAM].frozen:
+        await forever()
+    return web.json_response({"status": "ok"})
+
+
 async def upstream_handler(request: web.Request) -> web.StreamResponse:
+    seen = request.app[UPSTREAM]
+    seen.authorizations.append(request.headers.get("Authorization"))
     body = await request.json()
     mode = body["messages"][0]["content"]
+    try:
+        return await _reply(request, body, mode)
+    except asyncio.CancelledError:
+        seen.cancelled += 1
+        raise
+
+
+async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamResponse:
     if mode == "503":
         return web.json_response({"error": {"message": "draining"}}, status=503,
                                  headers={"Retry-After": "2"})
+    if mode == "503-bare":
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+    if mode in ("400", "500"):  # about this request alone
+        return web.json_response({"error": {"message": f"it was a {mode}", "type": "x",
+                                            "param": "temperature", "code": None}},
+                                 status=int(mode), headers={"X-Engine": "1"})
     if mode == "close":  # lost before the first byte
         request.transport.close()
         await asyncio.sleep(0.1)
         return web.Response()
+    if mode == "hang":
+        await forever()
+    if mode == "slow-whole":  # thinks for longer than the silence bound, alive throughout
+        await asyncio.sleep(4 * QUICK_SILENCE.limit_s)
     if not body.get("stream"):
         return web.json_response({"choices": [{"message": {"content": "hi"},
                                                "finish_reason": "stop"}]})
@@ -42,37 +94,48 @@ async def upstream_handler(request: web.Request) -> web.StreamResponse:
         request.transport.abort()
         await asyncio.sleep(0.1)
         return response
+    if mode == "stall":  # tokens, then nothing more
+        await forever()
     await response.write(chunk("", "stop"))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
 
 
-async def with_door(check, api_keys: frozenset[str] = frozenset()) -> None:
+@dataclass
+class Door:
+    session: aiohttp.ClientSession
+    port: int
+    config: FrontDoorConfig
+    upstream: Upstream
+
+
+async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) -> None:
     up = web.Application()
+    up[UPSTREAM] = Upstream()
     up.router.add_post("/v1/chat/completions", upstream_handler)
-    up_runner = web.AppRunner(up)
+    up.router.add_get("/health", upstream_health)
+    up_runner = web.AppRunner(up, handler_cancellation=True)
     await up_runner.setup()
     up_port, door_port, closed_port = free_port(), free_port(), free_port()
     await web.TCPSite(up_runner, "127.0.0.1", up_port).start()
 
     def router(model: str | None) -> Route:
         if model == "m":
-            return Route(url=f"http://127.0.0.1:{up_port}", replica="m-g1")
+            return Route(url=f"http://127.0.0.1:{up_port}", replica="m-g1",
+                         api_secret="replica-secret")
         if model == "gone":
             return Route(url=f"http://127.0.0.1:{closed_port}", replica="gone-g1")
         if model == "idle":
             return Route(status=503, message="model 'idle' has no serving replica now")
         return Route(status=404, message=f"model {model!r} is not served by this fleet")
 
-    door = make_front_door(FrontDoorConfig(router, lambda: [{"id": "m", "serving": True}],
-                                           api_keys))
-    door_runner = web.AppRunner(door)
-    await door_runner.setup()
-    await web.TCPSite(door_runner, "127.0.0.1", door_port).start()
+    door_config = FrontDoorConfig(router, lambda: [{"id": "m", "serving": True}], **config)
+    door_runner = await open_front_door(door_config, "127.0.0.1", door_port)
     try:
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{door_port}") as session:
-            await check(session)
+            await asyncio.wait_for(check(Door(session, door_port, door_config, up[UPSTREAM])),
+                                   60)
     finally:
         await door_runner.cleanup()
         await up_runner.cleanup()
@@ -86,8 +149,28 @@ def run(check, **kw) -> None:
     asyncio.run(with_door(check, **kw))
 
 
+def events_of(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def raw_exchange(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:
+    """Bytes sent on a fresh connection; everything read back until the door closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+
+
+def status_of(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
 def test_whole_and_streamed_replies_pass_through():
-    async def check(s: aiohttp.ClientSession) -> None:
+    async def check(door: Door) -> None:
+        s = door.session
         async with s.post("/v1/chat/completions", json=ask("m")) as r:
             assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "stop"
             assert r.headers["X-Ringfleet-Replica"] == "m-g1"
@@ -100,7 +183,8 @@ def test_whole_and_streamed_replies_pass_through():
 
 
 def test_before_the_first_byte_is_a_503_with_retry_after():
-    async def check(s: aiohttp.ClientSession) -> None:
+    async def check(door: Door) -> None:
+        s = door.session
         for body in (ask("idle"), ask("gone"), ask("gone", stream=True), ask("m", "close"),
                      ask("m", "close", stream=True)):
             async with s.post("/v1/chat/completions", json=body) as r:
@@ -110,16 +194,32 @@ def test_before_the_first_byte_is_a_503_with_retry_after():
                 assert payload["error"]["code"] == "unavailable" and payload["error"]["message"]
         async with s.post("/v1/chat/completions", json=ask("m", "503")) as r:
             assert r.status == 503 and r.headers["Retry-After"] == "2"  # the engine's own
+        async with s.post("/v1/chat/completions", json=ask("m", "503-bare")) as r:
+            assert r.status == 503 and int(r.headers["Retry-After"]) > 0  # busy: retry later
+    run(check)
+
+
+def test_a_reply_about_one_request_passes_through_as_it_is():
+    """A 400 or a 500 about this request is no reason to retry: no Retry-After is added."""
+    async def check(door: Door) -> None:
+        for status in (400, 500):
+            for stream in (False, True):
+                async with door.session.post("/v1/chat/completions",
+                                             json=ask("m", str(status), stream)) as r:
+                    body = await r.json()
+                    assert r.status == status and "Retry-After" not in r.headers
+                    assert body["error"] == {"message": f"it was a {status}", "type": "x",
+                                             "param": "temperature", "code": None}
     run(check)
 
 
 def test_lost_after_tokens_ends_with_an_sse_error_and_no_finish_reason():
-    async def check(s: aiohttp.ClientSession) -> None:
-        async with s.post("/v1/chat/completions", json=ask("m", "cut", stream=True)) as r:
+    async def check(door: Door) -> None:
+        async with door.session.post("/v1/chat/completions",
+                                     json=ask("m", "cut", stream=True)) as r:
             assert r.status == 200
             text = await r.text()
-        events = [json.loads(line[6:]) for line in text.splitlines()
-                  if line.startswith("data: {")]
+        events = events_of(text)
         assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
         assert "error" in events[-1] and events[-1]["error"]["code"] == "unavailable"
         assert all(c.get("finish_reason") is None for e in events for c in e.get("choices", []))
@@ -128,18 +228,19 @@ def test_lost_after_tokens_ends_with_an_sse_error_and_no_finish_reason():
 
 
 def test_unknown_model_and_bad_bodies_are_named():
-    async def check(s: aiohttp.ClientSession) -> None:
-        async with s.post("/v1/chat/completions", json=ask("nope")) as r:
+    async def check(door: Door) -> None:
+        async with door.session.post("/v1/chat/completions", json=ask("nope")) as r:
             payload = await r.json()
             assert r.status == 404 and payload["error"]["code"] == "model_not_found"
             assert "'nope'" in payload["error"]["message"]
-        async with s.post("/v1/chat/completions", data=b"{") as r:
+        async with door.session.post("/v1/chat/completions", data=b"{") as r:
             assert r.status == 400
     run(check)
 
 
 def test_api_keys_when_configured():
-    async def check(s: aiohttp.ClientSession) -> None:
+    async def check(door: Door) -> None:
+        s = door.session
         async with s.post("/v1/chat/completions", json=ask("m")) as r:
             assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
         async with s.post("/v1/chat/completions", json=ask("m"),
@@ -148,4 +249,193 @@ def test_api_keys_when_configured():
         async with s.post("/v1/chat/completions", json=ask("m"),
                           headers={"Authorization": "Bearer k1"}) as r:
             assert r.status == 200
+        # Non-ASCII keys, as UTF-8 and as bytes that are not UTF-8 at all: refused, not a 500.
+        body = json.dumps(ask("m")).encode()
+        for key in ("é".encode(), b"\xe9", "k1é".encode()):
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"Authorization: Bearer " + key + b"\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            reply = await raw_exchange(door.port, head + body)
+            assert status_of(reply) == 401, reply[:200]
+            assert b"invalid_api_key" in reply
+        # The client's key stays at the door; the replica's secret goes upstream.
+        assert door.upstream.authorizations == ["Bearer replica-secret"]
     run(check, api_keys=frozenset({"k1"}))
+
+
+def test_a_failed_replica_ends_its_relays_at_once_and_gets_no_more():
+    async def check(door: Door) -> None:
+        s = door.session
+        streamed = await s.post("/v1/chat/completions", json=ask("m", "stall", stream=True))
+        assert streamed.status == 200
+        assert b"one" in await streamed.content.readuntil(b"\n\n")
+        whole = asyncio.ensure_future(s.post("/v1/chat/completions", json=ask("m", "hang")))
+        deadline = time.monotonic() + 5
+        while door.config.relays.open_count("m-g1") < 2:  # both relays are open upstream
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        assert door.config.relays.replica_failed("m-g1", "rank 1 exited (code 1)") == 2
+        rest = (await streamed.read()).decode()
+        whole_reply = await whole
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        [event] = events_of(rest)[-1:]
+        assert "rank 1 exited (code 1)" in event["error"]["message"] and "[DONE]" not in rest
+        assert whole_reply.status == 503 and int(whole_reply.headers["Retry-After"]) > 0
+        assert "rank 1 exited" in (await whole_reply.json())["error"]["message"]
+        async with s.post("/v1/chat/completions", json=ask("m")) as r:  # routed there still
+            assert r.status == 503 and "failed" in (await r.json())["error"]["message"]
+        deadline = time.monotonic() + 5
+        while door.upstream.cancelled < 2:  # rank 0 saw both requests end
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert len(door.upstream.authorizations) == 2  # the third never went upstream
+    run(check, relays=Relays())
+
+
+def test_a_silent_upstream_is_lost_after_the_dead_ring_time_and_a_live_one_is_not():
+    async def check(door: Door) -> None:
+        s = door.session
+        async with s.post("/v1/chat/completions", json=ask("m", "slow-whole")) as r:
+            assert r.status == 200  # no bytes for 3x the bound, but /health answered
+        streamed = await s.post("/v1/chat/completions", json=ask("m", "stall", stream=True))
+        assert b"one" in await streamed.content.readuntil(b"\n\n")
+        door.upstream.frozen = True
+        t0 = time.monotonic()
+        rest = (await streamed.read()).decode()
+        stream_took = time.monotonic() - t0
+        t0 = time.monotonic()
+        async with s.post("/v1/chat/completions", json=ask("m", "hang")) as r:
+            whole_took = time.monotonic() - t0
+            assert r.status == 503 and int(r.headers["Retry-After"]) > 0
+            assert "dead-ring" in (await r.json())["error"]["message"]
+        limit = QUICK_SILENCE.limit_s
+        assert events_of(rest)[-1]["error"]["code"] == "unavailable" and "[DONE]" not in rest
+        for took in (stream_took, whole_took):
+            assert limit * 0.5 < took < limit + 1.0, took
+    run(check, silence=QUICK_SILENCE)
+
+
+def test_a_disconnecting_client_cancels_its_upstream_request():
+    async def check(door: Door) -> None:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{door.port}") as client:
+            whole = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                                      json=ask("m", "hang")))
+            deadline = time.monotonic() + 5
+            while door.config.relays.open_count("m-g1") < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        whole.cancel()  # the session closed under it: the client is gone
+        deadline = time.monotonic() + 3
+        while door.upstream.cancelled < 1:
+            assert time.monotonic() < deadline, "the upstream request outlived its client"
+            await asyncio.sleep(0.01)
+        assert door.config.relays.open_count("m-g1") == 0
+    run(check)
+
+
+def test_slow_heads_and_bodies_are_cut_and_health_still_answers():
+    limits = ListenerLimits(request_head_s=1.0, request_body_s=1.0, max_connections=64)
+
+    async def slowloris(port: int) -> float:
+        """Sends a request head a byte at a time; returns when the door closed it."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        try:
+            for byte in head:
+                writer.write(bytes([byte]))
+                try:
+                    if await asyncio.wait_for(reader.read(1), 0.2) == b"":
+                        break
+                except TimeoutError:
+                    continue
+            return time.monotonic() - t0
+        finally:
+            writer.close()
+
+    async def check(door: Door) -> None:
+        slow = [asyncio.ensure_future(slowloris(door.port)) for _ in range(20)]
+        await asyncio.sleep(0.3)
+        for _ in range(5):
+            t0 = time.monotonic()
+            async with door.session.get("/health") as r:
+                assert r.status == 200
+            assert time.monotonic() - t0 < 0.5
+        closed_after = await asyncio.gather(*slow)
+        assert all(limits.request_head_s * 0.8 < t < limits.request_head_s + 1.5
+                   for t in closed_after), closed_after
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        t0 = time.monotonic()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\":")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert status_of(head) == 408 and time.monotonic() - t0 < limits.request_body_s + 1.0
+        await asyncio.wait_for(reader.read(), limits.lingering_s + 1.0)  # then closed
+        writer.close()
+    run(check, limits=limits)
+
+
+def test_connections_beyond_the_cap_get_a_503_and_a_close():
+    limits = ListenerLimits(request_head_s=10.0, max_connections=8)
+
+    async def check(door: Door) -> None:
+        held = [await asyncio.open_connection("127.0.0.1", door.port) for _ in range(8)]
+        deadline = time.monotonic() + 5
+        while True:  # every held one is in; the next is one too many
+            reply = await raw_exchange(door.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 5)
+            if status_of(reply) == 503:
+                break
+            assert time.monotonic() < deadline
+        assert b"Retry-After: 5" in reply and b"too many connections" in reply
+        for _, writer in held:
+            writer.close()
+        deadline = time.monotonic() + 5
+        while True:
+            reply = await raw_exchange(door.port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                       b"Connection: close\r\n\r\n", 5)
+            if status_of(reply) == 200:
+                break
+            assert time.monotonic() < deadline, "the cap was not given back"
+            await asyncio.sleep(0.05)
+    run(check, limits=limits)
+
+
+def test_repeated_warnings_are_one_line_per_interval_with_a_count():
+    now = [0.0]
+    limiter = RepeatLimiter(interval_s=10.0, clock=lambda: now[0])
+    assert limiter.allow("a") == 0
+    assert [limiter.allow("a") for _ in range(1000)] == [None] * 1000
+    assert limiter.allow("b") == 0  # another reason has its own line
+    now[0] = 10.0
+    assert limiter.allow("a") == 1000 and limiter.allow("a") is None
+
+
+def test_the_supervisor_failing_a_replica_ends_its_streams(tmp_path):
+    """The hook itself: a replica recorded as failed by the supervisor ends its relays."""
+    import ssl
+
+    from supervisor import lifecycle as lc
+    from supervisor.agents import AgentClient
+    from supervisor.service import Supervisor
+    from supervisor.settings import SupervisorSettings
+
+    supervisor = Supervisor(SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0),
+                            AgentClient(ssl.create_default_context()))
+    serving = lc.Replica(id="m-g1", model_id="m", generation=1, state=lc.SERVING, since=0.0,
+                         spec_digest="d")
+
+    async def check(door: Door) -> None:
+        streamed = await door.session.post("/v1/chat/completions",
+                                           json=ask("m", "stall", stream=True))
+        assert b"one" in await streamed.content.readuntil(b"\n\n")
+        supervisor.apply_all(lc.fail_actions(serving, "node-b is dead", time.time(),
+                                             lc.Policy()))
+        rest = await asyncio.wait_for(streamed.read(), 2)
+        assert b"node-b is dead" in rest and b"[DONE]" not in rest
+
+    try:
+        run(check, relays=supervisor.relays)
+    finally:
+        supervisor.state.close()
