@@ -10,9 +10,12 @@ import time
 import structlog
 from aiohttp import web
 
+from engine.api.connections import GuardedSite, HttpLimits, default_max_connections
 from engine.api.metrics import EngineMetrics
+from engine.api.repeated_errors import RepeatedLog
+from engine.api.repeated_errors import install as install_repeated_errors
 from engine.api.schema import ServedModel
-from engine.api.server import ApiConfig, make_app
+from engine.api.server import CONNECTIONS, ApiConfig, make_app
 from engine.backends.base import BackendError, load_stage
 from engine.checkpoint.reader import CheckpointError, open_checkpoint
 from engine.config import ConfigError, ModelConfig
@@ -41,16 +44,49 @@ async def serve_rank0(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
     """Serve the API until a signal, a failed round or a dead ring; returns the exit code.
 
     SIGTERM drains: new requests get 503, in-flight ones finish for up to FLEET_DRAIN_S,
-    then the engine exits 0 (more SIGTERMs change nothing). SIGINT stops at once.
+    then the engine exits 0 (more SIGTERMs change nothing). SIGINT stops at once. Anything
+    unexpected (the API's port taken, a bug) still ends the ring and exits 1 with one
+    structured line, never a bare traceback.
     """
+    try:
+        return await _serve_rank0(env, runner, codec, config)
+    except Exception as exc:  # noqa: BLE001 - the one-line exit reason is the contract
+        reason = f"rank 0 failed: {type(exc).__name__}: {exc}"
+        try:
+            runner.stop(reason, clean=False)
+        except Exception as stop_error:  # noqa: BLE001 - exiting anyway; say so
+            log.error("could not stop the ring", error=f"{type(stop_error).__name__}: {stop_error}")
+        log.error("exiting", code=1, reason=reason)
+        return 1
+
+
+def http_limits(env: EngineEnv) -> HttpLimits:
+    """The API's connection and body bounds; a body may hold a whole context of text."""
+    return HttpLimits(
+        max_connections=env.http_max_connections or default_max_connections(),
+        header_s=env.http_header_s, idle_s=env.http_idle_s, body_s=env.http_body_s,
+        max_body_bytes=max(1 << 20, 32 * env.context))
+
+
+async def _serve_rank0(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
+                       config: ModelConfig) -> int:
+    install_repeated_errors(asyncio.get_running_loop(), RepeatedLog())
     host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting)
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting))
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
-    api_config = ApiConfig(served, env.placement, int(time.time()), env.api_secret)
+    limits = http_limits(env)
+    api_config = ApiConfig(served, env.placement, int(time.time()), env.api_secret,
+                           limits=limits)
     app = make_app(host, api_config, host.metrics)
-    web_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    web_runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=limits.idle_s)
     await web_runner.setup()
-    await web.TCPSite(web_runner, env.http[0], env.http[1]).start()
+    try:
+        await GuardedSite(web_runner, env.http[0], env.http[1], app[CONNECTIONS]).start()
+    except BaseException:
+        await web_runner.cleanup()
+        host.close()
+        raise
     log.info("ready", http=f"http://{env.http[0]}:{env.http[1]}/v1", model=env.model_id)
 
     code, reason = await _serve_until_the_end(env, runner, host)
@@ -100,7 +136,11 @@ async def _serve_until_the_end(env: EngineEnv, runner: RoundRunner,
     for task in pending:
         task.cancel()
     first = done.pop()
-    return (0 if first in clean else 1), first.result()
+    code = 0 if first in clean else 1
+    if first.exception() is not None:  # a bug in a watcher: still one reason, still exit 1
+        error = first.exception()
+        return 1, f"{type(error).__name__}: {error}"
+    return code, first.result()
 
 
 def main() -> int:

@@ -1,29 +1,42 @@
 """The OpenAI-compatible HTTP API on rank 0 (aiohttp): models, completions, chat, health, metrics.
 
-A request that fails before its first byte gets a retryable 503 with `Retry-After`. A
-stream that has already sent tokens ends with an SSE error event and no `finish_reason`,
-so the client can tell it is incomplete. A client that goes away cancels its stream, which
-frees its slot in the next round.
+Statuses say who failed: 400 a bad request, 500 this request alone (a fault while
+sampling, detokenizing or shaping its reply; resending it would fail again), and 503 with
+`Retry-After` only when the engine is busy, draining or has failed (its ring included).
+A stream that has already sent tokens ends with an SSE error event and no
+`finish_reason`, so the client can tell it is incomplete. A client that goes away cancels
+its stream, which frees its slot in the next round. Bodies are read under a deadline and
+parsed, checked and tokenized on a worker thread, so a 1 MB prompt does not hold the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from engine.api.auth import api_secret_middlewares
+from engine.api.connections import ConnectionGuard, HttpLimits
+from engine.api.errors import RETRY_AFTER_S, ApiError, request_failed, unavailable
+from engine.api.json_values import load_body
 from engine.api.metrics import EngineMetrics
-from engine.api.schema import ApiError, ParsedRequest, ServedModel, parse_chat, parse_completion
+from engine.api.schema import ParsedRequest, ServedModel, parse_chat, parse_completion
 from engine.lanes.host import Busy, Done, EngineFailed, Failed, LaneHost, Stream, Token
 from engine.lanes.text import TextCodec
 
-RETRY_AFTER_S = 1
+log = structlog.get_logger()
+
+__all__ = ["RETRY_AFTER_S", "ApiConfig", "make_app", "unavailable"]
+
+PARSE_THREADS = 2  # bodies parsed and tokenized at once, off the event loop
 
 
 @dataclass(frozen=True)
@@ -32,17 +45,24 @@ class ApiConfig:
     system_fingerprint: str  # the placement id
     created: int = 0
     api_secret: str = field(default="", repr=False)  # "" (standalone): the API stays open
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 HOST = web.AppKey("host", LaneHost)
 CONFIG = web.AppKey("config", ApiConfig)
 METRICS = web.AppKey("metrics", EngineMetrics)
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)
+PARSERS = web.AppKey("parsers", ThreadPoolExecutor)
 
 
 def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.Application:
-    app = web.Application(middlewares=[*api_secret_middlewares(config.api_secret),
-                                       _errors_as_json])
-    app[HOST], app[CONFIG], app[METRICS] = host, config, metrics
+    guard = ConnectionGuard(config.limits)
+    app = web.Application(middlewares=[guard.middleware,
+                                       *api_secret_middlewares(config.api_secret),
+                                       _errors_as_json],
+                          client_max_size=config.limits.max_body_bytes)
+    app[HOST], app[CONFIG], app[METRICS], app[CONNECTIONS] = host, config, metrics, guard
+    app.cleanup_ctx.append(_parser_threads)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/models", models)
@@ -51,14 +71,21 @@ def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.A
     return app
 
 
+async def _parser_threads(app: web.Application) -> AsyncIterator[None]:
+    app[PARSERS] = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
+    yield
+    app[PARSERS].shutdown(wait=False, cancel_futures=True)
+
+
 def error_response(error: ApiError) -> web.Response:
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s else None
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, kind="server_error", code="unavailable",
-                    retry_after_s=RETRY_AFTER_S)
+def route_label(request: web.Request) -> str:
+    """The route's template, never the raw path: unknown paths must not grow /metrics."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
 
 
 @web.middleware
@@ -67,9 +94,15 @@ async def _errors_as_json(request: web.Request, handler: Callable) -> web.Stream
         response = await handler(request)
     except ApiError as error:
         response = error_response(error)
-    except web.HTTPException as exc:  # 404 / 405 from the router, as OpenAI-style bodies
+    except web.HTTPException as exc:  # 404 / 405 / 413 from aiohttp, as OpenAI-style bodies
         response = error_response(ApiError(exc.status, exc.reason, kind="invalid_request_error"))
-    request.app[METRICS].requests.labels(request.path, str(response.status)).inc()
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client went away: nothing to answer
+    except Exception as exc:  # noqa: BLE001 - one request's bug is that request's 500
+        log.error("request failed", route=route_label(request),
+                  error=f"{type(exc).__name__}: {exc}")
+        response = error_response(request_failed(f"this request failed: {type(exc).__name__}"))
+    request.app[METRICS].requests.labels(route_label(request), str(response.status)).inc()
     return response
 
 
@@ -103,11 +136,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, parse: Callable, fmt: type) -> web.StreamResponse:
     config, host = request.app[CONFIG], request.app[HOST]
+    if host.failure:  # fail fast: no need to read and tokenize what cannot be served
+        raise unavailable(f"the engine has failed: {host.failure}")
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-    parsed: ParsedRequest = parse(body, config.served)
+        async with asyncio.timeout(config.limits.body_s):
+            raw = await request.read()
+    except TimeoutError as exc:
+        raise ApiError(408, f"the request body did not arrive within {config.limits.body_s} s",
+                       code="request_timeout") from exc
+
+    def parse_and_tokenize() -> ParsedRequest:
+        return parse(load_body(raw), config.served)
+
+    loop = asyncio.get_running_loop()
+    parsed = await loop.run_in_executor(request.app[PARSERS], parse_and_tokenize)
     try:
         stream = host.submit(parsed.generation)
     except Busy as exc:
@@ -120,6 +162,11 @@ async def _generate(request: web.Request, parse: Callable, fmt: type) -> web.Str
         if parsed.stream:
             return await _stream(request, stream, out)
         return await _whole(stream, out)
+    except (ApiError, asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:  # shaping one reply failed: that reply's 500
+        log.error("reply failed", error=f"{type(exc).__name__}: {exc}")
+        raise request_failed(f"shaping this reply failed: {type(exc).__name__}") from exc
     finally:
         stream.cancel()  # a no-op for a finished stream; frees the slot of an abandoned one
 
@@ -131,15 +178,15 @@ async def _whole(stream: Stream, out: CompletionFormat) -> web.Response:
         if isinstance(event, Token):
             tokens.append(event)
         elif isinstance(event, Failed):
-            raise unavailable(f"the engine failed before the reply was complete: {event.reason}")
+            raise _failure(event, "before the reply was complete")
         else:
             return web.json_response(out.whole(tokens, event))
 
 
 async def _stream(request: web.Request, stream: Stream, out: CompletionFormat) -> web.StreamResponse:
     event = await stream.events.get()
-    if isinstance(event, Failed):  # nothing sent yet: the client may simply retry
-        raise unavailable(f"the engine failed before the first token: {event.reason}")
+    if isinstance(event, Failed):  # nothing sent yet: a plain error status
+        raise _failure(event, "before the first token")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -148,25 +195,38 @@ async def _stream(request: web.Request, stream: Stream, out: CompletionFormat) -
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await response.write(f"data: {data}\n\n".encode())
 
-    for chunk in out.opening():
-        await send(chunk)
-    while True:
-        if isinstance(event, Token):
-            if event.text or out.parsed.logprobs:
-                await send(out.chunk([event], None))
-        elif isinstance(event, Done):
-            await send(out.chunk([], event.finish_reason))
-            if out.parsed.include_usage:
-                await send(dict(out.envelope(chunk=True), choices=[], usage=out.usage(event)))
-            await send("[DONE]")
-            break
-        else:  # tokens were sent: an error event and no finish_reason marks it incomplete
-            await send({"error": {"message": f"the engine failed mid-stream: {event.reason}",
-                                  "type": "server_error", "param": None, "code": "unavailable"}})
-            break
-        event = await stream.events.get()
+    try:
+        for chunk in out.opening():
+            await send(chunk)
+        while True:
+            if isinstance(event, Token):
+                if event.text or out.parsed.logprobs:
+                    await send(out.chunk([event], None))
+            elif isinstance(event, Done):
+                await send(out.chunk([], event.finish_reason))
+                if out.parsed.include_usage:
+                    await send(dict(out.envelope(chunk=True), choices=[], usage=out.usage(event)))
+                await send("[DONE]")
+                break
+            else:  # tokens were sent: an error event and no finish_reason marks it incomplete
+                await send(_failure(event, "mid-stream").body())
+                break
+            event = await stream.events.get()
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - shaping this stream failed: end it alone
+        log.error("stream reply failed", error=f"{type(exc).__name__}: {exc}")
+        stream.cancel()
+        await send(request_failed(f"shaping this reply failed: {type(exc).__name__}").body())
     await response.write_eof()
     return response
+
+
+def _failure(event: Failed, when: str) -> ApiError:
+    """A request's own failure is a 500; the engine's (or its ring's) a retryable 503."""
+    if event.per_request:
+        return request_failed(f"this request failed {when}: {event.reason}")
+    return unavailable(f"the engine failed {when}: {event.reason}")
 
 
 class CompletionFormat:

@@ -4,6 +4,10 @@ Every active stream rides every round: decode rows for streams that are generati
 prompt chunks (at most `chunk` prompt rows a round, in slot order) for streams that are
 still reading their prompt. A round runs on one worker thread, so the event loop stays
 free for HTTP while the model computes; sampling happens back on the loop.
+
+Whatever goes wrong while sampling or detokenizing one stream ends that stream alone (a
+`Failed` event with `per_request` set, its slot cancelled next round); only a failed round
+or a bug in the loop itself fails the engine.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     reason: str
+    # True: this request alone failed (HTTP 500, not worth a retry); False: the engine or
+    # its ring failed (HTTP 503, another replica or a restart may serve it).
+    per_request: bool = False
 
 
 Event = Token | Done | Failed
@@ -101,11 +108,18 @@ class Stream:
     generated: list[int] = field(default_factory=list)
     finished: bool = False  # no more rows; the slot closes next round
     cancelled: bool = False
+    failed: bool = False  # this stream alone failed; the slot is cancelled next round
     created_s: float = field(default_factory=time.monotonic)
     last_token_s: float | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def fail(self, reason: str) -> None:
+        """End this stream alone with `reason`; its slot is cancelled in the next round."""
+        if not self.finished:
+            self.finished = self.failed = True
+            self.events.put_nowait(Failed(reason, per_request=True))
 
     @property
     def position(self) -> int:
@@ -177,7 +191,19 @@ class LaneHost:
         self._wake.set()
 
     async def run(self) -> None:
-        """Build and run rounds until cancelled or failed (then `failure` says why)."""
+        """Build and run rounds until cancelled or failed (then `failure` says why).
+
+        Never raises: a bug in building or delivering a round fails the engine with its
+        reason, so rank 0 still exits with one structured line."""
+        try:
+            await self._run_rounds()
+        except Exception as exc:  # noqa: BLE001 - an escape would end the task unexplained
+            log.error("round loop failed", round=self.round_no,
+                      error=f"{type(exc).__name__}: {exc}")
+            self.fail(f"the round loop failed in round {self.round_no}: "
+                      f"{type(exc).__name__}: {exc}")
+
+    async def _run_rounds(self) -> None:
         loop = asyncio.get_running_loop()
         while not self.failure:
             built = self._build_round()
@@ -212,7 +238,8 @@ class LaneHost:
             state = table[slot]
             if stream.finished or stream.cancelled:
                 if state.open:
-                    op = Op.CANCEL if stream.cancelled and not stream.finished else Op.CLOSE
+                    abandoned = stream.failed or (stream.cancelled and not stream.finished)
+                    op = Op.CANCEL if abandoned else Op.CLOSE
                     entries.append(StreamEntry(slot, op, 0, 0, 0, 0, state.generation))
                 else:
                     self.slots[slot] = None  # never opened: nothing to release
@@ -262,7 +289,12 @@ class LaneHost:
                     continue  # a mid-prompt chunk: its last row predicts nothing we need
             if stream.cancelled or stream.finished:
                 continue
-            self._sample(stream, row, now)
+            try:
+                self._sample(stream, row, now)
+            except Exception as exc:  # noqa: BLE001 - one stream's fault ends that stream only
+                log.warning("stream failed", round=plan.round_no, stream=entry.stream_id,
+                            error=f"{type(exc).__name__}: {exc}")
+                stream.fail(f"generating this reply failed: {type(exc).__name__}: {exc}")
         if any(s is not None for s in self.slots) or self.waiting:
             self._wake.set()
 

@@ -55,8 +55,11 @@ class TextCodec:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids; `add_special_tokens` applies tokenizer.json's own post-processor (a
         Llama BOS, say), as transformers does for plain text. A rendered chat template
-        already holds its special tokens, so it is encoded without."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        already holds its special tokens, so it is encoded without.
+
+        `encode_batch` of one, because it releases the GIL while `encode` holds it: the API
+        tokenizes on a worker thread, and a 1 MB prompt must not stall the event loop."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

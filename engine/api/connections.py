@@ -1,0 +1,135 @@
+"""Bounds on the connections of rank 0's API: how many, how long to send a request's
+headers, how long to sit idle; beyond them a connection is closed, never waited on.
+
+aiohttp alone waits for a request's headers for as long as its keep-alive timeout (an
+hour by default) and accepts every connection until the process runs out of descriptors,
+so a few thousand slowloris sockets held the API. Here:
+- a new connection must complete its first request's headers within `header_s`;
+- a connection idle after a response (or dripping its next headers) closes `idle_s` later
+  (aiohttp's keep-alive timeout, set from the same limits);
+- past `max_connections`, a new connection gets a short 503 and is closed at once, so the
+  event loop and the descriptors stay free for the connections it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from engine.api.repeated_errors import RepeatedLog
+
+
+def default_max_connections() -> int:
+    """Half the descriptors this process may open (the model, logs and the ring need some)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(8, min(4096, soft // 2))
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_connections: int = 1024
+    header_s: float = 5.0  # a new connection must have sent its first request's headers by then
+    idle_s: float = 15.0  # a keep-alive connection closes this long after its last response
+    body_s: float = 30.0  # a request's body must have arrived by then (the handler's bound)
+    max_body_bytes: int = 1 << 20
+
+
+_REFUSED_BODY = (b'{"error": {"message": "too many connections", "type": "server_error", '
+                 b'"param": null, "code": "too_many_connections"}}')
+REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+           b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+           + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: a 503 in one write, then closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(REFUSED)
+        transport.close()
+
+
+class ConnectionGuard:
+    """Makes the protocol for each accepted connection: aiohttp's, or a refusal."""
+
+    def __init__(self, limits: HttpLimits, repeated: RepeatedLog | None = None) -> None:
+        self.limits = limits
+        self.repeated = repeated or RepeatedLog()
+        self.refused = 0
+        self.timed_out = 0
+        # ids of handlers before their header deadline, and of those whose first request
+        # arrived by then (a handler stays alive until its deadline runs, so ids are unique)
+        self._watching: set[int] = set()
+        self._started: set[int] = set()
+        self._fresh: list[web.RequestHandler] = []  # made, not yet connected
+
+    def factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+        loop = asyncio.get_running_loop()
+
+        def make() -> asyncio.Protocol:
+            # Handlers made in this accept burst are not in server.connections until their
+            # connection_made runs on a later turn of the loop: count them too.
+            self._fresh = [h for h in self._fresh if h.transport is None]
+            if len(server.connections) + len(self._fresh) >= self.limits.max_connections:
+                self.refused += 1
+                self.repeated.note("connection refused: the API is at its connection cap",
+                                   max_connections=self.limits.max_connections,
+                                   refused_total=self.refused)
+                return _Refused()
+            handler = server()
+            self._fresh.append(handler)
+            self._watching.add(id(handler))
+            loop.call_later(self.limits.header_s, self._header_deadline, handler)
+            return handler
+
+        return make
+
+    def _header_deadline(self, handler: web.RequestHandler) -> None:
+        self._watching.discard(id(handler))
+        if id(handler) in self._started:
+            self._started.discard(id(handler))
+            return
+        if handler.transport is not None and not handler.transport.is_closing():
+            self.timed_out += 1
+            self.repeated.note("connection closed: no request headers in time",
+                               header_s=self.limits.header_s, closed_total=self.timed_out)
+            handler.force_close()
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable) -> web.StreamResponse:
+        """Notes that this connection's request headers arrived (before any other work)."""
+        if id(request.protocol) in self._watching:
+            self._started.add(id(request.protocol))
+        return await handler(request)
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections go through a `ConnectionGuard`."""
+
+    __slots__ = ("_guard", "_host", "_port")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard,
+                 *, backlog: int = 128) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host, self._port, self._guard = host, port, guard
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        self._server = await loop.create_server(self._guard.factory(server), self._host,
+                                                self._port, backlog=self._backlog,
+                                                reuse_address=True)
