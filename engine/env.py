@@ -84,6 +84,11 @@ class EngineEnv:
     # Rank 0's API answers only requests bearing it (FLEET_API_SECRET_FILE); "" keeps it open,
     # as a standalone engine is. Kept out of repr so no log line can carry it.
     api_secret: str = field(default="", repr=False)
+    # Rank 0's API connections (engine.api.connections): 0 connections = half the fd limit.
+    http_max_connections: int = 0
+    http_header_s: float = 5.0  # a new connection must send its first request's headers by then
+    http_idle_s: float = 15.0  # an idle keep-alive connection closes this long after a response
+    http_body_s: float = 30.0  # a request body must arrive within this
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
@@ -163,6 +168,10 @@ class EngineEnv:
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
             api_secret=api_secret,
+            http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", 0, 0),
+            http_header_s=number("FLEET_HTTP_HEADER_S", 5.0),
+            http_idle_s=number("FLEET_HTTP_IDLE_S", 15.0),
+            http_body_s=number("FLEET_HTTP_BODY_S", 30.0),
         )
 
     def stage_spec(self, n_layers: int) -> StageSpec:
