@@ -1,0 +1,141 @@
+"""The front door in front of a real rank 0 (a fleet-engine process serving a generated
+checkpoint): a refusal of one request passes through as the engine wrote it; a client that
+leaves a whole request frees rank 0's slot at once; a frozen rank 0 (SIGSTOP) ends a stream
+with an SSE error, and a new request with a 503, within the ring's dead-ring time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from engine.launch import LocalFleet, free_port, launch
+from supervisor.front_door import FrontDoorConfig, Route, open_front_door
+from supervisor.relays import UpstreamSilence
+
+pytestmark = pytest.mark.timeout(180)
+LONG = 4000  # tokens: ~15 s of generation on the tiny model, far beyond every bound below
+
+
+@pytest.fixture(scope="module")
+def engine(make_model, tmp_path_factory):
+    fleet = launch(make_model("qwen3"), [(0, 3)], context=4096, parallel=2, chunk=32,
+                   run_dir=tmp_path_factory.mktemp("rank0"))
+    try:
+        fleet.wait_ready()
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def base_url(fleet: LocalFleet) -> str:
+    return f"http://127.0.0.1:{fleet.http_port}"
+
+
+@dataclass
+class Clients:
+    door: aiohttp.ClientSession  # through the front door
+    direct: aiohttp.ClientSession  # to rank 0 itself
+    model: str
+    door_url: str  # for a client of its own, one that can leave
+
+
+async def with_door(fleet: LocalFleet, check: Callable[[Clients], Awaitable[None]]) -> None:
+    port = free_port()
+    route = Route(url=base_url(fleet), replica="m-g1")
+    config = FrontDoorConfig(lambda model: route, lambda: [{"id": "m", "serving": True}])
+    runner = await open_front_door(config, "127.0.0.1", port)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as door, \
+                aiohttp.ClientSession(base_url(fleet)) as direct:
+            async with direct.get("/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
+            clients = Clients(door, direct, model, f"http://127.0.0.1:{port}")
+            await asyncio.wait_for(check(clients), 120)
+    finally:
+        await runner.cleanup()
+
+
+def ask(model: str, *, stream: bool = False, **extra) -> dict:
+    return {"model": model, "stream": stream, "messages": [{"role": "user", "content": "Go."}],
+            **extra}
+
+
+async def slots_in_use(direct: aiohttp.ClientSession) -> int:
+    async with direct.get("/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        return (await r.json())["slots_in_use"]
+
+
+async def wait_slots(direct: aiohttp.ClientSession, want: int, within_s: float) -> float:
+    t0 = time.monotonic()
+    while (n := await slots_in_use(direct)) != want:
+        assert time.monotonic() - t0 < within_s, f"slots_in_use {n}, not {want}"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_a_refusal_of_one_request_passes_through_as_the_engine_wrote_it(engine):
+    async def check(c: Clients) -> None:
+        door, direct, model = c.door, c.direct, c.model
+        bad = ask(model, temperature=5)
+        async with direct.post("/v1/chat/completions", json=bad) as r:
+            want_status, want_body = r.status, await r.read()
+        async with door.post("/v1/chat/completions", json=bad) as r:
+            assert (r.status, await r.read()) == (want_status, want_body)
+            assert "Retry-After" not in r.headers
+        assert want_status == 400 and b"temperature" in want_body
+    asyncio.run(with_door(engine, check))
+
+
+def test_a_client_that_leaves_a_whole_request_frees_the_slot(engine):
+    async def check(c: Clients) -> None:
+        direct, model = c.direct, c.model
+        async with aiohttp.ClientSession(c.door_url) as client:
+            whole = asyncio.ensure_future(client.post(
+                "/v1/chat/completions", json=ask(model, max_tokens=LONG, ignore_eos=True)))
+            await wait_slots(direct, 1, 10)
+        whole.cancel()  # its connection closed with the session: the client is gone
+        took = await wait_slots(direct, 0, 3)
+        print(f"slot freed {took:.2f} s after the client left")
+    asyncio.run(with_door(engine, check))
+
+
+def test_a_frozen_rank0_ends_streams_and_new_requests_within_the_dead_ring_time(engine):
+    limit_s = UpstreamSilence().limit_s
+    assert limit_s == 6.0  # keep-alive 2 s x 3 silent intervals, as the ring has it
+
+    async def check(c: Clients) -> None:
+        door, direct, model = c.door, c.direct, c.model
+        streamed = await door.post("/v1/chat/completions",
+                                   json=ask(model, stream=True, max_tokens=LONG, ignore_eos=True))
+        assert streamed.status == 200
+        for _ in range(3):
+            await streamed.content.readuntil(b"\n\n")
+        os.kill(engine.processes[0].pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            rest = (await streamed.read()).decode()
+            stream_took = time.monotonic() - t0
+            t0 = time.monotonic()
+            async with door.post("/v1/chat/completions", json=ask(model, max_tokens=4)) as r:
+                whole_took = time.monotonic() - t0
+                body = await r.json()
+                assert r.status == 503 and int(r.headers["Retry-After"]) > 0
+        finally:
+            os.kill(engine.processes[0].pid, signal.SIGCONT)
+        last = json.loads(rest.strip().splitlines()[-1][6:])
+        assert last["error"]["code"] == "unavailable" and "dead-ring" in last["error"]["message"]
+        assert "[DONE]" not in rest and '"finish_reason": "length"' not in rest
+        assert "dead-ring" in body["error"]["message"]
+        print(f"stream ended {stream_took:.1f} s, new request {whole_took:.1f} s after SIGSTOP")
+        for took in (stream_took, whole_took):
+            assert limit_s - 3.0 < took < limit_s + 3.0, took
+        await wait_slots(direct, 0, 30)  # thawed, rank 0 frees the abandoned stream's slot
+    asyncio.run(with_door(engine, check))
