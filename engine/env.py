@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.backends.base import BACKENDS, StageSpec
+from engine.link.accept_loop import HANDSHAKE_DEADLINE_S
 from engine.wildcard import wildcard_refusal
 
 MIN_API_SECRET_CHARS = 16
@@ -78,6 +79,7 @@ class EngineEnv:
     dead_after: int  # silent keep-alive intervals before the ring counts as dead
     round_deadline_s: float  # bounds each send and receive of a round's frames
     boot_deadline_s: float  # how long bootstrap waits for the other stages
+    handshake_deadline_s: float  # a connection to a ring listener must authenticate within it
     cpu_threads: int  # 0: the framework's default; stages sharing a CPU should split it
     log_level: str  # debug adds each round's timing per stage
     cuda_graphs: bool  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
@@ -164,6 +166,7 @@ class EngineEnv:
             dead_after=integer("FLEET_DEAD_AFTER", 3),
             round_deadline_s=number("FLEET_ROUND_DEADLINE_S", 300.0),
             boot_deadline_s=number("FLEET_BOOT_DEADLINE_S", 300.0),
+            handshake_deadline_s=number("FLEET_HANDSHAKE_DEADLINE_S", HANDSHAKE_DEADLINE_S),
             cpu_threads=integer("FLEET_CPU_THREADS", 0, 0),
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",

@@ -116,7 +116,9 @@ def connect(
             time.sleep(max(0.0, min(interval, end - time.monotonic())))
             interval = min(interval * 2, 0.5)
             continue
-        return Link(sock, max_payload_bytes=max_payload_bytes)
+        link = Link(sock, max_payload_bytes=max_payload_bytes)
+        link.peer_listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return link
 
 
 def _wait_fd(fd: int, *, writable: bool, timeout_s: float) -> bool:
@@ -156,7 +158,10 @@ class Link:
         self._shut_down = False  # shutdown() or close() was called here
         self.authenticated = False
         self.peer_rank: int | None = None
-        self.peer_address = _name(sock, peer=True)
+        self.peer_address = _name(sock, peer=True)  # accepted: the peer's ephemeral source port
+        # Where the peer's rank listens (host:port): known at once for a dialled link, and
+        # set by the ring for an accepted one once the peer's rank says where it listens.
+        self.peer_listen: str | None = None
 
     @property
     def failed(self) -> ProtocolError | None:
@@ -164,8 +169,13 @@ class Link:
 
     @property
     def peer(self) -> str:
-        rank = "" if self.peer_rank is None else f"rank {self.peer_rank} "
-        return f"{rank}({self.peer_address})"
+        """The peer as an operator finds it: its rank and the address that rank listens on,
+        never only an ephemeral source port (which names no process anyone can look up)."""
+        if self.peer_rank is None:
+            return self.peer_listen or f"a peer connected from {self.peer_address}"
+        if self.peer_listen is not None:
+            return f"rank {self.peer_rank} at {self.peer_listen}"
+        return f"rank {self.peer_rank} (connected from {self.peer_address})"
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -283,7 +293,12 @@ class Link:
 
     def _read_header(self, end: float) -> FrameHeader:
         while True:
-            header = self._parser.next_header()
+            try:
+                header = self._parser.next_header()
+            except ConnectionFailed:
+                raise
+            except ProtocolError as error:  # the sans-IO parser knows no peer: name it here
+                raise self._naming_peer(error) from None
             if not isinstance(header, NeedMore):
                 break
             data = self._recv_some(self._parser.bytes_needed(), end, "a frame header")
@@ -320,6 +335,14 @@ class Link:
                 self._wait(writable=False, end=end, doing=doing)
             except OSError as error:
                 raise PeerClosed(f"{self.peer} reset the connection: {error}") from None
+
+    def _naming_peer(self, error: ProtocolError) -> ProtocolError:
+        """The parser's error again, its message naming who sent the bytes."""
+        if type(error) is PeerClosed:
+            message = f"{self.peer} closed the connection"
+        else:
+            message = f"{error.message} (from {self.peer})"
+        return type(error)(message, remote=error.remote)
 
     # Plumbing ---------------------------------------------------------------------------
 

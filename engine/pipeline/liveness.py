@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine.link.errors import ProtocolError, UnexpectedFrame
+from engine.link.errors import Deadline, ProtocolError, UnexpectedFrame
 from engine.link.frame import Frame, FrameKind
 from engine.link.messages import decode_plan
 from engine.link.transport import Link
@@ -120,6 +120,11 @@ def watch(link: Link, config: LivenessConfig, fate: Fate,
                 frame = link.recv(deadline_s=config.silence_limit_s)
                 if not on_frame(frame):
                     return
+        except Deadline:
+            fate.fail(Deadline(
+                f"nothing from {link.peer} for {config.silence_limit_s:g} s "
+                f"({config.dead_after} keep-alive intervals of {config.keepalive_s:g} s): "
+                "the ring is dead"))
         except (ProtocolError, OSError) as error:
             fate.fail(error)
 

@@ -2,27 +2,41 @@
 
 Every rank listens for its ring predecessor on FLEET_LISTEN and dials rank 0's control
 port. Rank 0 authenticates each follower (hello + shared-key proof), gathers their
-descriptions, refuses any mismatch by name, tells each rank where its successor listens,
-waits until every data link is up and every stage is ready, and says GO. Rows then flow
-rank i -> i + 1 directly, the last rank back to rank 0; plans go rank 0 -> every rank.
+descriptions, refuses any mismatch by name, tells each rank where its successor and its
+predecessor listen, waits until every data link is up and every stage is ready, and says
+GO. Rows then flow rank i -> i + 1 directly, the last rank back to rank 0; plans go rank 0
+-> every rank.
+
+Listeners admit through an `AcceptLoop`: anything that reaches them before the expected
+peer (a port scan, garbage, a wrong key, a silent socket) is refused and logged with its
+address, and never ends or stalls the boot. One boot deadline bounds the whole bootstrap.
 """
 
 from __future__ import annotations
 
-import threading
+import time
 from dataclasses import dataclass, field
-from socket import socket
 
 import structlog
 
-from engine.link.errors import ProtocolError, RankMismatch, UnexpectedFrame
-from engine.link.frame import Frame, FrameKind
+from engine.link.accept_loop import HANDSHAKE_DEADLINE_S, AcceptLoop, Refusal
+from engine.link.errors import (
+    ConnectionFailed,
+    Deadline,
+    PeerClosed,
+    ProtocolError,
+    RankMismatch,
+    UnexpectedFrame,
+)
+from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES, Frame, FrameKind
 from engine.link.hello import Handshake
 from engine.link.layout import check_descriptions
 from engine.link.messages import Describe, Neighbour, Ready, decode_message
-from engine.link.transport import Link, accept, connect, handshake, listen
+from engine.link.transport import Link, connect, handshake, listen
 
 log = structlog.get_logger()
+# Pause before dialling again a peer that hung up during the handshake.
+REDIAL_PAUSE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -34,8 +48,9 @@ class RingConfig:
     fingerprint: bytes  # checkpoint + whole layout
     key: bytes
     rows_bound_bytes: int  # largest ROWS payload this rank accepts
-    boot_deadline_s: float = 120.0  # peers load checkpoints at their own pace
+    boot_deadline_s: float = 120.0  # the whole bootstrap; peers load at their own pace
     io_deadline_s: float = 30.0
+    handshake_deadline_s: float = HANDSHAKE_DEADLINE_S  # a connection this rank accepted
 
 
 @dataclass
@@ -60,85 +75,121 @@ class Ring:
             link.close()
 
 
+class _BootClock:
+    """What is left of the one boot deadline, for each wait of the bootstrap."""
+
+    def __init__(self, config: RingConfig) -> None:
+        self.deadline_s = config.boot_deadline_s
+        self._end = time.monotonic() + config.boot_deadline_s
+
+    def left(self, doing: str) -> float:
+        remaining = self._end - time.monotonic()
+        if remaining <= 0:
+            raise Deadline(f"the ring did not boot within {self.deadline_s:g} s ({doing})")
+        return remaining
+
+
+def _address(host_port: tuple[str, int]) -> str:
+    host, port = host_port
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _expect(frame: Frame, kind: FrameKind, peer: str):
     if frame.kind is not kind:
         raise UnexpectedFrame(f"expected {kind.name} from {peer}, got {frame.kind.name}")
     return decode_message(frame)
 
 
-def _handshake(link: Link, config: RingConfig, peer_rank: int | None) -> int:
-    hs = Handshake(rank=config.rank, world=config.world, fingerprint=config.fingerprint,
-                   key=config.key, expect_peer_rank=peer_rank)
-    return handshake(link, hs, deadline_s=config.io_deadline_s).rank
+def _new_handshake(config: RingConfig, peer_rank: int | None) -> Handshake:
+    return Handshake(rank=config.rank, world=config.world, fingerprint=config.fingerprint,
+                     key=config.key, expect_peer_rank=peer_rank)
 
 
-def _data_links(config: RingConfig, listener: socket, successor: Neighbour) -> tuple[Link, Link]:
-    """Dial the successor while accepting the predecessor, so no rank waits on another."""
-    prev_rank = (config.rank - 1) % config.world
-    accepted: dict[str, Link | BaseException] = {}
+def _open_door(config: RingConfig, address: tuple[str, int], peer_rank: int | None, *,
+               what: str, max_payload_bytes: int) -> AcceptLoop:
+    """Listen on `address` and admit only peers that pass the handshake (of `peer_rank`)."""
+    name = f"{what} {_address(address)}"
 
-    def accept_prev() -> None:
+    def refused(refusal: Refusal) -> None:
+        log.warning("refused a peer", peer=refusal.address, listener=name, reason=refusal.reason)
+
+    return AcceptLoop(listen(*address), lambda: _new_handshake(config, peer_rank), name=name,
+                      on_refused=refused, handshake_deadline_s=config.handshake_deadline_s,
+                      max_payload_bytes=max_payload_bytes).start()
+
+
+def _dial(config: RingConfig, address: tuple[str, int], peer_rank: int, clock: _BootClock, *,
+          max_payload_bytes: int) -> Link:
+    """Connect to `peer_rank` at `address` and authenticate, dialling again while the peer
+    only hangs up (its listener may have turned us away while flooded): a refusal it
+    names (ABORT) or any other error is final."""
+    doing = f"dialling rank {peer_rank} at {_address(address)}"
+    while True:
+        link = connect(*address, deadline_s=clock.left(doing), max_payload_bytes=max_payload_bytes)
         try:
-            link = accept(listener, deadline_s=config.boot_deadline_s,
-                          max_payload_bytes=config.rows_bound_bytes)
-            _handshake(link, config, prev_rank)
-            accepted["link"] = link
-        except Exception as exc:  # noqa: BLE001 - handed to the booting thread below
-            accepted["link"] = exc
-
-    thread = threading.Thread(target=accept_prev, name="accept-prev", daemon=True)
-    thread.start()
-    to_next = connect(successor.host, successor.port, deadline_s=config.boot_deadline_s,
-                      max_payload_bytes=config.rows_bound_bytes)
-    _handshake(to_next, config, successor.successor_rank)
-    thread.join(config.boot_deadline_s + config.io_deadline_s)
-    from_prev = accepted.get("link")
-    if isinstance(from_prev, BaseException):
-        to_next.close()
-        raise from_prev
-    if from_prev is None:
-        to_next.close()
-        raise ProtocolError(f"rank {prev_rank} never dialled this rank's ring listener")
-    return to_next, from_prev
+            handshake(link, _new_handshake(config, peer_rank),
+                      deadline_s=min(config.io_deadline_s, clock.left(doing)))
+            return link
+        except ProtocolError as error:
+            cause = error.cause if isinstance(error, ConnectionFailed) else error
+            if not isinstance(cause, PeerClosed) or cause.remote:
+                raise
+            log.warning("peer hung up during the handshake; dialling again",
+                        peer=f"rank {peer_rank} at {_address(address)}", reason=str(cause))
+        time.sleep(min(REDIAL_PAUSE_S, clock.left(doing)))
 
 
 def boot_rank0(config: RingConfig, own: Describe, *, n_layers: int, engine_version: str,
                context: int, parallel: int) -> Ring:
     """Rank 0's side: accept, check and wire every follower; returns once all are ready."""
-    control_listener = listen(*config.master)
-    data_listener = listen(*config.listen)
+    clock = _BootClock(config)
+    last = config.world - 1
+    control_door = _open_door(config, config.master, None, what="control port",
+                              max_payload_bytes=MAX_CONTROL_PAYLOAD_BYTES)
+    data_door = None
     control: dict[int, Link] = {}
+    data: list[Link] = []
     try:
+        data_door = _open_door(config, config.listen, last, what="ring listener",
+                               max_payload_bytes=config.rows_bound_bytes)
         describes, listens = {0: own}, {0: config.listen}
         while len(control) < config.world - 1:
-            link = accept(control_listener, deadline_s=config.boot_deadline_s)
-            try:
-                peer_rank = _handshake(link, config, None)
-            except ProtocolError as error:  # the peer was told why; keep waiting for ours
-                log.warning("refused a peer", peer=link.peer_address,
-                            reason=f"{type(error).__name__}: {error}")
+            link, hello = control_door.next_peer(
+                deadline_s=clock.left(f"{len(control)} of {last} followers joined"))
+            if hello.rank in control:
+                duplicate = RankMismatch(f"rank {hello.rank} is already in this ring "
+                                         f"({control[hello.rank].peer})")
+                log.warning("refused a peer", peer=link.peer_address, reason=str(duplicate))
+                link.abort(duplicate)
                 continue
-            if peer_rank == 0 or peer_rank in control:
-                link.abort(RankMismatch(f"rank {peer_rank} is already in this ring"))
-                continue
-            control[peer_rank] = link
-            describes[peer_rank] = _expect(link.recv(deadline_s=config.io_deadline_s),
-                                           FrameKind.DESCRIBE, link.peer)
-            announced = _expect(link.recv(deadline_s=config.io_deadline_s),
-                                FrameKind.NEIGHBOUR, link.peer)
-            listens[peer_rank] = (announced.host, announced.port)
-            log.info("stage joined", peer=peer_rank, layers=f"{describes[peer_rank].layer_first}:"
-                     f"{describes[peer_rank].layer_end}", backend=describes[peer_rank].backend.name)
+            control[hello.rank] = link
+            io_s = min(config.io_deadline_s, clock.left(f"reading {link.peer}'s description"))
+            describes[hello.rank] = _expect(link.recv(deadline_s=io_s), FrameKind.DESCRIBE,
+                                            link.peer)
+            announced = _expect(link.recv(deadline_s=io_s), FrameKind.NEIGHBOUR, link.peer)
+            if announced.successor_rank != hello.rank:
+                raise RankMismatch(f"{link.peer} announced the listen address of rank "
+                                   f"{announced.successor_rank}")
+            listens[hello.rank] = (announced.host, announced.port)
+            link.peer_listen = _address(listens[hello.rank])
+            log.info("stage joined", peer=link.peer,
+                     layers=f"{describes[hello.rank].layer_first}:"
+                            f"{describes[hello.rank].layer_end}",
+                     backend=describes[hello.rank].backend.name)
+        control_door.close()  # every follower is here: nobody else may join
         check_descriptions(list(describes.values()), n_layers=n_layers,
                            engine_version=engine_version, context=context, parallel=parallel)
         for rank, link in control.items():
-            successor = (rank + 1) % config.world
-            link.send_message(Neighbour(successor, *listens[successor]),
-                              deadline_s=config.io_deadline_s)
-        to_next, from_prev = _data_links(config, data_listener, Neighbour(1, *listens[1]))
+            for neighbour in ((rank + 1) % config.world, (rank - 1) % config.world):
+                link.send_message(Neighbour(neighbour, *listens[neighbour]),
+                                  deadline_s=config.io_deadline_s)
+        data.append(_dial(config, listens[1], 1, clock, max_payload_bytes=config.rows_bound_bytes))
+        from_prev, _hello = data_door.next_peer(deadline_s=clock.left(f"rank {last} dialling in"))
+        from_prev.peer_listen = _address(listens[last])
+        data.append(from_prev)
         for rank, link in control.items():
-            ready = _expect(link.recv(deadline_s=config.boot_deadline_s), FrameKind.READY,
-                            link.peer)
+            ready = _expect(link.recv(deadline_s=clock.left(f"{link.peer} getting ready")),
+                            FrameKind.READY, link.peer)
             if ready.rank != rank:
                 raise RankMismatch(f"{link.peer} reported ready as rank {ready.rank}")
         for link in control.values():
@@ -146,31 +197,51 @@ def boot_rank0(config: RingConfig, own: Describe, *, n_layers: int, engine_versi
     except BaseException as exc:
         for link in control.values():
             link.abort(exc)
+        for link in data:
+            link.close()
         raise
     finally:
-        control_listener.close()
-        data_listener.close()
-    return Ring(config, control, to_next, from_prev, describes)
+        control_door.close()
+        if data_door is not None:
+            data_door.close()
+    return Ring(config, control, data[0], data[1], describes)
 
 
 def boot_follower(config: RingConfig, own: Describe) -> Ring:
     """A follower's side: dial rank 0, describe, wire the data ring, report ready, await GO."""
-    data_listener = listen(*config.listen)
+    clock = _BootClock(config)
+    successor_rank, prev_rank = (config.rank + 1) % config.world, (config.rank - 1) % config.world
+    data_door = _open_door(config, config.listen, prev_rank, what="ring listener",
+                           max_payload_bytes=config.rows_bound_bytes)
     link = None
+    data: list[Link] = []
     try:
-        link = connect(*config.master, deadline_s=config.boot_deadline_s)
-        _handshake(link, config, 0)
+        link = _dial(config, config.master, 0, clock, max_payload_bytes=MAX_CONTROL_PAYLOAD_BYTES)
         link.send_message(own, deadline_s=config.io_deadline_s)
         link.send_message(Neighbour(config.rank, *config.listen), deadline_s=config.io_deadline_s)
-        successor = _expect(link.recv(deadline_s=config.boot_deadline_s), FrameKind.NEIGHBOUR,
-                            link.peer)
-        to_next, from_prev = _data_links(config, data_listener, successor)
+        neighbours = []
+        for expected in (successor_rank, prev_rank):
+            neighbour = _expect(link.recv(deadline_s=clock.left("waiting for the other stages")),
+                                FrameKind.NEIGHBOUR, link.peer)
+            if neighbour.successor_rank != expected:
+                raise RankMismatch(f"{link.peer} named rank {neighbour.successor_rank} as a "
+                                   f"neighbour of rank {config.rank}; expected rank {expected}")
+            neighbours.append(neighbour)
+        successor, predecessor = neighbours
+        data.append(_dial(config, (successor.host, successor.port), successor_rank, clock,
+                          max_payload_bytes=config.rows_bound_bytes))
+        from_prev, _hello = data_door.next_peer(
+            deadline_s=clock.left(f"rank {prev_rank} dialling in"))
+        from_prev.peer_listen = _address((predecessor.host, predecessor.port))
+        data.append(from_prev)
         link.send_message(Ready(config.rank), deadline_s=config.io_deadline_s)
-        _expect(link.recv(deadline_s=config.boot_deadline_s), FrameKind.GO, link.peer)
+        _expect(link.recv(deadline_s=clock.left("waiting for GO")), FrameKind.GO, link.peer)
     except BaseException as exc:
         if link is not None:
             link.abort(exc)
+        for data_link in data:
+            data_link.close()
         raise
     finally:
-        data_listener.close()
-    return Ring(config, {0: link}, to_next, from_prev, {})
+        data_door.close()
+    return Ring(config, {0: link}, data[0], data[1], {})

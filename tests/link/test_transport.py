@@ -353,3 +353,44 @@ def test_abort_from_another_thread_while_one_receives():
     (error, took), client = run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1))
     assert isinstance(error, errors.ProtocolError) and took < 1.0
     assert client.remote and "went silent" in str(client)
+
+
+def test_a_peer_is_named_by_rank_and_listen_address_never_by_its_source_port():
+    """An accepted link knows only the dialler's ephemeral port until the ring tells it
+    where that rank listens; from then on every error names the rank and that address."""
+    hung_up = threading.Event()
+
+    def rank0(link: Link) -> object:
+        unnamed = link.peer
+        link.peer_listen = "10.1.2.3:4000"  # what rank 1 announced
+        hung_up.wait(5)
+        with pytest.raises(errors.PeerClosed) as closed:
+            link.recv(deadline_s=2)
+        return unnamed, str(closed.value)
+
+    def rank1(link: Link) -> object:
+        dialled = link.peer
+        link.close()
+        hung_up.set()
+        return dialled
+
+    server, client = run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1))
+    unnamed, closed = server
+    assert unnamed.startswith("rank 1 (connected from 127.0.0.1:")
+    assert closed == "rank 1 at 10.1.2.3:4000 closed the connection"
+    assert client.startswith("rank 0 at 127.0.0.1:")  # dialled: the address it listens on
+
+
+def test_a_framing_error_names_the_peer_that_sent_it():
+    def rank0(link: Link) -> object:
+        link.peer_listen = "10.1.2.3:4000"
+        with pytest.raises(errors.BadMagic) as bad:
+            link.recv(deadline_s=2)
+        return str(bad.value)
+
+    def rank1(link: Link) -> object:
+        link._sock.sendall(b"\xff" * 32)  # past the handshake, a header that is not one
+        return None  # closing now is fine: the peer reads those bytes before the end of stream
+
+    server, _ = run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1))
+    assert server.endswith("(from rank 1 at 10.1.2.3:4000)")
