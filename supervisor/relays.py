@@ -61,6 +61,15 @@ class ReplicaWatch:
         self.failed = asyncio.Event()
         self.reason = ""
         self.relays = 0
+        self._probe: asyncio.Future[bool] | None = None
+
+    async def alive(self, ask: Callable[[], Awaitable[bool]]) -> bool:
+        """`ask()`'s answer, one probe at a time: relays that fall silent together (every
+        stream of a frozen rank 0 does) share it instead of each asking."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(ask())
+        # Shielded: one relay's client leaving must not cancel the probe the others wait on.
+        return await asyncio.shield(self._probe)
 
 
 class Relays:
@@ -126,7 +135,7 @@ async def until_lost(work: Awaitable[T], watch: ReplicaWatch, silence: UpstreamS
                 return task.result()
             if failed in done:
                 raise ReplicaLost(f"the replica failed: {watch.reason}")
-            if not await alive() and not task.done():
+            if not await watch.alive(alive) and not task.done():
                 raise ReplicaLost(f"rank 0 sent nothing and did not answer /health for "
                                   f"{silence.limit_s:g} s (the ring's dead-ring time)")
     finally:

@@ -35,6 +35,7 @@ class Upstream:
     """What the fake rank 0 saw, and a switch that freezes it (no reply, no /health)."""
 
     frozen: bool = False
+    health_asks: int = 0
     authorizations: list[str | None] = field(default_factory=list)
     cancelled: int = 0
 
@@ -47,6 +48,7 @@ async def forever() -> None:
 
 
 async def upstream_health(request: web.Request) -> web.Response:
+    request.app[UPSTREAM].health_asks += 1
     if request.app[UPSTREAM].frozen:
         await forever()
     return web.json_response({"status": "ok"})
@@ -299,19 +301,25 @@ def test_a_silent_upstream_is_lost_after_the_dead_ring_time_and_a_live_one_is_no
         s = door.session
         async with s.post("/v1/chat/completions", json=ask("m", "slow-whole")) as r:
             assert r.status == 200  # no bytes for 3x the bound, but /health answered
-        streamed = await s.post("/v1/chat/completions", json=ask("m", "stall", stream=True))
-        assert b"one" in await streamed.content.readuntil(b"\n\n")
-        door.upstream.frozen = True
+        streams = [await s.post("/v1/chat/completions", json=ask("m", "stall", stream=True))
+                   for _ in range(3)]
+        for streamed in streams:
+            assert b"one" in await streamed.content.readuntil(b"\n\n")
+        door.upstream.frozen, asks_before = True, door.upstream.health_asks
         t0 = time.monotonic()
-        rest = (await streamed.read()).decode()
+        rests = [(await streamed.read()).decode() for streamed in streams]
         stream_took = time.monotonic() - t0
+        # Relays that fell silent together share one probe (each would ask on its own).
+        assert door.upstream.health_asks - asks_before < len(streams)
         t0 = time.monotonic()
         async with s.post("/v1/chat/completions", json=ask("m", "hang")) as r:
             whole_took = time.monotonic() - t0
             assert r.status == 503 and int(r.headers["Retry-After"]) > 0
             assert "dead-ring" in (await r.json())["error"]["message"]
         limit = QUICK_SILENCE.limit_s
-        assert events_of(rest)[-1]["error"]["code"] == "unavailable" and "[DONE]" not in rest
+        for rest in rests:
+            assert events_of(rest)[-1]["error"]["code"] == "unavailable"
+            assert "[DONE]" not in rest
         for took in (stream_took, whole_took):
             assert limit * 0.5 < took < limit + 1.0, took
     run(check, silence=QUICK_SILENCE)
