@@ -450,7 +450,9 @@ def lock_state_dir(state_dir: Path) -> Any:
     """An exclusive lock on `state_dir/agent.lock` for the agent's life (released at exit)."""
     import fcntl
 
-    state_dir.mkdir(parents=True, exist_ok=True)
+    from agent.pki import private_dir
+
+    private_dir(state_dir)  # 0700: keys, secrets and run records live under it
     handle = open(state_dir / "agent.lock", "a+")  # noqa: SIM115 - held until the process ends
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

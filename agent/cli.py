@@ -58,15 +58,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_token(args: argparse.Namespace) -> str:
+    """The join token from --token-file, stdin (`--token -`) or, least private, argv."""
+    if args.token_file:
+        try:
+            text = Path(args.token_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--token-file {args.token_file}: cannot read: {exc}") from exc
+        where = f"--token-file {args.token_file}"
+    elif args.token == "-":
+        text, where = sys.stdin.read(), "standard input"
+    else:
+        text, where = args.token, "--token"
+    token = text.strip()
+    if not token:
+        raise ConfigError(f"{where}: no join token there")
+    return token
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     from agent.join import join
-    from agent.pki import NodeCredentials, PkiError
+    from agent.pki import NodeCredentials, PkiError, private_dir
 
     config = _config(args)
-    hosts = tuple(args.host or ()) + ((config.listen_host,)
-                                      if config.listen_host not in ("0.0.0.0", "::") else ())
+    token = read_token(args)
+    private_dir(config.state_dir)
+    hosts = tuple(args.host or ()) + (config.listen_host,)
     try:
-        who = asyncio.run(join(args.url, args.token, NodeCredentials(config.pki_dir),
+        who = asyncio.run(join(args.url, token, NodeCredentials(config.pki_dir),
                                config.node, hosts=hosts))
     except PkiError as exc:
         print(f"fleet-agent join: {exc}", file=sys.stderr)
@@ -198,7 +217,11 @@ def parser() -> argparse.ArgumentParser:
 
     join = sub.add_parser("join", parents=[common], help="join a fleet with a token")
     join.add_argument("url", help="the supervisor, https://HOST:PORT")
-    join.add_argument("--token", required=True, help="the join token from `fleetctl token`")
+    given = join.add_mutually_exclusive_group(required=True)
+    given.add_argument("--token-file", help="a file holding the join token (private: argv is "
+                       "readable by every local user)")
+    given.add_argument("--token", help="the join token from `fleetctl token`, or - to read it "
+                       "from standard input")
     join.add_argument("--listen", help="API address host:port, named in the certificate")
     join.add_argument("--host", action="append", help="another name or IP for the certificate")
     join.set_defaults(func=cmd_join)

@@ -23,8 +23,9 @@ import structlog
 
 from agent.child import ChildExit, ChildProcess, GracePeriods, RotatingLog, SpawnError
 from agent.config import AgentConfig
-from agent.pki import write_private
+from agent.pki import private_dir, write_private
 from agent.spawn import (
+    ENGINE_ID,
     EngineSpec,
     SpawnRefused,
     check_spawn,
@@ -259,6 +260,7 @@ class EngineManager:
         if engine is None:
             return
         self._record_path(engine_id).unlink(missing_ok=True)
+        self._remove_secrets(engine_id)
         self._emit(engine, EngineState.EXITED, **exit_.to_dict())
         exited = [e for e in self.engines.values() if e.state == EngineState.EXITED]
         for old in exited[:-self.MAX_EXITED]:
@@ -287,6 +289,7 @@ class EngineManager:
             engine_id = record.spec.engine_id
             if isinstance(action, Discard):
                 self._record_path(engine_id).unlink(missing_ok=True)
+                self._remove_secrets(engine_id)
                 self.log.info("engine gone while the agent was down", engine=engine_id,
                               pid=record.pid)
                 continue
@@ -294,6 +297,7 @@ class EngineManager:
                                        self._log_file(engine_id), **self._child_kwargs(record.spec))
             if child is None:
                 self._record_path(engine_id).unlink(missing_ok=True)
+                self._remove_secrets(engine_id)
                 continue
             engine = _Engine(record, child, adopted=True)
             self.engines[engine_id] = engine
@@ -321,8 +325,19 @@ class EngineManager:
 
     def spawn(self, spec: EngineSpec) -> EngineView:
         """Check and start one stage; SpawnRefused names what is wrong."""
-        if spec.link_key:  # the key arrives over mTLS; only a file of ours names it after
-            spec = replace(spec, key_file=str(self._write_link_key(spec)), link_key="")
+        if not ENGINE_ID.match(spec.engine_id):  # it names files: check it before any is written
+            raise SpawnRefused("engine_id", f"{spec.engine_id!r}: use letters, digits, '-', "
+                               "'_', '.' (at most 96)")
+        live = self.engines.get(spec.engine_id)
+        if live is not None and live.state != EngineState.EXITED:  # before touching its files
+            raise SpawnRefused("engine_id", f"{spec.engine_id!r} is already running here", 409)
+        try:
+            return self._spawn(self._with_secret_files(spec))
+        except BaseException:
+            self._remove_secrets(spec.engine_id)
+            raise
+
+    def _spawn(self, spec: EngineSpec) -> EngineView:
         drain_s = self.config.drain_s
         info = read_checkpoint_info(spec.model_dir)
         running = tuple(e.record.spec for e in self.engines.values()
@@ -348,17 +363,37 @@ class EngineManager:
         child.start_monitor()
         return engine.view()
 
-    def _write_link_key(self, spec: EngineSpec) -> Path:
-        try:
-            key = bytes.fromhex(spec.link_key)
-        except ValueError:
-            raise SpawnRefused("link_key", "expected the link key in hex") from None
-        if len(key) < 16:
-            raise SpawnRefused("link_key", f"{len(key)} bytes; a link key has at least 16")
-        path = self.config.state_dir / "keys" / f"{spec.engine_id}.key"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_private(path, spec.link_key.encode())
-        return path
+    # --- secrets on disk: 0600 files in keys/ (0700), named for their engine, gone with it --
+
+    def _secret_paths(self, engine_id: str) -> tuple[Path, Path]:
+        keys = self.config.state_dir / "keys"
+        return keys / f"{engine_id}.key", keys / f"{engine_id}.api"
+
+    def _with_secret_files(self, spec: EngineSpec) -> EngineSpec:
+        """The link key and the API secret arrive over mutual TLS; write each to a file of
+        ours and keep only its path, so neither the run record nor any view holds them."""
+        link_path, api_path = self._secret_paths(spec.engine_id)
+        if spec.link_key:
+            try:
+                key = bytes.fromhex(spec.link_key)
+            except ValueError:
+                raise SpawnRefused("link_key", "expected the link key in hex") from None
+            if len(key) < 16:
+                raise SpawnRefused("link_key", f"{len(key)} bytes; a link key has at least 16")
+            write_private(private_dir(link_path.parent) / link_path.name,
+                          spec.link_key.encode())
+            spec = replace(spec, key_file=str(link_path), link_key="")
+        if spec.api_secret:
+            if spec.rank != 0:
+                raise SpawnRefused("api_secret", "only rank 0 serves the API")
+            write_private(private_dir(api_path.parent) / api_path.name,
+                          spec.api_secret.encode())
+            spec = replace(spec, api_secret_file=str(api_path), api_secret="")
+        return spec
+
+    def _remove_secrets(self, engine_id: str) -> None:
+        for path in self._secret_paths(engine_id):
+            path.unlink(missing_ok=True)
 
     def drain(self, engine_id: str, *, reason: str = "asked", drain_s: float | None = None) -> (
             EngineView):

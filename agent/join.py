@@ -1,4 +1,6 @@
-"""`fleet-agent join URL --token T`: pin the fleet CA from the token, send a CSR, keep the cert.
+"""`fleet-agent join URL --token-file F`: pin the fleet CA from the token, send a CSR, keep
+the cert. (`--token -` reads the token from stdin; `--token T` puts it in argv, which every
+local user can read.)
 
 The supervisor's side (its issuing endpoint; `agent.pki.handle_join` is the decision):
   GET  /v1/pki/ca    → {"ca": PEM}            fetched unverified, then pinned by fingerprint

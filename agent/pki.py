@@ -16,6 +16,7 @@ import datetime as dt
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
 import time
@@ -148,8 +149,8 @@ class FleetCA:
         return fingerprint(self.cert)
 
     def save(self, directory: Path) -> None:
-        """ca.pem (public) and ca.key (0600) in `directory`."""
-        directory.mkdir(parents=True, exist_ok=True)
+        """ca.pem (public) and ca.key (0600) in `directory` (0700)."""
+        private_dir(directory)
         write_private(directory / "ca.key", key_pem(self.key))
         (directory / "ca.pem").write_bytes(cert_pem(self.cert))
 
@@ -294,7 +295,7 @@ class TokenRecord:
 
     secret_sha256: str
     expires_at: float  # unix seconds
-    node: str = ""  # if set, the only node name this token may join as
+    node: str = ""  # the only node name this token may join as (one made without: refused)
     role: str = "agent"
 
     def to_dict(self) -> dict:
@@ -307,8 +308,24 @@ class TokenRecord:
                    raw.get("role", "agent"))
 
 
-def make_token(ca: FleetCA, *, ttl_s: float = 3600.0, node: str = "", role: str = "agent",
+MAX_TOKEN_TTL_S = 30 * 86400.0
+
+
+def check_ttl(ttl_s: object) -> float:
+    """A token's lifetime in seconds: a finite number in (0, 30 days]. "nan" or inf would
+    make a token that never expires (every comparison with NaN is false)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (
+            math.isfinite(ttl_s) and 0 < ttl_s <= MAX_TOKEN_TTL_S):
+        raise TokenError(f"ttl_s={ttl_s!r}: expected a number of seconds above 0 and at most "
+                         f"{MAX_TOKEN_TTL_S:.0f} (30 days)")
+    return float(ttl_s)
+
+
+def make_token(ca: FleetCA, *, node: str, ttl_s: float = 3600.0, role: str = "agent",
                now: float | None = None) -> tuple[JoinToken, TokenRecord]:
+    """A one-time join token bound to `node`: a token for any name could join as a member's."""
+    check_node_name(node)
+    ttl_s = check_ttl(ttl_s)
     secret = secrets.token_bytes(32)
     now = time.time() if now is None else now
     return (JoinToken(ca.fingerprint, secret),
@@ -324,9 +341,12 @@ def find_token(records: list[TokenRecord], secret_text: str, node: str,
         raise TokenError("the join secret is not base64url") from exc
     for record in records:
         if hmac.compare_digest(record.secret_sha256, digest):
-            if now > record.expires_at:
+            if not now <= record.expires_at:  # NaN from an older record counts as expired
                 raise TokenError("the join token has expired: ask for a new one")
-            if record.node and record.node != node:
+            if not record.node:
+                raise TokenError("the join token names no node (made before tokens were bound "
+                                 "to one): ask for a new one with `fleetctl token --node NAME`")
+            if record.node != node:
                 raise TokenError(f"the join token is for node {record.node!r}, not {node!r}")
             return record
         continue
@@ -367,12 +387,20 @@ def handle_join(ca: FleetCA, records: list[TokenRecord], request: JoinRequest,
 
 def write_private(path: Path, data: bytes) -> None:
     """Write a secret file readable by its owner only, replacing any old one atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(path.suffix + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def private_dir(path: Path) -> Path:
+    """Make `path` (and missing parents) and keep it to its owner (0700), even if it existed:
+    state directories hold keys, secrets and the records that name them."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
 
 
 @dataclass(frozen=True)
@@ -402,7 +430,7 @@ class NodeCredentials:
             if not path.is_file():
                 raise MissingCredentials(
                     f"{path}: missing; this node has not joined a fleet "
-                    "(run `fleet-agent join https://SUPERVISOR:PORT --token TOKEN`)")
+                    "(run `fleet-agent join https://SUPERVISOR:PORT --token-file FILE`)")
         ca = load_cert(self.ca_path.read_bytes(), str(self.ca_path))
         cert = load_cert(self.cert_path.read_bytes(), str(self.cert_path))
         key = load_key(self.key_path.read_bytes(), str(self.key_path))
@@ -412,7 +440,7 @@ class NodeCredentials:
         return identity(cert)
 
     def store(self, ca_pem: bytes, cert_pem_bytes: bytes, key_pem_bytes: bytes) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         write_private(self.key_path, key_pem_bytes)
         self.cert_path.write_bytes(cert_pem_bytes)
         self.ca_path.write_bytes(ca_pem)

@@ -116,7 +116,7 @@ def plan_install(platform: str, config: AgentConfig, config_path: Path, *, syste
     """Files and commands that install and enable the agent's service. Pure."""
     program = command + ["run", "--config", str(config_path)]
     config_file = FileToWrite(config_path, _config_yaml(config), 0o600, keep_existing=True)
-    notes = (("join the fleet first (`fleet-agent join URL --token T`): the agent will not "
+    notes = (("join the fleet first (`fleet-agent join URL --token-file FILE`): the agent will not "
               "start without a node certificate"),)
     if platform.startswith("linux"):
         unit_dir = Path("/etc/systemd/system") if system else home / ".config/systemd/user"

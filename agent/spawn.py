@@ -10,7 +10,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,8 @@ ENV_FIELDS = {"RANK": "rank", "WORLD_SIZE": "world_size", "MASTER_ADDR": "master
               "FLEET_LAYOUT": "layout", "FLEET_LISTEN": "listen", "FLEET_HTTP": "http",
               "FLEET_KEY_FILE": "key_file", "FLEET_PLACEMENT": "placement",
               "FLEET_CONTEXT": "context", "FLEET_PARALLEL": "parallel", "FLEET_CHUNK": "chunk",
-              "FLEET_DRAIN_S": "drain_s", "FLEET_MODEL_ID": "model_id"}
+              "FLEET_DRAIN_S": "drain_s", "FLEET_MODEL_ID": "model_id",
+              "FLEET_API_SECRET_FILE": "api_secret"}
 
 
 class SpawnRefused(ValueError):
@@ -61,6 +62,10 @@ class EngineSpec:
     master_port: int = 29500
     key_file: str = ""  # a link key already on this machine, or:
     link_key: str = ""  # the key itself (hex), written to the agent's own keys/ at spawn
+    # Rank 0's API secret, written like the link key (0600, keys/); its file is all the run
+    # record keeps. Empty: rank 0's API is open (a standalone stage).
+    api_secret: str = field(default="", repr=False)
+    api_secret_file: str = ""
     placement: str = ""
     model_id: str = ""
     context: int = 2048
@@ -109,7 +114,8 @@ class EngineSpec:
         }
         optional = {"FLEET_LAYERS": self.layers, "FLEET_LAYOUT": self.layout,
                     "FLEET_LISTEN": self.listen, "FLEET_HTTP": self.http,
-                    "FLEET_KEY_FILE": self.key_file, "FLEET_MODEL_ID": self.model_id}
+                    "FLEET_KEY_FILE": self.key_file, "FLEET_MODEL_ID": self.model_id,
+                    "FLEET_API_SECRET_FILE": self.api_secret_file if self.rank == 0 else ""}
         env.update({k: v for k, v in optional.items() if v})
         return env
 

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from agent.pki import FleetCA, Identity, PkiError
+from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
 from agent.tls import client_context, peer_identity
 from supervisor import issuing
 from supervisor.agents import AgentClient
@@ -61,11 +61,17 @@ async def authorize_and_explain(request: web.Request, handler: Callable) -> web.
         node = request.match_info.get("node")
         if allowed is AGENT and node != who.node:
             return error_body(f"certificate {who.node!r} may not report for node {node!r}", 403)
+        if allowed is AGENT:  # the certificate pinned when the node joined, and no other
+            refusal = request.app[SUPERVISOR].refuse_agent(who)
+            if refusal:
+                return error_body(refusal, 403)
         request[PEER] = who
     try:
         return await handler(request)
     except RequestError as exc:
         return error_body(exc.message, exc.status, **exc.extra)
+    except issuing.AlreadyMember as exc:
+        return error_body(str(exc), 409)
     except PkiError as exc:
         return error_body(str(exc), 403)
     except json.JSONDecodeError as exc:
@@ -95,9 +101,20 @@ async def pki_join(request: web.Request) -> web.Response:
 @roles(ADMIN)
 async def new_token(request: web.Request) -> web.Response:
     body = await body_of(request)
+    node = body.get("node")
+    if not isinstance(node, str) or not node:
+        raise RequestError(400, "a join token names the one node that may use it: give "
+                           "`node` (fleetctl token --node NAME)", field="node")
+    # ttl_s goes to the check as sent: "nan", NaN, Infinity or a negative number is refused.
+    for name, check in (("node", lambda: check_node_name(node)),
+                        ("ttl_s", lambda: check_ttl(body.get("ttl_s", 3600)))):
+        try:
+            check()
+        except PkiError as exc:
+            raise RequestError(400, str(exc), field=name) from exc
     token = issuing.new_token(request.app[CA], request.app[SUPERVISOR].state,
-                              ttl_s=float(body.get("ttl_s", 3600)), node=str(body.get("node", "")))
-    return web.json_response({"token": str(token), "node": body.get("node", "")})
+                              ttl_s=body.get("ttl_s", 3600), node=node)
+    return web.json_response({"token": str(token), "node": node})
 
 
 # --- agents -------------------------------------------------------------------------------
@@ -143,6 +160,10 @@ async def plan(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
     config = supervisor.parse(str(body.get("text", "")), str(body.get("source", "fleet.yaml")))
     return web.json_response({"plans": supervisor.plans(config)})
+
+
+async def revoke_node(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SUPERVISOR].revoke(request.match_info["node"]))
 
 
 async def drain_node(request: web.Request) -> web.Response:
@@ -205,6 +226,7 @@ def make_app(settings: SupervisorSettings) -> web.Application:
         web.post("/v1/nodes/{node}/events", events),
         web.post("/v1/nodes/{node}/goodbye", goodbye),
         web.post("/v1/nodes/{node}/drain", drain_node),
+        web.post("/v1/nodes/{node}/revoke", revoke_node),
         web.get("/v1/status", status),
         web.post("/v1/apply", apply),
         web.post("/v1/plan", plan),

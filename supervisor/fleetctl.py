@@ -1,4 +1,5 @@
-"""`fleetctl`: drive the fleet's supervisor (init, token, apply, plan, status, drain, rebalance).
+"""`fleetctl`: drive the fleet's supervisor (init, token, apply, plan, status, drain, rebalance,
+revoke).
 
 It talks to the supervisor over mutual TLS with its own `admin` certificate, which
 `fleetctl init` writes (with the CA and the supervisor's URL) to its credentials directory:
@@ -162,6 +163,17 @@ def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
     return 1 if args.command == "plan" and refused else 0
 
 
+def ttl_seconds(text: str) -> float:
+    """--ttl-s: refused here, by name, if the supervisor would refuse it (nan, inf, <= 0)."""
+    from agent.pki import check_ttl
+
+    try:
+        return check_ttl(float(text))
+    except (ValueError, PkiError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds above 0, at most 30 "
+                                         "days") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fleetctl", description=__doc__.split("\n")[0])
     p.add_argument("--credentials", type=Path, default=None, help="fleetctl's PKI directory")
@@ -173,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("--address", required=True, help="HOST:PORT agents and fleetctl reach")
     init.add_argument("--force", action="store_true")
     token = sub.add_parser("token", help="a one-time join token for `fleet-agent join`")
-    token.add_argument("--node", default="", help="only this node name may use it")
-    token.add_argument("--ttl-s", type=float, default=3600.0)
+    token.add_argument("--node", required=True,
+                       help="the node name it joins as (a token is bound to one node)")
+    token.add_argument("--ttl-s", type=ttl_seconds, default=3600.0,
+                       help="seconds it stays good (at most 30 days)")
     for name, what in (("apply", "make the fleet look like FILE"),
                        ("plan", "show the placement FILE would get (changes nothing)")):
         cmd = sub.add_parser(name, help=what)
@@ -188,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     drain.add_argument("node")
     drain.add_argument("--undo", action="store_true", help="let NODE take stages again")
     sub.add_parser("rebalance", help="re-place replicas whose best placement changed")
+    revoke = sub.add_parser("revoke", help="forget NODE and refuse its certificate, so the "
+                            "name can join again")
+    revoke.add_argument("node")
     args = p.parse_args(argv)
     credentials = args.credentials or default_dir()
     try:
@@ -216,7 +233,7 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
                       f"supervisor certificate: {result.supervisor_credentials}\n"
                       f"fleetctl certificate: {credentials}\n"
                       f"next: fleet-supervisor --state-dir {args.state_dir} "
-                      f"--listen {args.address}, then `fleetctl token`")
+                      f"--listen {args.address}, then `fleetctl token --node NAME`")
         return 0
     client = Client(credentials, args.supervisor)
     if args.command == "token":
@@ -238,6 +255,10 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
         data = client.call("POST", f"/v1/nodes/{args.node}/drain", {"undo": args.undo})
         what = "cordoned; its replicas drain and move" if data["cordoned"] else "uncordoned"
         print(json.dumps(data)) if args.json else out.print(f"{args.node}: {what}")
+    elif args.command == "revoke":
+        data = client.call("POST", f"/v1/nodes/{args.node}/revoke", {})
+        text = (f"{args.node}: revoked; `fleetctl token --node {args.node}` lets it join again")
+        print(json.dumps(data)) if args.json else out.print(text, markup=False)
     elif args.command == "rebalance":
         data = client.call("POST", "/v1/rebalance", {})
         text = f"rebalance {data['rebalance_epoch']} asked at {time.strftime('%H:%M:%S')}"

@@ -5,6 +5,11 @@ Files under the supervisor's state directory:
   pki/ca.pem, pki/ca.key (0600)            the fleet CA
   pki/supervisor/{ca,node}.pem, node.key   the supervisor's own certificate (role supervisor)
 and in fleetctl's directory: ca.pem, node.pem, node.key (role admin) and `supervisor_url`.
+Every directory is 0700 and every key 0600.
+
+A join names its node (the token is bound to it) and pins the certificate it issues: an
+agent calls the supervisor with that certificate or not at all, and a name that is already
+a member cannot be joined again until `fleetctl revoke NODE` forgets the old one.
 """
 
 from __future__ import annotations
@@ -18,16 +23,53 @@ from agent.pki import (
     JoinRequest,
     JoinToken,
     NodeCredentials,
+    PkiError,
     TokenRecord,
     cert_pem,
+    find_token,
+    fingerprint,
     handle_join,
+    load_cert,
     make_token,
+    private_dir,
 )
 from supervisor.state import State
 
 
 class InitError(Exception):
     """`fleetctl init` would overwrite a fleet CA, or cannot write its files."""
+
+
+class AlreadyMember(PkiError):
+    """A join for a node name the fleet already has (revoke the old one first)."""
+
+
+@dataclass(frozen=True)
+class PinVerdict:
+    """May this agent certificate speak for its node? (`pin_now`: a member from before
+    certificates were pinned has its certificate pinned at its first call.)"""
+
+    allowed: bool
+    reason: str = ""
+    pin_now: bool = False
+
+
+def check_pin(node: str, presented: str, pinned: str | None, revoked: bool,
+              is_member: bool) -> PinVerdict:
+    """The decision for an agent's call, from the certificate it presented. Pure."""
+    if revoked:
+        return PinVerdict(False, f"certificate {presented[:16]}… for node {node!r} was revoked")
+    if pinned is None:
+        if is_member:
+            return PinVerdict(True, pin_now=True)
+        return PinVerdict(False, f"node {node!r} has not joined this fleet (no certificate is "
+                          "pinned for it): join it with a token from "
+                          f"`fleetctl token --node {node}`")
+    if pinned != presented:
+        return PinVerdict(False, f"certificate {presented[:16]}… is not the one pinned for node "
+                          f"{node!r} when it joined ({pinned[:16]}…); if that node was "
+                          f"re-issued, `fleetctl revoke {node}` and join it again")
+    return PinVerdict(True)
 
 
 @dataclass(frozen=True)
@@ -45,6 +87,7 @@ def init_pki(state_dir: Path, address: str, fleetctl_dir: Path, *,
              fleet_name: str = "ringfleet", force: bool = False) -> InitResult:
     """Create the fleet CA, the supervisor's certificate for `address`, and fleetctl's."""
     pki = state_dir / "pki"
+    private_dir(state_dir)
     if (pki / "ca.key").exists() and not force:
         raise InitError(f"{pki / 'ca.key'} exists: this state directory already has a fleet "
                         "CA (use --force to replace it, which orphans every joined node)")
@@ -60,20 +103,29 @@ def init_pki(state_dir: Path, address: str, fleetctl_dir: Path, *,
     return InitResult(ca.fingerprint, supervisor_credentials(state_dir).directory, fleetctl_dir)
 
 
-def new_token(ca: FleetCA, state: State, *, ttl_s: float, node: str = "") -> JoinToken:
+def new_token(ca: FleetCA, state: State, *, ttl_s: float, node: str) -> JoinToken:
     token, record = make_token(ca, ttl_s=ttl_s, node=node)
     state.put_token(record)
     return token
 
 
 def join(ca: FleetCA, state: State, raw: dict, now: float | None = None) -> dict:
-    """Sign the CSR in a join request on a valid token (then used up); PkiError if not."""
+    """Sign the CSR in a join request on a valid token (then used up) for a node the fleet
+    does not have yet, and pin the certificate issued; PkiError if not."""
     request = JoinRequest.from_dict(raw)
-    body, record = handle_join(ca, state.tokens(), request,
-                               time.time() if now is None else now)
+    now = time.time() if now is None else now
+    records = state.tokens()
+    find_token(records, request.token_secret, request.node, now)  # a bad token says so first
+    if state.pin(request.node) is not None or request.node in state.members():
+        # The token is kept: once the operator revokes the old member, it still works.
+        raise AlreadyMember(f"node {request.node!r} is already a member of this fleet; if "
+                            "this is a new machine or a lost certificate, run `fleetctl revoke "
+                            f"{request.node}` first")
+    body, record = handle_join(ca, records, request, now)
     state.use_token(record)
-    state.log_event("join", f"issued a certificate for {request.node} ({record.role})",
-                    node=request.node)
+    state.put_pin(request.node, fingerprint(load_cert(body["certificate"].encode())), now)
+    state.log_event("join", f"issued and pinned a certificate for {request.node} "
+                    f"({record.role})", node=request.node)
     return body
 
 
@@ -81,5 +133,5 @@ def ca_body(ca: FleetCA) -> dict:
     return {"ca": cert_pem(ca.cert).decode(), "fingerprint": ca.fingerprint}
 
 
-__all__ = ["InitError", "InitResult", "TokenRecord", "ca_body", "init_pki", "join",
-           "new_token", "supervisor_credentials"]
+__all__ = ["AlreadyMember", "InitError", "InitResult", "PinVerdict", "TokenRecord", "ca_body",
+           "check_pin", "init_pki", "join", "new_token", "supervisor_credentials"]

@@ -159,6 +159,19 @@ def latest_by_model(replicas: Mapping[str, Replica]) -> dict[str, Replica]:
     return out
 
 
+def engine_owners(replicas: Mapping[str, Replica]) -> dict[str, str]:
+    """engine id -> the node its stage was placed on: the one agent that may report it."""
+    return {s.engine_id: s.node for r in replicas.values() for s in r.stages}
+
+
+def foreign_engines(node: str, engine_ids: list[str],
+                    replicas: Mapping[str, Replica]) -> dict[str, str]:
+    """The engines among `engine_ids` that run on another node than `node`, with that node.
+    Engines no replica names (pruned history) belong to nobody and are not foreign."""
+    owners = engine_owners(replicas)
+    return {e: owners[e] for e in engine_ids if owners.get(e, node) != node}
+
+
 def replica_id(model_id: str, generation: int) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in model_id)
     return f"{safe}-g{generation}"

@@ -93,11 +93,11 @@ class LocalFleet:
     def join(self, node: str) -> None:
         token = self.fleetctl("token", "--node", node).stdout.strip()
         port = self.agent_ports.setdefault(node, free_port())
-        done = subprocess.run(
+        done = subprocess.run(  # the token on stdin: argv is readable by every local user
             [sys.executable, "-m", "agent.cli", "join", f"https://{self.address}", "--token",
-             token, "--node", node, "--state-dir", str(self.agent_state_dir(node)),
-             "--listen", f"{LOOPBACK}:{port}"], env=self.env, capture_output=True, text=True,
-            timeout=60, check=False)
+             "-", "--node", node, "--state-dir", str(self.agent_state_dir(node)),
+             "--listen", f"{LOOPBACK}:{port}"], input=token, env=self.env, capture_output=True,
+            text=True, timeout=60, check=False)
         if done.returncode != 0:
             raise LocalFleetError(f"fleet-agent join {node}: {done.stdout}{done.stderr}")
 

@@ -6,21 +6,21 @@ decisions (membership.tick, lifecycle.decide) on a timer, and apply the actions 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import structlog
 
+from agent.pki import Identity
 from agent.spawn import port_in_use
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
 from supervisor.front_door import Route
+from supervisor.issuing import check_pin
 from supervisor.measurer import Measurer
 from supervisor.membership import (
     ALIVE,
@@ -38,6 +38,7 @@ from supervisor.memory import ModelShape
 from supervisor.placement import render_plan
 from supervisor.planning import plan_model, spec_digest
 from supervisor.relays import Relays
+from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
 from supervisor.settings import SupervisorSettings
 from supervisor.state import State
 
@@ -89,6 +90,9 @@ class Supervisor:
         self.port_cursor = settings.engine_port_first
         self.forgetting: set[lc.ForgetEngine] = set()
         self.relays = Relays()  # the front door's open relays, ended when a replica fails
+        self.secrets = ReplicaSecrets(settings.keys_dir)
+        self.secrets.keep_only(r.id for r in self.replicas.values()
+                               if r.state in lc.RUNNING_STATES)
         self.measurer = Measurer(agents, settings.calibration_budget_s,
                                  settings.measure_timeout_s, self._measured_one)
         adopted = [r.id for r in self.replicas.values() if r.state in lc.RUNNING_STATES]
@@ -100,7 +104,28 @@ class Supervisor:
         log.info(message, kind=kind, node=node or None, replica=replica or None)
 
     # --- agents' reports ------------------------------------------------------------------
+    def refuse_agent(self, who: Identity) -> str | None:
+        """Why an agent certificate may not speak for its node (None: it may)."""
+        verdict = check_pin(who.node, who.fingerprint, self.state.pin(who.node),
+                            self.state.is_revoked(who.fingerprint), who.node in self.members)
+        if verdict.pin_now:
+            self.state.put_pin(who.node, who.fingerprint)
+            self.event("pin", f"{who.node}: certificate {who.fingerprint[:16]}… pinned at its "
+                       "first call (it joined before certificates were pinned)", node=who.node)
+        return None if verdict.allowed else verdict.reason
+
+    def _refuse_foreign(self, node: str, engine_ids: list[str]) -> None:
+        """An agent reports the engines it runs, never another node's (a forged "rank 0
+        exited" would fail a serving replica)."""
+        foreign = lc.foreign_engines(node, engine_ids, self.replicas)
+        if foreign:
+            engine_id, owner = next(iter(foreign.items()))
+            raise RequestError(403, f"node {node!r} may not report engine {engine_id!r}: it "
+                               f"runs on node {owner!r}", field="engine_id")
+
     def heartbeat(self, node: str, beat: dict[str, Any]) -> dict[str, Any]:
+        self._refuse_foreign(node, [str(v.get("engine_id")) for v in beat.get("engines", ())
+                                    if isinstance(v, dict)])
         result = on_heartbeat(self.members.get(node), dict(beat, node=node), time.time())
         if result.changed:
             self.event("member", f"{node} {result.changed} ({result.member.url})", node=node)
@@ -108,6 +133,8 @@ class Supervisor:
         return {"want_facts": result.want_facts}
 
     def engine_events(self, node: str, events: list[dict[str, Any]]) -> None:
+        self._refuse_foreign(node, [str(e.get("engine_id")) for e in events
+                                    if isinstance(e, dict)])
         member = self.members.get(node)
         if member is None:
             return
@@ -173,6 +200,8 @@ class Supervisor:
             self.event("replica", f"{replica.id} is {replica.state}{why}", replica=replica.id)
             if replica.state == lc.FAILED:  # its streams end now, not when the process dies
                 self.relays.replica_failed(replica.id, replica.reason)
+            if replica.state in (lc.STOPPED, lc.FAILED):  # its id is never started again
+                self.secrets.forget(replica.id)
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -254,15 +283,6 @@ class Supervisor:
         for action in actions:
             self.apply(action)
 
-    def _key_file(self, replica: lc.Replica) -> Path:
-        path = self.settings.keys_dir / f"{replica.id}.key"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            from agent.pki import write_private
-
-            write_private(path, secrets.token_hex(32).encode())
-        return path
-
     def spawn_body(self, replica: lc.Replica, stage: lc.StageRecord) -> dict[str, Any]:
         assert self.desired is not None
         spec = self.desired.model(replica.model_id)
@@ -277,8 +297,9 @@ class Supervisor:
             "listen": f"{stage.host}:{stage.listen_port}",
             "http": f"{rank0.host}:{rank0.http_port}" if stage.rank == 0 else "",
             "master_addr": rank0.host, "master_port": replica.master_port,
-            # The key travels inside the mutual-TLS request: agents need not share a disk.
-            "link_key": self._key_file(replica).read_text().strip(),
+            # The secrets travel inside the mutual-TLS request: agents need not share a disk.
+            "link_key": self.secrets.make(replica.id, LINK_KEY),
+            "api_secret": self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
             "placement": replica.placement_id,
             "model_id": spec.id, "context": spec.context, "parallel": spec.parallel,
             "chunk": spec.chunk, "drain_s": self.settings.policy.drain_s,
@@ -387,6 +408,20 @@ class Supervisor:
             self.step()
         return {"changes": changes, "plans": plans, "applied": not dry_run and bool(changes)}
 
+    def revoke(self, node: str) -> dict[str, Any]:
+        """Forget a member and refuse its certificate from now on, so that the name can be
+        joined again (a new machine, a lost key). Its replicas fail over as for a lost node."""
+        if node not in self.members and self.state.pin(node) is None:
+            known = ", ".join(sorted(self.members)) or "none yet"
+            raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
+        fingerprint = self.state.revoke(node)
+        self.members.pop(node, None)
+        self.event("revoke", f"{node} revoked" + (f" (certificate {fingerprint[:16]}… refused "
+                                                  "from now on)" if fingerprint else ""),
+                   node=node)
+        self.step()
+        return {"node": node, "revoked_certificate": fingerprint or ""}
+
     def drain_node(self, node: str, undo: bool = False) -> dict[str, Any]:
         member = self.members.get(node)
         if member is None:
@@ -446,7 +481,8 @@ class Supervisor:
             state = replica.state if replica else "not placed"
             return Route(status=503, message=f"model {model!r} has no serving replica now "
                          f"({state}); retry shortly")
-        return Route(url=replica.url, replica=replica.id)
+        return Route(url=replica.url, replica=replica.id,
+                     api_secret=self.secrets.read(replica.id, API_SECRET))
 
     def models(self) -> list[dict[str, Any]]:
         latest = lc.latest_by_model(self.replicas)

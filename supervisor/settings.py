@@ -14,11 +14,16 @@ class SettingsError(ValueError):
 
 
 def split_address(text: str, what: str) -> tuple[str, int]:
+    """HOST:PORT of a listener; the one wildcard rule (engine.wildcard) refuses every form of
+    "every interface", literal or resolved."""
+    from engine.wildcard import wildcard_refusal
+
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise SettingsError(f"{what}={text!r}: expected host:port")
-    if host.strip("[]") in ("", "0.0.0.0", "::", "*"):
-        raise SettingsError(f"{what}={text!r}: give a concrete address, not a wildcard")
+    refusal = wildcard_refusal(host, f"{what}={text!r}")
+    if refusal:
+        raise SettingsError(refusal)
     return host.strip("[]"), int(port)
 
 

@@ -1,7 +1,9 @@
 """The supervisor's state on disk: one SQLite file in the state directory.
 
 It keeps the desired state (the applied fleet.yaml's text), the members, every replica with
-its placement, join tokens (hashes only) and an event log. Writes are small and immediate
+its placement, join tokens (hashes only), the certificate pinned for each joined node (and
+those revoked) and an event log. The file, its WAL and the directory are its owner's only
+(0600, 0700): they name every node and replica. Writes are small and immediate
 (autocommit, WAL), so a supervisor that is killed and started again finds the replicas it
 was running and re-adopts them instead of restarting them.
 """
@@ -9,13 +11,14 @@ was running and re-adopts them instead of restarting them.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.pki import TokenRecord
+from agent.pki import TokenRecord, private_dir
 from supervisor.lifecycle import Replica
 from supervisor.membership import Member
 
@@ -26,6 +29,10 @@ CREATE TABLE IF NOT EXISTS replicas (
     id TEXT PRIMARY KEY, model_id TEXT NOT NULL, generation INTEGER NOT NULL,
     state TEXT NOT NULL, record TEXT NOT NULL, updated_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens (secret_sha256 TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS pins (
+    node TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, pinned_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS revoked (
+    fingerprint TEXT PRIMARY KEY, node TEXT NOT NULL, revoked_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL,
     node TEXT NOT NULL DEFAULT '', replica TEXT NOT NULL DEFAULT '', message TEXT NOT NULL);
@@ -47,12 +54,23 @@ class State:
     """One connection, used from the event loop's thread only (every call is short)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         self.path = path
+        # Created 0600 before SQLite opens it: SQLite gives its -wal and -shm the same mode.
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)  # a file from before this rule
         self.db = sqlite3.connect(path, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        for companion in self.companions():
+            if companion.exists():
+                os.chmod(companion, 0o600)
+
+    def companions(self) -> tuple[Path, Path]:
+        """The WAL and shared-memory files SQLite keeps beside the database."""
+        return (self.path.with_name(self.path.name + "-wal"),
+                self.path.with_name(self.path.name + "-shm"))
 
     def close(self) -> None:
         self.db.close()
@@ -90,6 +108,32 @@ class State:
     def put_member(self, member: Member) -> None:
         self.db.execute("INSERT OR REPLACE INTO members (node, record) VALUES (?, ?)",
                         (member.node, json.dumps(member.to_dict())))
+
+    # pinned certificates -----------------------------------------------------------------
+    def pin(self, node: str) -> str | None:
+        """The SHA-256 fingerprint of the one certificate `node` may call with, if pinned."""
+        row = self.db.execute("SELECT fingerprint FROM pins WHERE node = ?", (node,)).fetchone()
+        return row[0] if row else None
+
+    def put_pin(self, node: str, fingerprint: str, now: float | None = None) -> None:
+        self.db.execute("INSERT OR REPLACE INTO pins (node, fingerprint, pinned_at) "
+                        "VALUES (?, ?, ?)", (node, fingerprint, time.time() if now is None else now))
+
+    def is_revoked(self, fingerprint: str) -> bool:
+        return self.db.execute("SELECT 1 FROM revoked WHERE fingerprint = ?",
+                               (fingerprint,)).fetchone() is not None
+
+    def revoke(self, node: str, now: float | None = None) -> str | None:
+        """Forget `node` (member and pin); its pinned certificate stays refused for good.
+        Returns the fingerprint revoked, if one was pinned."""
+        fingerprint = self.pin(node)
+        if fingerprint is not None:
+            self.db.execute("INSERT OR REPLACE INTO revoked (fingerprint, node, revoked_at) "
+                            "VALUES (?, ?, ?)",
+                            (fingerprint, node, time.time() if now is None else now))
+        self.db.execute("DELETE FROM pins WHERE node = ?", (node,))
+        self.db.execute("DELETE FROM members WHERE node = ?", (node,))
+        return fingerprint
 
     # replicas ----------------------------------------------------------------------------
     def replicas(self) -> dict[str, Replica]:

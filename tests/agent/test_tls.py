@@ -110,8 +110,8 @@ async def fake_supervisor(fleet, records):
 
 
 def test_join_pins_the_ca_and_refuses_bad_tokens(fleet, tmp_path):
-    token, record = make_token(fleet.ca, ttl_s=300)
-    foreign, _ = make_token(FleetCA.create("elsewhere"))
+    token, record = make_token(fleet.ca, ttl_s=300, node="mac")
+    foreign, _ = make_token(FleetCA.create("elsewhere"), node="mac")
     unknown = JoinToken(fleet.ca.fingerprint, b"x" * 32)
     creds = NodeCredentials(tmp_path / "pki")
 
