@@ -33,7 +33,8 @@ def main() -> int:
 
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         say(event="grandchild", pid=child.pid)
-    say(event="ready", layers=os.environ.get("FLEET_LAYERS", ""))
+    say(event="ready", layers=os.environ.get("FLEET_LAYERS", ""),
+        api_secret_file=os.environ.get("FLEET_API_SECRET_FILE", ""))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         time.sleep(0.1)
