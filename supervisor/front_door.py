@@ -27,7 +27,14 @@ import structlog
 from aiohttp import web
 
 from supervisor.http_limits import CappedSite, ListenerLimits, RepeatLimiter
-from supervisor.relays import Relays, ReplicaLost, ReplicaWatch, UpstreamSilence, until_lost
+from supervisor.relays import (
+    Relays,
+    ReplicaLost,
+    ReplicaWatch,
+    UpstreamSilence,
+    read_until_lost,
+    until_lost,
+)
 
 log = structlog.get_logger()
 
@@ -252,19 +259,26 @@ class Relay:
                    first: bytes) -> str:
         """Carry the rest of the stream; returns why it is incomplete, or "" when whole."""
         tail = first[-256:]
-        while True:
-            try:
-                chunk = await self.bounded(upstream.content.readany())
-            except ReplicaLost as exc:
-                return str(exc)
-            except TRANSPORT_ERRORS as exc:
-                return f"the replica was lost mid-stream ({type(exc).__name__})"
-            if not chunk:
-                break
-            await response.write(chunk)
-            tail = (tail + chunk)[-256:]
+        silence = self.config.silence
+        with self.watch.closing(upstream.close):
+            while True:
+                try:
+                    chunk = await read_until_lost(upstream.content.readany, self.watch,
+                                                  silence, self.alive)
+                except ReplicaLost as exc:
+                    return str(exc)
+                except TRANSPORT_ERRORS as exc:
+                    if self.watch.failed.is_set():  # the close that woke this read
+                        return str(self.watch.lost(silence))
+                    return f"the replica was lost mid-stream ({type(exc).__name__})"
+                if not chunk:
+                    break
+                await response.write(chunk)
+                tail = (tail + chunk)[-256:]
         if b"[DONE]" in tail or b'data: {"error"' in tail:
             return ""
+        if self.watch.failed.is_set():
+            return str(self.watch.lost(silence))
         return "the replica closed the stream before it was complete"
 
 

@@ -62,6 +62,29 @@ class ReplicaWatch:
         self.reason = ""
         self.relays = 0
         self._probe: asyncio.Future[bool] | None = None
+        self._closers: set[Callable[[], None]] = set()
+
+    @contextmanager
+    def closing(self, close: Callable[[], None]) -> Iterator[None]:
+        """While inside, a failure of the replica calls `close` (an upstream reply's close,
+        which wakes its pending read with an error), so reads need no waiter of their own."""
+        self._closers.add(close)
+        try:
+            yield
+        finally:
+            self._closers.discard(close)
+
+    def fail(self, reason: str) -> None:
+        self.reason = reason
+        self.failed.set()
+        for close in list(self._closers):
+            close()
+
+    def lost(self, silence: UpstreamSilence) -> ReplicaLost:
+        if self.failed.is_set():
+            return ReplicaLost(f"the replica failed: {self.reason}")
+        return ReplicaLost(f"rank 0 sent nothing and did not answer /health for "
+                           f"{silence.limit_s:g} s (the ring's dead-ring time)")
 
     async def alive(self, ask: Callable[[], Awaitable[bool]]) -> bool:
         """`ask()`'s answer, one probe at a time: relays that fall silent together (every
@@ -93,8 +116,7 @@ class Relays:
     def open(self, replica: str) -> Iterator[ReplicaWatch]:
         watch = self._watches.setdefault(replica, ReplicaWatch())
         if replica in self._failed:
-            watch.reason = self._failed[replica]
-            watch.failed.set()
+            watch.fail(self._failed[replica])
         watch.relays += 1
         try:
             yield watch
@@ -112,8 +134,7 @@ class Relays:
         watch = self._watches.get(replica)
         if watch is None:
             return 0
-        watch.reason = self._failed[replica]
-        watch.failed.set()
+        watch.fail(self._failed[replica])
         return watch.relays
 
 
@@ -134,13 +155,31 @@ async def until_lost(work: Awaitable[T], watch: ReplicaWatch, silence: UpstreamS
             if task in done:
                 return task.result()
             if failed in done:
-                raise ReplicaLost(f"the replica failed: {watch.reason}")
+                raise watch.lost(silence)
             if not await watch.alive(alive) and not task.done():
-                raise ReplicaLost(f"rank 0 sent nothing and did not answer /health for "
-                                  f"{silence.limit_s:g} s (the ring's dead-ring time)")
+                raise watch.lost(silence)
     finally:
         failed.cancel()
         if not task.done():
             task.cancel()
             # Collected so a late error of the abandoned request is not reported as lost.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def read_until_lost(read: Callable[[], Awaitable[T]], watch: ReplicaWatch,
+                          silence: UpstreamSilence, alive: Callable[[], Awaitable[bool]]) -> T:
+    """`until_lost` for the many reads of one stream, at the cost of a timer: the caller
+    holds `watch.closing(...)` open around its reads, so a failure wakes a pending read (its
+    error is then reported as this `ReplicaLost`)."""
+    while True:
+        if watch.failed.is_set():
+            raise watch.lost(silence)
+        quiet = asyncio.timeout(silence.quiet_s)
+        try:
+            async with quiet:
+                return await read()
+        except TimeoutError:
+            if not quiet.expired():
+                raise
+            if not await watch.alive(alive):
+                raise watch.lost(silence) from None
