@@ -167,7 +167,7 @@ class AcceptLoop:
         except ProtocolError as error:
             link.close()
             if self._stop.is_set():
-                reason = f"the {self.name} closed before it authenticated ({_reason(error)})"
+                reason = f"still unauthenticated when the {self.name} closed"
             else:
                 reason = _reason(error)
             self._refuse(Refusal(link.peer_address, reason))

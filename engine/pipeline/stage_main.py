@@ -48,7 +48,8 @@ def boot_ring(env: EngineEnv, stage: Stage, config: ModelConfig) -> Ring:
     rows_bound = (env.parallel + env.chunk) * stage.hidden_size * stage.planes \
         * own.row_dtype.itemsize
     ring_config = RingConfig(env.rank, env.world_size, env.master, env.listen, fingerprint,
-                             key, rows_bound, env.boot_deadline_s, env.round_deadline_s)
+                             key, rows_bound, env.boot_deadline_s, env.round_deadline_s,
+                             env.handshake_deadline_s)
     if env.rank == 0:
         return boot_rank0(ring_config, own, n_layers=config.num_hidden_layers,
                           engine_version=ENGINE_VERSION, context=env.context,

@@ -117,7 +117,7 @@ def test_silent_and_scanning_strangers_do_not_block_the_real_peer(door):
     peer.close()
     d.loop.close()  # the silent ones are still waiting: closing turns them away too
     for sock in silent:
-        assert "closed before it authenticated" in d.refusal_from(source(sock)).reason
+        assert "still unauthenticated when the" in d.refusal_from(source(sock)).reason
         sock.close()
     garbage.close()
 
