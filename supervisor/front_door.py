@@ -40,6 +40,7 @@ log = structlog.get_logger()
 
 RETRY_AFTER_S = 5
 CONNECT_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 16 << 20
 PROXIED_HEADERS = ("Content-Type", "Retry-After", "Cache-Control")
 TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError)
 
@@ -131,6 +132,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     except TimeoutError:
         return error(408, f"the request body did not arrive within "
                      f"{config.limits.request_body_s:g} s", kind="invalid_request_error")
+    except web.HTTPRequestEntityTooLarge:
+        return error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                     kind="invalid_request_error")
     try:
         body = json.loads(raw)
     except ValueError:
@@ -293,7 +297,7 @@ async def _session_ctx(app: web.Application):
 
 
 def make_front_door(config: FrontDoorConfig) -> web.Application:
-    app = web.Application(middlewares=[check_api_key], client_max_size=16 << 20)
+    app = web.Application(middlewares=[check_api_key], client_max_size=MAX_BODY_BYTES)
     app[CONFIG] = config
     app[LOGS] = RepeatLimiter()
     app.router.add_routes([

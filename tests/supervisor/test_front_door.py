@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.launch import free_port
-from supervisor.front_door import FrontDoorConfig, Route, open_front_door
+from supervisor.front_door import MAX_BODY_BYTES, FrontDoorConfig, Route, open_front_door
 from supervisor.http_limits import ListenerLimits, RepeatLimiter
 from supervisor.relays import Relays, UpstreamSilence
 
@@ -382,6 +382,19 @@ def test_slow_heads_and_bodies_are_cut_and_health_still_answers():
         assert status_of(head) == 408 and time.monotonic() - t0 < limits.request_body_s + 1.0
         await asyncio.wait_for(reader.read(), limits.lingering_s + 1.0)  # then closed
         writer.close()
+        # A kept-alive connection that says nothing more is closed in the same time.
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        t0 = time.monotonic()
+        assert status_of(head) == 200 and b"keep-alive" not in head.lower()
+        await asyncio.wait_for(reader.read(), limits.request_head_s + 1.5)
+        assert limits.request_head_s * 0.8 < time.monotonic() - t0
+        writer.close()
+        # A body beyond the bound is refused by name, as JSON.
+        async with door.session.post("/v1/chat/completions",
+                                     data=b" " * (MAX_BODY_BYTES + 1)) as r:
+            assert r.status == 413 and "larger than" in (await r.json())["error"]["message"]
     run(check, limits=limits)
 
 
