@@ -18,9 +18,12 @@ import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
 from aiohttp import web
 
 from engine.api.repeated_errors import RepeatedLog
+
+log = structlog.get_logger()
 
 
 def default_max_connections() -> int:
@@ -61,35 +64,40 @@ class ConnectionGuard:
 
     def __init__(self, limits: HttpLimits, repeated: RepeatedLog | None = None) -> None:
         self.limits = limits
-        self.repeated = repeated or RepeatedLog()
+        self.repeated = repeated or RepeatedLog(emit=log.warning)
         self.refused = 0
         self.timed_out = 0
         # ids of handlers before their header deadline, and of those whose first request
         # arrived by then (a handler stays alive until its deadline runs, so ids are unique)
         self._watching: set[int] = set()
         self._started: set[int] = set()
-        self._fresh: list[web.RequestHandler] = []  # made, not yet connected
+        self._burst = 0  # handlers made on this turn of the loop, not yet connected
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
         loop = asyncio.get_running_loop()
 
         def make() -> asyncio.Protocol:
             # Handlers made in this accept burst are not in server.connections until their
-            # connection_made runs on a later turn of the loop: count them too.
-            self._fresh = [h for h in self._fresh if h.transport is None]
-            if len(server.connections) + len(self._fresh) >= self.limits.max_connections:
+            # connection_made runs, on the next turn of the loop, right after the reset
+            # scheduled here (it was queued first): count them meanwhile.
+            if len(server.connections) + self._burst >= self.limits.max_connections:
                 self.refused += 1
                 self.repeated.note("connection refused: the API is at its connection cap",
                                    max_connections=self.limits.max_connections,
                                    refused_total=self.refused)
                 return _Refused()
             handler = server()
-            self._fresh.append(handler)
+            if not self._burst:
+                loop.call_soon(self._burst_connected)
+            self._burst += 1
             self._watching.add(id(handler))
             loop.call_later(self.limits.header_s, self._header_deadline, handler)
             return handler
 
         return make
+
+    def _burst_connected(self) -> None:
+        self._burst = 0
 
     def _header_deadline(self, handler: web.RequestHandler) -> None:
         self._watching.discard(id(handler))

@@ -1,0 +1,201 @@
+"""HTTP hygiene on rank 0's API, against a real fleet-engine process on loopback:
+bounded metrics labels, slowloris and connection floods closed while /health answers,
+big prompts tokenized off the event loop, repeated errors logged once per interval, and
+an unexpected failure that still exits with one structured line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from http.client import HTTPConnection
+
+import pytest
+
+from engine.launch import LOOPBACK, launch
+from tests.api.conftest import http, serve
+
+HEADER_S = 1.5
+CAP = 48
+
+
+@pytest.fixture(scope="module")
+def guarded(make_model, tmp_path_factory):
+    fleet = serve(make_model("qwen3"), tmp_path_factory.mktemp("guarded"), context=256,
+                  parallel=2, chunk=32,
+                  extra_env={"FLEET_HTTP_HEADER_S": str(HEADER_S), "FLEET_HTTP_IDLE_S": "3",
+                             "FLEET_HTTP_MAX_CONNECTIONS": str(CAP)})
+    yield fleet
+    fleet.stop()
+
+
+def base(fleet) -> str:
+    return fleet.url.removesuffix("/v1")
+
+
+def health_latency_s(fleet, timeout_s: float = 5.0) -> float:
+    started = time.monotonic()
+    status, _ = http("GET", f"{base(fleet)}/health")
+    assert status == 200
+    return time.monotonic() - started
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    until = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < until, what
+        time.sleep(0.05)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True once the server has closed this socket (what it sent before is skipped)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_unknown_paths_do_not_grow_metrics(guarded):
+    before = http("GET", f"{base(guarded)}/metrics")[1]
+    connection = HTTPConnection(LOOPBACK, guarded.http_port, timeout=10)
+    for i in range(600):
+        connection.request("GET", f"/scan/{i}/{'x' * (i % 50)}")
+        reply = connection.getresponse()
+        reply.read()
+        assert reply.status == 404
+    connection.close()
+    after = http("GET", f"{base(guarded)}/metrics")[1]
+    assert "/scan/" not in after
+    assert 'endpoint="unmatched",status="404"' in after
+    assert len(after) - len(before) < 1000  # one new series at most, not one per path
+
+
+def test_slowloris_connections_are_closed_while_health_answers(guarded):
+    slow = []
+    for _ in range(20):
+        sock = socket.create_connection((LOOPBACK, guarded.http_port), timeout=5)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        slow.append(sock)
+    opened = time.monotonic()
+    latencies = []
+    while not all(closed_by_peer(s) for s in slow):
+        assert time.monotonic() - opened < HEADER_S + 3, "slow connections were held open"
+        for s in slow:
+            try:
+                s.send(b"X-Drip: 1\r\n")  # a header line now and then, never the end
+            except OSError:
+                pass
+        latencies.append(health_latency_s(guarded))
+        time.sleep(0.1)
+    held_s = time.monotonic() - opened
+    for s in slow:
+        s.close()
+    assert held_s < HEADER_S + 3
+    assert latencies and max(latencies) < 1.0
+
+
+def test_connections_past_the_cap_are_refused_at_once_and_service_resumes(guarded):
+    idle = [socket.create_connection((LOOPBACK, guarded.http_port), timeout=5)
+            for _ in range(CAP + 12)]
+    try:
+        refused = []
+        for sock in idle[CAP:]:
+            sock.settimeout(2.0)  # well before the header deadline closes the idle ones
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+            refused.append(data)
+        assert all(r.startswith(b"HTTP/1.1 503") and b"too_many_connections" in r
+                   for r in refused)
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: http("GET", f"{base(guarded)}/health")[0] == 200, 10,
+               "/health did not answer after the flood")
+
+
+def test_a_megabyte_prompt_does_not_stall_health(guarded):
+    model = json.loads(http("GET", f"{guarded.url}/models")[1])["data"][0]["id"]
+    words = "the quick brown fox jumps over the lazy dog; héllo wörld 北京 "
+    prompt = (words * (1_000_000 // len(words))).encode()[:1_000_000].decode(errors="ignore")
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": 4}, ensure_ascii=False).encode()
+    assert len(body) < 1 << 20
+    reply = {}
+    big = threading.Thread(target=lambda: reply.update(zip(
+        ("status", "text"), http("POST", f"{guarded.url}/chat/completions", body))))
+    big.start()
+    latencies = []
+    while big.is_alive():
+        latencies.append(health_latency_s(guarded))
+        time.sleep(0.02)
+    big.join()
+    assert reply["status"] == 400  # it was read and tokenized: too long for the context
+    assert json.loads(reply["text"])["error"]["code"] == "context_length_exceeded"
+    assert max(latencies) < 1.0, f"/health took {max(latencies):.2f} s while tokenizing"
+    assert len(latencies) >= 3, "the big prompt was answered too fast to measure anything"
+
+
+def test_a_taken_api_port_exits_with_one_structured_line(make_model, tmp_path):
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        fleet = launch(make_model("qwen3"), [(0, 3)], run_dir=tmp_path, context=64,
+                       http_port=taken.getsockname()[1])
+        try:
+            code = fleet.processes[0].wait(120)
+        finally:
+            fleet.stop()
+    assert code == 1
+    lines = fleet.log_paths[0].read_text().splitlines()
+    assert all(line.startswith("{") for line in lines), "\n".join(lines)  # no raw traceback
+    exits = [e for e in fleet.events(0) if e.get("event") == "exiting"]
+    assert len(exits) == 1 and exits[0]["code"] == 1
+    assert "rank 0 failed" in exits[0]["reason"] and "OSError" in exits[0]["reason"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prlimit on another process")
+def test_running_out_of_descriptors_logs_one_line_per_interval(make_model, tmp_path):
+    import os
+    import resource
+
+    fleet = serve(make_model("qwen3"), tmp_path, context=64, parallel=1, chunk=16,
+                  extra_env={"FLEET_HTTP_HEADER_S": "2", "FLEET_HTTP_MAX_CONNECTIONS": "100000"})
+    try:
+        pid = fleet.processes[0].pid
+        in_use = len(os.listdir(f"/proc/{pid}/fd"))
+        _soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 8, hard))
+        flood = [socket.create_connection((LOOPBACK, fleet.http_port), timeout=5)
+                 for _ in range(60)]
+        time.sleep(0)  # the flood sits in the backlog while accept() fails with EMFILE
+        wait_until(lambda: "socket.accept() out of system resource" in fleet.log_tail(0, 200),
+                   10, "accept never failed")
+        time.sleep(3.5)  # three more accept retries (one a second) and header deadlines
+        for sock in flood:
+            sock.close()
+        wait_until(lambda: health_ok(fleet), 15, "/health did not come back")
+    finally:
+        fleet.stop()
+    lines = fleet.log_paths[0].read_text().splitlines()
+    assert all(line.startswith("{") for line in lines), "a raw traceback reached the log"
+    accept_lines = [e for e in fleet.events(0)
+                    if e.get("event", "").startswith("socket.accept() out of system")]
+    assert 1 <= len(accept_lines) <= 2, accept_lines
+
+
+def health_ok(fleet) -> bool:
+    try:
+        return http("GET", f"{base(fleet)}/health")[0] == 200
+    except OSError:
+        return False
+
+
