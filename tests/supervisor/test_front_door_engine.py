@@ -1,5 +1,6 @@
 """The front door in front of a real rank 0 (a fleet-engine process serving a generated
-checkpoint): a refusal of one request passes through as the engine wrote it; a client that
+checkpoint, holding a replica secret): a refusal of one request passes through as the engine
+wrote it, and the replica's secret, not the client's key, goes upstream; a client that
 leaves a whole request frees rank 0's slot at once; a frozen rank 0 (SIGSTOP) ends a stream
 with an SSE error, and a new request with a 503, within the ring's dead-ring time."""
 
@@ -24,10 +25,17 @@ pytestmark = pytest.mark.timeout(180)
 LONG = 4000  # tokens: ~15 s of generation on the tiny model, far beyond every bound below
 
 
+SECRET = "s" * 40  # the replica's API secret: rank 0 answers nothing else but /health
+
+
 @pytest.fixture(scope="module")
 def engine(make_model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("rank0")
+    (run_dir / "api.secret").write_text(SECRET)
+    (run_dir / "api.secret").chmod(0o600)
     fleet = launch(make_model("qwen3"), [(0, 3)], context=4096, parallel=2, chunk=32,
-                   run_dir=tmp_path_factory.mktemp("rank0"))
+                   run_dir=run_dir,
+                   extra_env={"FLEET_API_SECRET_FILE": str(run_dir / "api.secret")})
     try:
         fleet.wait_ready()
         yield fleet
@@ -49,12 +57,13 @@ class Clients:
 
 async def with_door(fleet: LocalFleet, check: Callable[[Clients], Awaitable[None]]) -> None:
     port = free_port()
-    route = Route(url=base_url(fleet), replica="m-g1")
+    route = Route(url=base_url(fleet), replica="m-g1", api_secret=SECRET)
     config = FrontDoorConfig(lambda model: route, lambda: [{"id": "m", "serving": True}])
     runner = await open_front_door(config, "127.0.0.1", port)
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as door, \
-                aiohttp.ClientSession(base_url(fleet)) as direct:
+                aiohttp.ClientSession(base_url(fleet),
+                                      headers={"Authorization": f"Bearer {SECRET}"}) as direct:
             async with direct.get("/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
             clients = Clients(door, direct, model, f"http://127.0.0.1:{port}")
@@ -81,7 +90,7 @@ async def wait_slots(direct: aiohttp.ClientSession, want: int, within_s: float) 
     return time.monotonic() - t0
 
 
-def test_a_refusal_of_one_request_passes_through_as_the_engine_wrote_it(engine):
+def test_a_refusal_passes_through_as_the_engine_wrote_it_and_the_secret_goes_upstream(engine):
     async def check(c: Clients) -> None:
         door, direct, model = c.door, c.direct, c.model
         bad = ask(model, temperature=5)
@@ -91,6 +100,13 @@ def test_a_refusal_of_one_request_passes_through_as_the_engine_wrote_it(engine):
             assert (r.status, await r.read()) == (want_status, want_body)
             assert "Retry-After" not in r.headers
         assert want_status == 400 and b"temperature" in want_body
+        # The replica's secret goes upstream, never the client's own Authorization.
+        async with door.post("/v1/chat/completions", json=ask(model, max_tokens=2),
+                             headers={"Authorization": "Bearer the-clients-own"}) as r:
+            assert r.status == 200
+        async with aiohttp.ClientSession(base_url(engine)) as stranger, \
+                stranger.post("/v1/chat/completions", json=ask(model, max_tokens=2)) as r:
+            assert r.status == 401
     asyncio.run(with_door(engine, check))
 
 
