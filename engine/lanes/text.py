@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from engine.checkpoint.chat_template import compile_chat_template, read_chat_template
 
 
 class ChatTemplateError(ValueError):
@@ -28,13 +29,8 @@ class TextCodec:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template = template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        self._template = env.from_string(template) if template else None
+        self.chat_template = read_chat_template(model_dir, config)
+        self._template = compile_chat_template(self.chat_template) if self.chat_template else None
         self.stop_token_ids = self._stop_token_ids(model_dir)
 
     def _stop_token_ids(self, model_dir: Path) -> frozenset[int]:
@@ -69,17 +65,15 @@ class TextCodec:
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self._template is None:
-            raise ChatTemplateError("this checkpoint's tokenizer_config.json has no chat_template")
+            raise ChatTemplateError("this checkpoint has no chat template (no "
+                                    "chat_template.jinja, and no default chat_template in "
+                                    "tokenizer_config.json): use /v1/completions")
         try:
             return self._template.render(messages=messages, add_generation_prompt=True,
                                          bos_token=self.bos_token or "",
                                          eos_token=self.eos_token or "")
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from exc
-
-
-def _raise_template_error(message: str) -> None:
-    raise ChatTemplateError(message)
 
 
 @dataclass
