@@ -18,6 +18,8 @@ from engine.launch import LOOPBACK, launch
 from tests.api.conftest import http, serve
 
 HEADER_S = 1.5
+IDLE_S = 3.0
+BODY_S = 2.0
 CAP = 48
 
 
@@ -25,7 +27,8 @@ CAP = 48
 def guarded(make_model, tmp_path_factory):
     fleet = serve(make_model("qwen3"), tmp_path_factory.mktemp("guarded"), context=256,
                   parallel=2, chunk=32,
-                  extra_env={"FLEET_HTTP_HEADER_S": str(HEADER_S), "FLEET_HTTP_IDLE_S": "3",
+                  extra_env={"FLEET_HTTP_HEADER_S": str(HEADER_S),
+                             "FLEET_HTTP_IDLE_S": str(IDLE_S), "FLEET_HTTP_BODY_S": str(BODY_S),
                              "FLEET_HTTP_MAX_CONNECTIONS": str(CAP)})
     yield fleet
     fleet.stop()
@@ -100,6 +103,22 @@ def test_slowloris_connections_are_closed_while_health_answers(guarded):
         s.close()
     assert held_s < HEADER_S + 3
     assert latencies and max(latencies) < 1.0
+
+
+def test_a_dripping_body_gets_a_408_and_an_idle_connection_is_closed(guarded):
+    with socket.create_connection((LOOPBACK, guarded.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        started = time.monotonic()
+        reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert time.monotonic() - started < BODY_S + 2
+    with socket.create_connection((LOOPBACK, guarded.http_port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answered = time.monotonic()
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        wait_until(lambda: closed_by_peer(sock), IDLE_S + 3, "an idle connection stayed open")
+        assert time.monotonic() - answered > IDLE_S - 0.5  # idle, not refused
 
 
 def test_connections_past_the_cap_are_refused_at_once_and_service_resumes(guarded):
