@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import structlog
 
-from engine.link.messages import is_wildcard_host
+from engine.wildcard import wildcard_refusal
 
 log = structlog.get_logger()
 
@@ -96,9 +96,9 @@ class ProbeListener:
         self._closer: asyncio.Task | None = None
 
     async def open(self, host: str, ports: range) -> int:
-        if is_wildcard_host(host):
-            raise ProbeError(f"probe listener on {host!r}: a wildcard address is refused; "
-                             "set the agent's listen_host to this node's address")
+        refusal = wildcard_refusal(host, "the probe listener (the agent's listen_host)")
+        if refusal:
+            raise ProbeError(refusal)
         for port in ports:
             try:
                 self.server = await asyncio.start_server(self._session, host, port,
