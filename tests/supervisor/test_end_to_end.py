@@ -1,9 +1,10 @@
 """A supervisor and two agents as real processes on loopback, serving a generated checkpoint
 with one torch-cpu stage and one mlx-cpu stage: apply → serving → a request through the front
 door; bad input refused without disturbing it; a change drains a stream in flight first; a
-supervisor restart leaves the replica alone; `kill -9` of an agent and its engine fails the
-replica fast (the stream ends with an SSE error, a whole request gets 503) and it is re-placed
-on what remains. The tests share one fleet and run in file order, each step on the last.
+supervisor restart leaves the replica alone; a frozen rank 0 (SIGSTOP) ends its stream and
+new requests within the dead-ring time and is re-placed; `kill -9` of an agent and its engine
+fails the replica fast (the stream ends with an SSE error, a whole request gets 503) and it is
+re-placed on what remains. The tests share one fleet and run in file order, each step on the last.
 """
 
 from __future__ import annotations
@@ -227,6 +228,44 @@ def engine_records(fleet: LocalFleet) -> dict[str, int]:
             record = json.loads(path.read_text())
             out[record["spec"]["engine_id"]] = record["pid"]
     return out
+
+
+def test_a_frozen_rank0_ends_its_streams_within_the_dead_ring_time_and_is_replaced(fleet):
+    """SIGSTOP of rank 0: its sockets stay open, so only the front door's bounds (silence past
+    the ring's dead-ring time; the replica failed when its follower leaves) end the wait."""
+    old = serving(fleet)
+    stream = StreamReader(fleet, max_tokens=900)
+    stream.start()
+    assert stream.started_tokens.wait(60)
+    rank0_pid = engine_records(fleet)[old["stages"][0]["engine_id"]]
+    os.kill(rank0_pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        stream.join(30)
+        stream_took = time.monotonic() - t0
+        t1 = time.monotonic()
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+        request = urllib.request.Request(fleet.front_door_url + "/chat/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        whole_took = time.monotonic() - t1
+    finally:
+        try:
+            os.kill(rank0_pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    print(f"stream ended {stream_took:.1f} s after SIGSTOP; a new request got "
+          f"{refused.value.code} in {whole_took:.1f} s")
+    assert not stream.is_alive() and stream.status == 200 and not stream.done
+    assert "error" in stream.events[-1] and stream.finish_reasons() == []
+    assert stream_took < 6.0 + 3.0  # the ring's dead-ring time, and a margin
+    assert refused.value.code == 503 and int(refused.value.headers["Retry-After"]) > 0
+    assert whole_took < 6.0 + 3.0
+    new = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != old["id"])
+    assert [s["node"] for s in new["stages"]] == ["node-a", "node-b"]
+    assert chat(fleet, max_tokens=4).choices[0].finish_reason in ("stop", "length")
 
 
 def test_killing_an_agent_fails_fast_and_replaces(fleet):
