@@ -195,10 +195,13 @@ def test_running_out_of_descriptors_logs_one_line_per_interval(make_model, tmp_p
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 8, hard))
         flood = [socket.create_connection((LOOPBACK, fleet.http_port), timeout=5)
                  for _ in range(60)]
-        time.sleep(0)  # the flood sits in the backlog while accept() fails with EMFILE
+        # The flood sits in the backlog while accept() fails with EMFILE, retried each second.
         wait_until(lambda: "socket.accept() out of system resource" in fleet.log_tail(0, 200),
                    10, "accept never failed")
-        time.sleep(3.5)  # three more accept retries (one a second) and header deadlines
+        # The connections accepted before the limit close at their header deadline (2 s),
+        # by which time accept() has failed and been retried at least twice more.
+        wait_until(lambda: "no request headers in time" in fleet.log_tail(0, 200), 10,
+                   "the accepted connections were never closed")
         for sock in flood:
             sock.close()
         wait_until(lambda: health_ok(fleet), 15, "/health did not come back")
