@@ -238,8 +238,8 @@ class Relay:
             data = await self.bounded(upstream.read())
         except (ReplicaLost, *TRANSPORT_ERRORS) as exc:
             self.warn("upstream lost before the reply", reason=str(exc) or type(exc).__name__)
-            reason = str(exc) if isinstance(exc, ReplicaLost) else "the replica was lost"
-            return unavailable(f"{reason} before the reply; retry shortly")
+            return unavailable(f"{exc}; retry shortly" if isinstance(exc, ReplicaLost) else
+                               "the replica was lost before the reply; retry shortly")
         if upstream.status == 503 and "Retry-After" not in headers:
             headers["Retry-After"] = str(RETRY_AFTER_S)  # the engine failed or is busy
         return web.Response(body=data, status=upstream.status, headers=headers)
