@@ -164,13 +164,20 @@ def main() -> int:
     except (CheckpointError, ConfigError, BackendError) as exc:
         log.error("exiting", code=2, reason=f"cannot start: {exc}")
         return 2
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that will not parse, say: one line
+        log.error("exiting", code=1, reason=f"cannot start: {type(exc).__name__}: {exc}")
+        return 1
     log.info("loaded", layers=f"{spec.layer_range[0]}:{spec.layer_range[1]}",
              backend=env.backend, kv_bytes=stage.state_nbytes)
     if env.world_size == 1:
         return asyncio.run(serve_rank0(env, LocalRunner(stage), codec, config))
     from engine.pipeline.stage_main import run_pipeline_stage
 
-    return run_pipeline_stage(env, stage, codec, config, serve_rank0)
+    try:
+        return run_pipeline_stage(env, stage, codec, config, serve_rank0)
+    except Exception as exc:  # noqa: BLE001 - whatever escaped still exits with one line
+        log.error("exiting", code=1, reason=f"{type(exc).__name__}: {exc}")
+        return 1
 
 
 if __name__ == "__main__":
