@@ -96,7 +96,7 @@ def read_fleet_file(path: Path) -> str:
 
 def show_status(data: dict[str, Any]) -> None:
     if not data["members"]:
-        out.print("no nodes have joined yet (`fleetctl token`, then `fleet-agent join`)")
+        out.print("no nodes have joined yet (`fleetctl token --node NAME`, then `fleet-agent join`)")
     nodes = Table(title="nodes", title_justify="left")
     for col in ("node", "state", "seen", "platform", "RAM", "backends", "engines", "url"):
         nodes.add_column(col)
@@ -127,7 +127,8 @@ def show_status(data: dict[str, Any]) -> None:
             out.print(title + (f": {r['reason']}" if r["reason"] else ""))
             continue
         table = Table(title=title, title_justify="left",
-                      caption=(f"rank 0: {r['url'] or '-'}; placement {r['placement_id'] or '-'}"
+                      caption=(f"rank 0: {r['url'] or '-'} (behind the front door: it needs the "
+                               f"replica's secret); placement {r['placement_id'] or '-'}"
                                + (f"\n{r['reason']}" if r["reason"] else "")
                                + (f"\n{r['note']}" if r.get("note") else "")),
                       caption_justify="left")
