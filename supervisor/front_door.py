@@ -26,7 +26,13 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from supervisor.http_limits import CappedSite, ListenerLimits, RepeatLimiter
+from engine.api.connections import (
+    ConnectionGuard,
+    GuardedSite,
+    HttpLimits,
+    default_max_connections,
+)
+from engine.api.repeated_errors import RepeatedLog
 from supervisor.relays import (
     Relays,
     ReplicaLost,
@@ -41,6 +47,7 @@ log = structlog.get_logger()
 RETRY_AFTER_S = 5
 CONNECT_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 16 << 20
+LINGERING_S = 2.0  # a refused body is drained this long at most before the connection closes
 PROXIED_HEADERS = ("Content-Type", "Retry-After", "Cache-Control")
 TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError)
 
@@ -56,6 +63,13 @@ class Route:
     api_secret: str = ""  # sent upstream as `Authorization: Bearer …` when set
 
 
+def front_door_limits() -> HttpLimits:
+    """Rank 0's own connection bounds (heads, idle time, bodies), with half its connection
+    cap, since a relayed connection holds two descriptors, and room for long prompts."""
+    return HttpLimits(max_connections=max(8, default_max_connections() // 2),
+                      max_body_bytes=MAX_BODY_BYTES)
+
+
 @dataclass(frozen=True)
 class FrontDoorConfig:
     router: Callable[[str | None], Route]  # model id (None: not given) -> where to go
@@ -63,12 +77,13 @@ class FrontDoorConfig:
     api_keys: frozenset[str] = frozenset()
     relays: Relays = field(default_factory=Relays)  # the supervisor fails replicas here
     silence: UpstreamSilence = field(default_factory=UpstreamSilence)
-    limits: ListenerLimits = field(default_factory=ListenerLimits)
+    limits: HttpLimits = field(default_factory=front_door_limits)
 
 
 CONFIG = web.AppKey("front_door_config", FrontDoorConfig)
 SESSION = web.AppKey("front_door_session", aiohttp.ClientSession)
-LOGS = web.AppKey("front_door_logs", RepeatLimiter)
+LOGS = web.AppKey("front_door_logs", RepeatedLog)
+GUARD = web.AppKey("front_door_guard", ConnectionGuard)
 
 
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
@@ -127,13 +142,14 @@ async def health(request: web.Request) -> web.Response:
 async def proxy(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     try:
-        async with asyncio.timeout(config.limits.request_body_s):
+        async with asyncio.timeout(config.limits.body_s):
             raw = await request.read()
     except TimeoutError:
         return error(408, f"the request body did not arrive within "
-                     f"{config.limits.request_body_s:g} s", kind="invalid_request_error")
+                     f"{config.limits.body_s:g} s", kind="invalid_request_error")
     except web.HTTPRequestEntityTooLarge:
-        return error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+        return error(413, f"the request body is larger than {config.limits.max_body_bytes} "
+                     "bytes",
                      kind="invalid_request_error")
     try:
         body = json.loads(raw)
@@ -169,7 +185,10 @@ class Relay:
         self.log = log.bind(replica=route.replica, path=request.path)
 
     def warn(self, message: str, **kw: Any) -> None:
-        self.logs.warning(self.log, message, key=self.route.replica, **kw)
+        # One line per kind of loss and replica per interval: a replica's hundred streams
+        # cut at once are one line with a count.
+        self.logs.note(f"{message} ({self.route.replica})", replica=self.route.replica,
+                       path=self.request.path, **kw)
 
     def upstream_headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -196,7 +215,7 @@ class Relay:
             upstream = await self.bounded(self.session.post(
                 self.route.url + self.request.path, data=raw, headers=self.upstream_headers()))
         except ReplicaLost as exc:
-            self.warn("upstream lost before the reply", reason=str(exc))
+            self.warn("upstream lost before the reply", cause=str(exc))
             return unavailable(f"{exc}; retry shortly")
         except TRANSPORT_ERRORS as exc:
             self.warn("upstream not reachable", error=str(exc) or type(exc).__name__)
@@ -223,11 +242,11 @@ class Relay:
         try:
             first = await self.bounded(upstream.content.readany())
         except (ReplicaLost, *TRANSPORT_ERRORS) as exc:
-            self.warn("upstream lost before the first byte", reason=str(exc))
+            self.warn("upstream lost before the first byte", cause=str(exc))
             return unavailable(f"{exc}; retry shortly" if isinstance(exc, ReplicaLost) else
                                "the replica was lost before the first token; retry shortly")
         if not first:
-            self.warn("upstream lost before the first byte", reason="closed")
+            self.warn("upstream lost before the first byte", cause="closed")
             return unavailable("the replica was lost before the first token; retry shortly")
         return await self.streamed(upstream, headers, first)
 
@@ -237,7 +256,7 @@ class Relay:
         try:
             data = await self.bounded(upstream.read())
         except (ReplicaLost, *TRANSPORT_ERRORS) as exc:
-            self.warn("upstream lost before the reply", reason=str(exc) or type(exc).__name__)
+            self.warn("upstream lost before the reply", cause=str(exc) or type(exc).__name__)
             return unavailable(f"{exc}; retry shortly" if isinstance(exc, ReplicaLost) else
                                "the replica was lost before the reply; retry shortly")
         if upstream.status == 503 and "Retry-After" not in headers:
@@ -252,7 +271,7 @@ class Relay:
             await response.write(first)
             reason = await self.pump(upstream, response, first)
             if reason:
-                self.warn("stream cut", reason=reason)
+                self.warn("stream cut", cause=reason)
                 await response.write(sse_error(reason + "; the reply is incomplete"))
             await response.write_eof()
         except TRANSPORT_ERRORS:  # only writes to the client are left to fail here
@@ -297,9 +316,10 @@ async def _session_ctx(app: web.Application):
 
 
 def make_front_door(config: FrontDoorConfig) -> web.Application:
-    app = web.Application(middlewares=[check_api_key], client_max_size=MAX_BODY_BYTES)
-    app[CONFIG] = config
-    app[LOGS] = RepeatLimiter()
+    guard = ConnectionGuard(config.limits, RepeatedLog(emit=log.warning))
+    app = web.Application(middlewares=[guard.middleware, check_api_key],
+                          client_max_size=config.limits.max_body_bytes)
+    app[CONFIG], app[GUARD], app[LOGS] = config, guard, RepeatedLog(emit=log.warning)
     app.router.add_routes([
         web.get("/health", health),
         web.get("/v1/models", models),
@@ -311,13 +331,19 @@ def make_front_door(config: FrontDoorConfig) -> web.Application:
 
 
 async def open_front_door(config: FrontDoorConfig, host: str, port: int) -> web.AppRunner:
-    """Serve the front door on host:port with its limits; `await runner.cleanup()` ends it.
+    """Serve the front door on host:port within its limits; `await runner.cleanup()` ends it.
 
     Handlers are cancelled when their client goes away, so a relay that waits for a whole
     reply ends (and closes its upstream request) with its client.
     """
-    runner = web.AppRunner(make_front_door(config), access_log=None, shutdown_timeout=5.0,
-                           handler_cancellation=True, **config.limits.runner_kwargs())
+    app = make_front_door(config)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
+                           handler_cancellation=True, keepalive_timeout=config.limits.idle_s,
+                           lingering_time=LINGERING_S)
     await runner.setup()
-    await CappedSite(runner, host, port, config.limits).start()
+    try:
+        await GuardedSite(runner, host, port, app[GUARD]).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner
