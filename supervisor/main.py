@@ -21,6 +21,8 @@ import structlog
 from aiohttp import web
 
 from agent.pki import MissingCredentials, PkiError
+from engine.api.repeated_errors import RepeatedLog
+from engine.api.repeated_errors import install as install_repeated_errors
 from supervisor.app import make_app
 from supervisor.issuing import supervisor_credentials
 from supervisor.lifecycle import Policy
@@ -46,6 +48,8 @@ async def serve(settings: SupervisorSettings, stop: asyncio.Event) -> None:
     host, port = split_address(settings.listen, "listen")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
+    # Strangers reach the front door and the API: their floods are counted, not each logged.
+    install_repeated_errors(asyncio.get_running_loop(), RepeatedLog())
     app = make_app(settings)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     try:
