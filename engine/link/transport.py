@@ -159,9 +159,7 @@ class Link:
         self.authenticated = False
         self.peer_rank: int | None = None
         self.peer_address = _name(sock, peer=True)  # accepted: the peer's ephemeral source port
-        # Where the peer's rank listens (host:port): known at once for a dialled link, and
-        # set by the ring for an accepted one once the peer's rank says where it listens.
-        self.peer_listen: str | None = None
+        self.peer_listen: str | None = None  # where the peer's rank listens, once known
 
     @property
     def failed(self) -> ProtocolError | None:
@@ -338,10 +336,8 @@ class Link:
 
     def _naming_peer(self, error: ProtocolError) -> ProtocolError:
         """The parser's error again, its message naming who sent the bytes."""
-        if type(error) is PeerClosed:
-            message = f"{self.peer} closed the connection"
-        else:
-            message = f"{error.message} (from {self.peer})"
+        message = (f"{self.peer} closed the connection" if type(error) is PeerClosed
+                   else f"{error.message} (from {self.peer})")
         return type(error)(message, remote=error.remote)
 
     # Plumbing ---------------------------------------------------------------------------
