@@ -109,11 +109,16 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
         state.pop("lm_head.weight", None)
     save_file({name: tensor.contiguous() for name, tensor in state.items()},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_model_name_or_path", None)
+    config = model.config.to_diff_dict()
+    for name in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config.pop(name, None)  # the weights are float32 now; the path is this machine's
     config["dtype"] = "float32"
     config["architectures"] = ["LlamaForCausalLM"]
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        # transformers 5 keeps it only inside rope_parameters; transformers 4 and mlx-lm
+        # read it at the top level and would fall back to 10000.
+        config.setdefault("rope_theta", rope["rope_theta"])
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
