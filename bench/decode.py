@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import checkpoint, median_s, table
-from engine.driver import RoundDriver
-from engine.pipeline.local import whole_runner
+from engine.harness.driver import RoundDriver
+from engine.harness.local_pipeline import whole_runner
 
 
 def prompts(batch: int, length: int, vocab: int) -> dict[int, list[int]]:

@@ -29,12 +29,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import checkpoint, median_s, n_layers, table
-from engine.driver import RoundDriver
-from engine.launch import even_stages
+from engine.harness.driver import RoundDriver
+from engine.harness.launch import even_stages
 from engine.link.frame import FrameKind
 from engine.link.hello import Handshake
 from engine.link.transport import accept, connect, handshake, listen
-from engine.pipeline.local import local_pipeline, whole_runner
+from engine.harness.local_pipeline import local_pipeline, whole_runner
 
 
 def measure(runner, streams: list[int], steps: int, prompt: int, chunk: int,

@@ -4,7 +4,7 @@ transformers' and mlx-lm's own generate in the same run.
     python bench/real_model.py [--tokens 200] [--repeats 2] [--placements NAME,...]
 
 The model is SmolLM2-135M-Instruct (float32, 30 layers), made once by scripts/real_model.py.
-Every placement is started with `engine.launch` on loopback, warmed up with one short chat,
+Every placement is started with `engine.harness.launch` on loopback, warmed up with one short chat,
 then asked one chat `--repeats` times, streamed and greedy with `ignore_eos`, so each answer
 is exactly `--tokens` tokens. Decode ms/token is the time from the first streamed token to
 the last over the tokens in between; tok/s is tokens over the whole request. The references
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median_s, table
-from engine.launch import launch, placement_id
+from engine.harness.launch import launch, placement_id
 from scripts.real_model import ensure_real_model
 
 QUESTION = "What is the capital of France? Tell me about the city."

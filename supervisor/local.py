@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from engine.launch import free_port
+from engine.harness.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"

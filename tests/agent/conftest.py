@@ -25,7 +25,7 @@ from agent.app import make_app
 from agent.config import AgentConfig
 from agent.pki import FleetCA, NodeCredentials, cert_pem, utcnow
 from agent.tls import server_context
-from engine.launch import free_port
+from engine.harness.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

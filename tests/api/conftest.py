@@ -7,7 +7,7 @@ import json
 import pytest
 from openai import OpenAI
 
-from engine.launch import launch
+from engine.harness.launch import launch
 
 
 def serve(model_dir, tmp_path, **kwargs):

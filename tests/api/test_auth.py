@@ -1,7 +1,7 @@
 """Rank 0's API with a per-replica secret (FLEET_API_SECRET_FILE), as the supervisor starts
 it: every route but /health needs `Authorization: Bearer SECRET`, compared in constant time,
 and a wrong or missing one gets an OpenAI-style 401. Without the variable (a standalone
-`fleet-engine` or `engine.launch`), the API stays open. Real engine processes, real HTTP."""
+`fleet-engine` or `engine.harness.launch`), the API stays open. Real engine processes, real HTTP."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from http.client import HTTPConnection
 
 import pytest
 
-from engine.launch import LOOPBACK, launch
+from engine.harness.launch import LOOPBACK, launch
 from tests.api.conftest import http, serve
 
 HEADER_S = 1.5

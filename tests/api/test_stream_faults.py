@@ -20,7 +20,7 @@ from engine.backends.base import StageSpec, load_stage
 from engine.lanes.host import LaneHost
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
-from engine.launch import free_port
+from engine.harness.launch import free_port
 from engine.runner import LocalRunner
 
 POISON_SEED = 666  # the sampler of a stream with this seed fails after its third token

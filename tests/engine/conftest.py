@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.backends.base import StageSpec, load_stage
-from engine.driver import RoundDriver
+from engine.harness.driver import RoundDriver
 from engine.runner import LocalRunner
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine.link import errors
 from engine.link.frame import HEADER_BYTES, NEED_MORE, Frame, FrameParser, NeedMore
-from engine.link.make_fixtures import (
+from engine.harness.make_fixtures import (
     FIXTURE_DIR,
     FIXTURE_MAX_PAYLOAD_BYTES,
     MANIFEST,

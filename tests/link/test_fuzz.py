@@ -24,7 +24,7 @@ from engine.link import errors
 from engine.link.accept_loop import AcceptLoop
 from engine.link.frame import Frame, FrameKind, FrameParser, encode_frame
 from engine.link.hello import Handshake, encode_hello, proof_mac
-from engine.link.make_fixtures import (
+from engine.harness.make_fixtures import (
     FIXTURE_FINGERPRINT,
     FIXTURE_KEY,
     FIXTURE_MAX_PAYLOAD_BYTES,

@@ -8,7 +8,7 @@ import pytest
 
 from engine.link import errors
 from engine.link.layout import check_descriptions, check_layout
-from engine.link.make_fixtures import DESCRIBE
+from engine.harness.make_fixtures import DESCRIBE
 from engine.link.messages import Backend, Describe, Dtype
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.link import errors
 from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES, Frame, FrameKind, FrameParser
-from engine.link.make_fixtures import DESCRIBE, PLAN
+from engine.harness.make_fixtures import DESCRIBE, PLAN
 from engine.link.messages import (
     ENTRY_BYTES,
     MAX_PLAN_BYTES,

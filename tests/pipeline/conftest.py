@@ -11,7 +11,7 @@ import numpy as np
 from engine.lanes.host import Done, GenerationRequest, LaneHost
 from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
-from engine.pipeline.local import local_pipeline
+from engine.harness.local_pipeline import local_pipeline
 
 
 @contextmanager

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.pipeline.local import whole_runner
+from engine.harness.local_pipeline import whole_runner
 from tests.pipeline.conftest import greedy_trace, pipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

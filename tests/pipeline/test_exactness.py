@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.pipeline.local import whole_runner
+from engine.harness.local_pipeline import whole_runner
 from tests.pipeline.conftest import greedy_trace, pipeline
 
 CHUNK = 64  # a 300-token prompt spans five chunks

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from engine.launch import launch
+from engine.harness.launch import launch
 
 KEEPALIVE_S = 0.5
 DEAD_AFTER = 3

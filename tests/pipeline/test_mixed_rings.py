@@ -7,7 +7,7 @@ teacher-forced top-1 agreement. Teacher forcing feeds the reference sequence as 
 input (never the sampled token), so one early difference cannot send the two runs down
 different paths and every position is compared on the same inputs.
 
-Each case drives rounds itself through rank 0's runner (`engine.driver`): two streams, each opened with a
+Each case drives rounds itself through rank 0's runner (`engine.harness.driver`): two streams, each opened with a
 32-row prompt chunk and then fed one token a round, give logits at 256 positions per stream
 (31 to 286), with rank 0 in this process and the other stages as `fleet-engine` processes.
 The figures are printed (`pytest -s`) and recorded in docs/exactness.md.
@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("mlx.core")
 
 from engine.checkpoint.quantize import quantize_checkpoint
-from engine.driver import RoundDriver
-from engine.launch import launch, placement_id
-from engine.pipeline.local import whole_runner
+from engine.harness.driver import RoundDriver
+from engine.harness.launch import launch, placement_id
+from engine.harness.local_pipeline import whole_runner
 from tests.pipeline.conftest import pipeline
 
 POSITIONS = 256  # compared per stream

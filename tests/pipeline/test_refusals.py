@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.launch import launch, write_key_file
+from engine.harness.launch import launch, write_key_file
 
 BOOT = {"FLEET_BOOT_DEADLINE_S": "8"}
 

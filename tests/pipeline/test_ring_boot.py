@@ -12,7 +12,7 @@ import pytest
 
 from engine.link import errors
 from engine.link.accept_loop import AcceptLoop
-from engine.link.make_fixtures import DESCRIBE
+from engine.harness.make_fixtures import DESCRIBE
 from engine.link.transport import listen
 from engine.pipeline.ring import (
     Ring,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.fingerprint import checkpoint_digest, layout_fingerprint
-from engine.launch import LocalFleet, launch
+from engine.harness.launch import LocalFleet, launch
 from engine.link import errors
 from engine.link.hello import Handshake
 from engine.link.transport import connect, handshake

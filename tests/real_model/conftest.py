@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.launch import launch
+from engine.harness.launch import launch
 from scripts.real_model import RealModelError, ensure_real_model
 
 STAGES = [(0, 15), (15, 30)]

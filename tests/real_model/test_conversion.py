@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from engine.lanes.text import TextCodec
-from engine.launch import free_port
+from engine.harness.launch import free_port
 from scripts.real_model import MADE_MARKER, RealModelError, install_package
 
 

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from agent.pki import FleetCA, NodeCredentials, cert_pem, key_pem, make_csr, new_key
-from engine.launch import free_port
+from engine.harness.launch import free_port
 from supervisor.app import make_app
 from supervisor.issuing import init_pki
 from supervisor.main import server_context

@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.api.connections import HttpLimits
-from engine.launch import free_port
+from engine.harness.launch import free_port
 from supervisor.front_door import (
     LINGERING_S,
     MAX_BODY_BYTES,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from engine.launch import LocalFleet, free_port, launch
+from engine.harness.launch import LocalFleet, free_port, launch
 from supervisor.front_door import FrontDoorConfig, Route, open_front_door
 from supervisor.relays import UpstreamSilence
 

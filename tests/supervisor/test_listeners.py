@@ -17,7 +17,7 @@ import pytest
 from agent.config import AgentConfig, ConfigError
 from agent.spawn import EngineSpec, SpawnRefused, check_spawn, read_checkpoint_info
 from engine.env import EngineEnv, EnvError
-from engine.launch import free_port
+from engine.harness.launch import free_port
 from engine.link import errors as link_errors
 from engine.link.transport import listen
 from engine.wildcard import wildcard_address

@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.backends.base import load_stage
 from engine.config import ModelConfig
 from engine.env import EngineEnv
-from engine.launch import launch
+from engine.harness.launch import launch
 from engine.pipeline.liveness import LivenessConfig
 from engine.pipeline.rank0 import PipelineRunner
 from engine.pipeline.stage_main import boot_ring

@@ -1,7 +1,7 @@
 """Regenerates the stage link's golden bytes: engine/link/fixtures/*.bin and manifest.json.
 
-    python -m engine.link.make_fixtures           # rewrite the files
-    python -m engine.link.make_fixtures --check   # exit 1 if a file differs
+    python -m engine.harness.make_fixtures           # rewrite the files
+    python -m engine.harness.make_fixtures --check   # exit 1 if a file differs
 
 Every `.bin` is one whole frame (header and payload), or just a header where the header
 alone must be refused. Good ones are made by the encoders from the objects below, so the
@@ -61,7 +61,7 @@ from engine.link.messages import (
 )
 from engine.rounds import Op, RoundPlan, StreamEntry
 
-FIXTURE_DIR = Path(__file__).with_name("fixtures")
+FIXTURE_DIR = Path(__file__).parents[1] / "link" / "fixtures"
 MANIFEST = "manifest.json"
 # The frame parser's rows bound the fixtures assume (the control bound is fixed).
 FIXTURE_MAX_PAYLOAD_BYTES = 1 << 20

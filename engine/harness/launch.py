@@ -1,6 +1,6 @@
 """Start a pipeline of engines on loopback with the environment contract (tests, demo, bench).
 
-    python -m engine.launch --model DIR --stages 0:9,9:20,20:28 --backends torch-cpu,mlx-cpu
+    python -m engine.harness.launch --model DIR --stages 0:9,9:20,20:28 --backends torch-cpu,mlx-cpu
 
 Until the node agent places stages, this is how one machine runs a whole ring: one
 `fleet-engine` process per stage, each with its own environment, a shared link key, and
@@ -186,7 +186,7 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.harness.launch", description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     parser.add_argument("--stages", required=True,
                         help="half-open layer ranges, one per stage: 0:9,9:20,20:28")
