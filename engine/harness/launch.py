@@ -1,10 +1,11 @@
-"""Start a pipeline of engines on loopback with the environment contract (tests, demo, bench).
+"""Start one replica's engines on loopback with the environment contract (tests, bench).
 
     python -m engine.harness.launch --model DIR --stages 0:9,9:20,20:28 --backends torch-cpu,mlx-cpu
 
-Until the node agent places stages, this is how one machine runs a whole ring: one
-`fleet-engine` process per stage, each with its own environment, a shared link key, and
-ports picked on 127.0.0.1. Ctrl-C (or SIGTERM) stops every stage.
+A harness, not the product's path: in a fleet the agents spawn the engines the supervisor
+places. Here one process starts one `fleet-engine` per stage, each with its own environment,
+a shared link key and ports picked on 127.0.0.1, with no agent or supervisor in between.
+Ctrl-C (or SIGTERM) stops every stage.
 """
 
 from __future__ import annotations
