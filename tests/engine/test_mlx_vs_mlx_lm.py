@@ -18,9 +18,9 @@ from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.conftest import FAMILY_SPECS
 from tests.engine.conftest import stage_driver
+from tests.engine.logits_at_every_position import check_logits_at_every_position, prompts
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
-PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
 WINDOW = FAMILY_SPECS["mistral"]["sliding_window"]
 # mlx-lm's qwen2 module ignores config.json's head_dim and uses hidden_size // heads (as
 # every published Qwen2 does); FAMILY_SPECS' odd head_dim 8 (36 / 6 = 6) is checked against
@@ -56,11 +56,6 @@ def whole_prompt_logits(model, ids: list[int]) -> np.ndarray:
     return np.array(logits)
 
 
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 300, n).tolist() for n in PROMPT_LENGTHS]
-
-
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_mlx_lm_at_every_position(make_model, family, tie):
@@ -69,12 +64,7 @@ def test_logits_match_mlx_lm_at_every_position(make_model, family, tie):
     batch = prompts(1)
     expected = [whole_prompt_logits(ref, ids) for ids in batch]
     driver = stage_driver(mlx_stage(model_dir))
-    # One row per stream per round, every stream in the same round: every position checked.
-    for pos in range(max(PROMPT_LENGTHS)):
-        feeds = {slot: [ids[pos]] for slot, ids in enumerate(batch) if pos < len(ids)}
-        got = driver.round(feeds)
-        for slot, logits in got.items():
-            np.testing.assert_allclose(logits, expected[slot][pos], atol=1e-4, rtol=0)
+    check_logits_at_every_position(driver, batch, expected)
     # Whole prompts as chunks in one round: the last position of each.
     driver.close(list(range(len(batch))))
     got = driver.round(dict(enumerate(batch)))
@@ -156,10 +146,7 @@ def test_quantized_logits_and_greedy_match_mlx_lm(quantized_model, name):
     expected = [whole_prompt_logits(ref, ids) for ids in batch]
     driver = stage_driver(mlx_stage(model_dir))
     assert type(driver.stage.model.layers[0].q).__name__ == "QuantizedWeight"
-    for pos in range(max(PROMPT_LENGTHS)):
-        feeds = {slot: [ids[pos]] for slot, ids in enumerate(batch) if pos < len(ids)}
-        for slot, logits in driver.round(feeds).items():
-            np.testing.assert_allclose(logits, expected[slot][pos], atol=1e-4, rtol=0)
+    check_logits_at_every_position(driver, batch, expected)
     driver.close(list(range(len(batch))))
     prompt = batch[1]
     want = [int(token) for token, _ in generate_step(mx.array(prompt), ref, max_tokens=16)]

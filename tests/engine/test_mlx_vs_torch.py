@@ -16,9 +16,9 @@ from engine.config import ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
 from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.engine.conftest import stage_driver
+from tests.engine.logits_at_every_position import one_row_a_stream, prompts
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
-PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
 DTYPES = ["float32", "bfloat16", "float16"]
 WIRE = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}  # raw bit patterns
 
@@ -26,11 +26,6 @@ WIRE = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}  # ra
 def stage(model_dir: Path, backend: str, layers: tuple[int, int] | None = None):
     n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     return load_stage(StageSpec(model_dir, layers or (0, n_layers), backend, 4, 256, 64))
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 300, n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.mark.parametrize(("tie", "shards"), [(False, 3), (True, 1)])
@@ -45,8 +40,8 @@ def test_logits_match_torch_at_every_position(make_model, family, tie, shards):
         for slot in feeds:
             np.testing.assert_allclose(got[slot], want[slot], atol=1e-4, rtol=0)
 
-    for pos in range(max(PROMPT_LENGTHS)):  # every position, every stream in each round
-        same({slot: [ids[pos]] for slot, ids in enumerate(batch) if pos < len(ids)})
+    for _pos, feeds in one_row_a_stream(batch):  # every position, every stream in each round
+        same(feeds)
     for d in drivers:
         d.close(list(range(len(batch))))
     same({0: batch[0][:4], 1: batch[1][:2], 2: batch[2][:9]})  # chunks only

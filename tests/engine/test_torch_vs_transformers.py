@@ -8,19 +8,14 @@ import torch
 import transformers
 
 from tests.engine.conftest import stage_driver, whole_stage
+from tests.engine.logits_at_every_position import check_logits_at_every_position, prompts
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
-PROMPT_LENGTHS = (5, 23, 14)  # mistral's window of 9 is crossed by two of them
 
 
 def reference(model_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval()
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 300, n).tolist() for n in PROMPT_LENGTHS]
 
 
 @pytest.mark.parametrize("shards", [1, 3])
@@ -35,12 +30,7 @@ def test_logits_match_transformers_at_every_position(make_model, family, tie, sh
     with torch.no_grad():
         for ids in batch:
             expected.append(ref(torch.tensor([ids])).logits[0].numpy())
-    # One row per stream per round, every stream in the same round: every position checked.
-    for pos in range(max(PROMPT_LENGTHS)):
-        feeds = {slot: [ids[pos]] for slot, ids in enumerate(batch) if pos < len(ids)}
-        got = driver.round(feeds)
-        for slot, logits in got.items():
-            np.testing.assert_allclose(logits, expected[slot][pos], atol=1e-4, rtol=0)
+    check_logits_at_every_position(driver, batch, expected)
     # Whole prompts as chunks in one round: the last position of each.
     driver.close(list(range(len(batch))))
     got = driver.round(dict(enumerate(batch)))
