@@ -50,7 +50,7 @@ class CalibrationRequest:
     threads: int = 0  # CPU threads for the framework; 0: its default (all cores)
 
     def __post_init__(self) -> None:
-        from engine.backends.base import BACKENDS
+        from engine.link.messages import BACKENDS
 
         if self.backend not in BACKENDS:
             raise CalibrationError(f"unknown backend {self.backend!r} (known: "

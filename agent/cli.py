@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from agent.config import AgentConfig, ConfigError, default_config_path
+from engine.addresses import AddressError, parse_host_port
 
 
 def _config(args: argparse.Namespace, *, must_exist: bool = True) -> AgentConfig:
@@ -19,8 +20,10 @@ def _config(args: argparse.Namespace, *, must_exist: bool = True) -> AgentConfig
     explicit = bool(args.config) and (must_exist or path.is_file())
     listen_host = listen_port = None
     if getattr(args, "listen", None):
-        host, _, port = args.listen.rpartition(":")
-        listen_host, listen_port = host.strip("[]"), int(port)
+        try:
+            listen_host, listen_port = parse_host_port(args.listen, "--listen", min_port=1)
+        except AddressError as exc:
+            raise ConfigError(str(exc)) from exc
     overrides = dict(node=args.node, state_dir=args.state_dir, listen_host=listen_host,
                      listen_port=listen_port, supervisor_url=getattr(args, "supervisor", None))
     return AgentConfig.load(path if explicit or path.is_file() else None, **overrides)

@@ -40,7 +40,7 @@ def default_config_path() -> Path:
 class AgentConfig:
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     state_dir: Path = field(default_factory=default_state_dir)
-    # The API (mutual TLS). Never a wildcard (engine.wildcard): the API can spawn processes.
+    # The API (mutual TLS). Never a wildcard (engine.addresses): the API can spawn processes.
     listen_host: str = "127.0.0.1"
     listen_port: int = 7700
     advertise_url: str = ""  # how peers and the supervisor reach this agent; derived if empty
@@ -81,7 +81,7 @@ class AgentConfig:
         set_("calibration_contexts", tuple(int(c) for c in self.calibration_contexts))
         if not self.node or "/" in self.node:
             raise ConfigError(f"node={self.node!r}: a node name is a non-empty word without '/'")
-        from engine.wildcard import wildcard_refusal
+        from engine.addresses import wildcard_refusal
 
         refusal = wildcard_refusal(self.listen_host, f"listen_host={self.listen_host!r}")
         if refusal:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import structlog
 
-from engine.wildcard import wildcard_refusal
+from engine.addresses import wildcard_refusal
 
 log = structlog.get_logger()
 

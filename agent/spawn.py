@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from engine.addresses import AddressError, format_host_port, parse_host_port
+
+if TYPE_CHECKING:
+    from engine.env import EngineEnv
 
 ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # What an engine inherits from the agent besides its contract: what a process needs to run.
@@ -99,25 +103,30 @@ class EngineSpec:
                 raise SpawnRefused(name, f"expected seconds >= 0, got {value!r}")
         return spec
 
-    def to_env(self, drain_s: float) -> dict[str, str]:
-        """The environment contract (DESIGN.md) for this stage: all the engine reads."""
-        env = {
+    def engine_env(self, drain_s: float) -> EngineEnv:
+        """The request as the environment contract, read by the contract's own parser: a
+        refusal names the request's field for the variable that is wrong. `drain_s` is the
+        agent's, for a request that names none."""
+        raw = {
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
             "FLEET_MODEL": self.model_dir, "FLEET_BACKEND": self.backend,
             "FLEET_PLACEMENT": self.placement or self.replica or "local",
             "FLEET_CONTEXT": str(self.context), "FLEET_PARALLEL": str(self.parallel),
             "FLEET_CHUNK": str(self.chunk),
-            # The engine reads whole seconds.
-            "FLEET_DRAIN_S": str(math.ceil(self.drain_s if self.drain_s is not None
-                                           else drain_s)),
+            "FLEET_DRAIN_S": str(self.drain_s if self.drain_s is not None else drain_s),
         }
         optional = {"FLEET_LAYERS": self.layers, "FLEET_LAYOUT": self.layout,
                     "FLEET_LISTEN": self.listen, "FLEET_HTTP": self.http,
                     "FLEET_KEY_FILE": self.key_file, "FLEET_MODEL_ID": self.model_id,
                     "FLEET_API_SECRET_FILE": self.api_secret_file if self.rank == 0 else ""}
-        env.update({k: v for k, v in optional.items() if v})
-        return env
+        raw.update({k: v for k, v in optional.items() if v})
+        from engine.env import EngineEnv, EnvError  # the engine's imports, only when asked
+
+        try:
+            return EngineEnv.from_environ(raw)
+        except EnvError as exc:
+            raise SpawnRefused(ENV_FIELDS.get(exc.variable, exc.variable), str(exc)) from exc
 
     def bound_ports(self) -> list[tuple[str, str, int]]:
         """(field, host, port) of every port this stage will listen on."""
@@ -125,11 +134,15 @@ class EngineSpec:
         for name, value in (("http", self.http if self.rank == 0 else ""),
                             ("listen", self.listen if self.world_size > 1 else "")):
             if value:
-                host, _, port = value.rpartition(":")
-                if port.isdigit():
-                    out.append((name, host.strip("[]"), int(port)))
+                try:
+                    host, port = parse_host_port(value, name)
+                except AddressError:
+                    continue  # check_spawn refuses it, naming the field
+                out.append((name, host, port))
         if self.rank == 0 and self.world_size > 1:
-            out.append(("master_port", self.master_addr, self.master_port))
+            host, port = parse_host_port(format_host_port(self.master_addr, self.master_port),
+                                         "master_addr")
+            out.append(("master_port", host, port))
         return out
 
 
@@ -168,8 +181,6 @@ def read_checkpoint_info(model_dir: str) -> CheckpointInfo:
 def check_spawn(spec: EngineSpec, info: CheckpointInfo, backends_present: frozenset[str],
                 running: tuple[EngineSpec, ...], drain_s: float) -> None:
     """Refuse a spawn that cannot work, naming the field. Pure (ports are checked apart)."""
-    from engine.env import EngineEnv, EnvError, parse_layers
-
     if not ENGINE_ID.match(spec.engine_id):
         raise SpawnRefused("engine_id", f"{spec.engine_id!r}: use letters, digits, '-', '_', "
                            "'.' (at most 96)")
@@ -178,32 +189,19 @@ def check_spawn(spec: EngineSpec, info: CheckpointInfo, backends_present: frozen
     if backends_present and spec.backend not in backends_present:
         raise SpawnRefused("backend", f"{spec.backend!r} is not available on this node "
                            f"(present: {', '.join(sorted(backends_present)) or 'none'})")
-    try:
-        env = EngineEnv.from_environ(spec.to_env(drain_s))
-    except EnvError as exc:
-        variable = str(exc).split("=")[0].split(" ")[0]
-        raise SpawnRefused(ENV_FIELDS.get(variable, variable), str(exc)) from exc
+    env = spec.engine_env(drain_s)
     start, end = env.layer_range or (0, info.n_layers)
     if not 0 <= start < end <= info.n_layers:
         raise SpawnRefused("layers", f"{start}:{end} is outside the model's {info.n_layers} "
                            f"layers (valid: a half-open range within 0:{info.n_layers})")
-    if spec.world_size > 1:
-        try:
-            ranges = [parse_layers(part, "FLEET_LAYOUT") for part in spec.layout.split(",")]
-        except EnvError as exc:
-            raise SpawnRefused("layout", str(exc)) from exc
+    if env.world_size > 1:  # the contract saw WORLD_SIZE ranges with this rank's at its place
         from engine.link.errors import ProtocolError
         from engine.link.layout import check_layout
 
-        if len(ranges) != spec.world_size:
-            raise SpawnRefused("layout", f"{len(ranges)} ranges for WORLD_SIZE={spec.world_size}")
         try:
-            check_layout(ranges, info.n_layers)
+            check_layout(list(env.layout), info.n_layers)
         except (ProtocolError, ValueError) as exc:
             raise SpawnRefused("layout", str(exc)) from exc
-        if ranges[spec.rank] != (start, end):
-            raise SpawnRefused("layers", f"{start}:{end} is not rank {spec.rank}'s range in the "
-                               f"layout ({spec.layout})")
         if not Path(spec.key_file).is_file():
             raise SpawnRefused("key_file", f"{spec.key_file}: no such link key file")
     taken = {(h, p): r.engine_id for r in running for _, h, p in r.bound_ports()}
@@ -241,5 +239,5 @@ def child_environment(spec: EngineSpec, drain_s: float) -> dict[str, str]:
            if k in PASSED_THROUGH or k.startswith(PASSED_PREFIXES)}
     env["PYTHONPATH"] = engine_pythonpath()
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(spec.to_env(drain_s))
+    env.update(spec.engine_env(drain_s).to_environ())
     return env

@@ -1,40 +1,30 @@
-"""The environment contract an agent starts an engine with (DESIGN.md), parsed and checked."""
+"""The environment contract an agent starts an engine with (DESIGN.md): one typed record,
+read by `from_environ` (every error names its variable) and written by `to_environ`, the only
+places that spell the variables' names. Ranges stay tuples until written out."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.backends.base import BACKENDS, StageSpec
+from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
+from engine.backends.base import StageSpec
 from engine.link.accept_loop import HANDSHAKE_DEADLINE_S
-from engine.wildcard import wildcard_refusal
+from engine.link.messages import BACKENDS
 
 MIN_API_SECRET_CHARS = 16
+DEFAULT_HTTP = "127.0.0.1:8000"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class EnvError(ValueError):
-    """A missing or malformed FLEET_* / torch.distributed variable."""
+    """A missing or malformed FLEET_* / torch.distributed variable; `variable` names it."""
 
-
-def split_host_port(value: str, name: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise EnvError(f"{name}={value!r}: expected host:port")
-    return host.strip("[]"), int(port)
-
-
-def listen_address(env: Mapping[str, str], name: str, default: str = "") -> tuple[str, int]:
-    """A host:port some listener binds: never a wildcard, literally or once resolved."""
-    value = env.get(name) or default
-    if not value:
-        raise EnvError(f"{name} is not set")
-    host, port = split_host_port(value, name)
-    refusal = wildcard_refusal(host, f"{name}={value!r}")
-    if refusal:
-        raise EnvError(refusal)
-    return host, port
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(message)
+        self.variable = variable
 
 
 def read_api_secret(path: Path, name: str = "FLEET_API_SECRET_FILE") -> str:
@@ -42,9 +32,9 @@ def read_api_secret(path: Path, name: str = "FLEET_API_SECRET_FILE") -> str:
     try:
         secret = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise EnvError(f"{name}={str(path)!r}: cannot read the API secret: {exc}") from exc
+        raise EnvError(name, f"{name}={str(path)!r}: cannot read the API secret: {exc}") from exc
     if len(secret) < MIN_API_SECRET_CHARS or not secret.isascii() or not secret.isprintable():
-        raise EnvError(f"{name}={str(path)!r}: expected a secret of at least "
+        raise EnvError(name, f"{name}={str(path)!r}: expected a secret of at least "
                        f"{MIN_API_SECRET_CHARS} printable ASCII characters")
     return secret
 
@@ -52,39 +42,54 @@ def read_api_secret(path: Path, name: str = "FLEET_API_SECRET_FILE") -> str:
 def parse_layers(value: str, name: str = "FLEET_LAYERS") -> tuple[int, int]:
     start, sep, end = value.partition(":")
     if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
-        raise EnvError(f"{name}={value!r}: expected start:end with start < end (half-open)")
+        raise EnvError(name, f"{name}={value!r}: expected start:end with start < end "
+                       "(half-open)")
     return int(start), int(end)
+
+
+def format_layers(layer_range: tuple[int, int]) -> str:
+    return f"{layer_range[0]}:{layer_range[1]}"
+
+
+def placement_id(layer_ranges: Sequence[tuple[int, int]], backends: Sequence[str]) -> str:
+    """FLEET_PLACEMENT of a replica, from each rank's layer range and backend:
+    "0-9@torch-cpu,9-20@mlx-cpu"."""
+    return ",".join(f"{start}-{end}@{backend}"
+                    for (start, end), backend in zip(layer_ranges, backends, strict=True))
 
 
 @dataclass(frozen=True)
 class EngineEnv:
-    rank: int
-    world_size: int
-    master: tuple[str, int]  # rank 0's control address
-    layer_range: tuple[int, int] | None  # None: the whole model (WORLD_SIZE=1 only)
-    layout: tuple[tuple[int, int], ...]  # every rank's range (FLEET_LAYOUT), for the fingerprint
     model_dir: Path
-    backend: str
-    listen: tuple[str, int] | None  # this stage's ring listener
-    key_file: Path | None
-    placement: str
-    http: tuple[str, int] | None  # rank 0's API
-    context: int
-    parallel: int
-    chunk: int
-    max_waiting: int
-    model_id: str
-    drain_s: float  # SIGTERM: finish in-flight requests for up to this long, then exit
-    keepalive_s: float  # an empty plan once this passes without one
-    dead_after: int  # silent keep-alive intervals before the ring counts as dead
-    round_deadline_s: float  # bounds each send and receive of a round's frames
-    boot_deadline_s: float  # how long bootstrap waits for the other stages
-    handshake_deadline_s: float  # a connection to a ring listener must authenticate within it
-    cpu_threads: int  # 0: the framework's default; stages sharing a CPU should split it
-    log_level: str  # debug adds each round's timing per stage
-    cuda_graphs: bool  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
-    # Rank 0's API answers only requests bearing it (FLEET_API_SECRET_FILE); "" keeps it open,
-    # as a standalone engine is. Kept out of repr so no log line can carry it.
+    rank: int = 0
+    world_size: int = 1
+    master: tuple[str, int] = ("127.0.0.1", 29500)  # rank 0's control address
+    layer_range: tuple[int, int] | None = None  # None: the whole model (WORLD_SIZE=1 only)
+    layout: tuple[tuple[int, int], ...] = ()  # every rank's range (FLEET_LAYOUT), for the fingerprint
+    backend: str = "torch-cpu"
+    listen: tuple[str, int] | None = None  # this stage's ring listener
+    key_file: Path | None = None
+    placement: str = "local"
+    http: tuple[str, int] | None = None  # rank 0's API
+    context: int = 2048
+    parallel: int = 4
+    chunk: int = 256
+    max_waiting: int = 64
+    model_id: str = ""  # "": the checkpoint directory's name
+    drain_s: float = 180.0  # SIGTERM: finish in-flight requests for up to this long, then exit
+    keepalive_s: float = 2.0  # an empty plan once this passes without one
+    dead_after: int = 3  # silent keep-alive intervals before the ring counts as dead
+    round_deadline_s: float = 300.0  # bounds each send and receive of a round's frames
+    boot_deadline_s: float = 300.0  # how long bootstrap waits for the other stages
+    # A connection to a ring listener must authenticate within it.
+    handshake_deadline_s: float = HANDSHAKE_DEADLINE_S
+    cpu_threads: int = 0  # 0: the framework's default; stages sharing a CPU should split it
+    log_level: str = "info"  # debug adds each round's timing per stage
+    cuda_graphs: bool = True  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
+    # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
+    # as a standalone engine is.
+    api_secret_file: Path | None = None
+    # The secret itself, read by from_environ; kept out of repr so no log line can carry it.
     api_secret: str = field(default="", repr=False)
     # Rank 0's API connections (engine.api.connections): 0 connections = half the fd limit.
     http_max_connections: int = 0
@@ -95,87 +100,132 @@ class EngineEnv:
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
         env = os.environ if env is None else env
+        default = {name: f.default for name, f in cls.__dataclass_fields__.items()}
 
         def need(name: str) -> str:
             if not env.get(name):
-                raise EnvError(f"{name} is not set")
+                raise EnvError(name, f"{name} is not set")
             return env[name]
 
-        def integer(name: str, default: int, low: int = 1) -> int:
-            raw = env.get(name, str(default))
+        def integer(name: str, attr: str, low: int = 1) -> int:
+            raw = env.get(name, str(default[attr]))
             if not raw.lstrip("-").isdigit() or int(raw) < low:
-                raise EnvError(f"{name}={raw!r}: expected an integer >= {low}")
+                raise EnvError(name, f"{name}={raw!r}: expected an integer >= {low}")
             return int(raw)
 
-        def number(name: str, default: float, *, zero_ok: bool = False) -> float:
-            raw = env.get(name, str(default))
+        def number(name: str, attr: str, *, zero_ok: bool = False) -> float:
+            raw = env.get(name, str(default[attr]))
             try:
                 value = float(raw)
             except ValueError:
                 value = -1.0
             if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
-                raise EnvError(f"{name}={raw!r}: expected a {'' if zero_ok else 'positive '}"
-                               "number of seconds")
+                raise EnvError(name, f"{name}={raw!r}: expected a "
+                               f"{'' if zero_ok else 'positive '}number of seconds")
             return value
 
+        def address(name: str, value: str, *, listener: bool = True) -> tuple[str, int]:
+            try:
+                return (listen_address if listener else parse_host_port)(value, name)
+            except AddressError as exc:
+                raise EnvError(name, str(exc)) from exc
+
         log_level = env.get("FLEET_LOG_LEVEL", "info").lower()
-        if log_level not in ("debug", "info", "warning", "error"):
-            raise EnvError(f"FLEET_LOG_LEVEL={log_level!r}: expected debug, info, warning or error")
-        rank, world = integer("RANK", 0, 0), integer("WORLD_SIZE", 1)
+        if log_level not in LOG_LEVELS:
+            raise EnvError("FLEET_LOG_LEVEL", f"FLEET_LOG_LEVEL={log_level!r}: expected "
+                           "debug, info, warning or error")
+        rank, world = integer("RANK", "rank", 0), integer("WORLD_SIZE", "world_size")
         if rank >= world:
-            raise EnvError(f"RANK={rank} must be below WORLD_SIZE={world}")
-        backend = env.get("FLEET_BACKEND", "torch-cpu")
+            raise EnvError("RANK", f"RANK={rank} must be below WORLD_SIZE={world}")
+        backend = env.get("FLEET_BACKEND", default["backend"])
         if backend not in BACKENDS:
-            raise EnvError(f"FLEET_BACKEND={backend!r}: expected one of {', '.join(BACKENDS)}")
+            raise EnvError("FLEET_BACKEND", f"FLEET_BACKEND={backend!r}: expected one of "
+                           f"{', '.join(BACKENDS)}")
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:
-            raise EnvError("FLEET_LAYERS is required when WORLD_SIZE > 1")
+            raise EnvError("FLEET_LAYERS", "FLEET_LAYERS is required when WORLD_SIZE > 1")
         layout: tuple[tuple[int, int], ...] = ()
         if world > 1:
             layout = tuple(parse_layers(part, "FLEET_LAYOUT")
                            for part in need("FLEET_LAYOUT").split(","))
             if len(layout) != world or layout[rank] != layers:
-                raise EnvError(f"FLEET_LAYOUT={env['FLEET_LAYOUT']!r} must list WORLD_SIZE={world} "
-                               f"ranges with FLEET_LAYERS={env['FLEET_LAYERS']!r} at rank {rank}")
-        listen = http = None
+                raise EnvError("FLEET_LAYOUT", f"FLEET_LAYOUT={env['FLEET_LAYOUT']!r} must "
+                               f"list WORLD_SIZE={world} ranges with "
+                               f"FLEET_LAYERS={env['FLEET_LAYERS']!r} at rank {rank}")
+        listen = http = api_secret_file = None
         api_secret = ""
         if world > 1:
-            listen = listen_address(env, "FLEET_LISTEN")
+            listen = address("FLEET_LISTEN", need("FLEET_LISTEN"))
         if rank == 0:
-            http = listen_address(env, "FLEET_HTTP", "127.0.0.1:8000")
+            http = address("FLEET_HTTP", env.get("FLEET_HTTP") or DEFAULT_HTTP)
             if env.get("FLEET_API_SECRET_FILE"):
-                api_secret = read_api_secret(Path(env["FLEET_API_SECRET_FILE"]))
-        master_value = (env.get("MASTER_ADDR", "127.0.0.1") + ":"
-                        + env.get("MASTER_PORT", "29500"))
-        if world > 1:  # rank 0 binds it; the others dial it
-            master = listen_address({"MASTER_ADDR:MASTER_PORT": master_value},
-                                    "MASTER_ADDR:MASTER_PORT")
-        else:
-            master = split_host_port(master_value, "MASTER_ADDR:MASTER_PORT")
+                api_secret_file = Path(env["FLEET_API_SECRET_FILE"])
+                api_secret = read_api_secret(api_secret_file)
+        master_host, master_port = default["master"]
+        # rank 0 binds it, the others dial it: never a wildcard in a ring
+        master = address("MASTER_ADDR:MASTER_PORT", format_host_port(
+            env.get("MASTER_ADDR", master_host), env.get("MASTER_PORT", str(master_port))),
+            listener=world > 1)
         return cls(
             rank=rank, world_size=world, master=master, layer_range=layers, layout=layout,
             model_dir=model_dir, backend=backend, listen=listen,
             key_file=Path(need("FLEET_KEY_FILE")) if world > 1 else None,
-            placement=env.get("FLEET_PLACEMENT", "local"), http=http,
-            context=integer("FLEET_CONTEXT", 2048), parallel=integer("FLEET_PARALLEL", 4),
-            chunk=integer("FLEET_CHUNK", 256), max_waiting=integer("FLEET_MAX_WAITING", 64, 0),
+            placement=env.get("FLEET_PLACEMENT", default["placement"]), http=http,
+            context=integer("FLEET_CONTEXT", "context"),
+            parallel=integer("FLEET_PARALLEL", "parallel"),
+            chunk=integer("FLEET_CHUNK", "chunk"),
+            max_waiting=integer("FLEET_MAX_WAITING", "max_waiting", 0),
             model_id=env.get("FLEET_MODEL_ID") or model_dir.resolve().name,
-            drain_s=number("FLEET_DRAIN_S", 180.0, zero_ok=True),
-            keepalive_s=number("FLEET_KEEPALIVE_S", 2.0),
-            dead_after=integer("FLEET_DEAD_AFTER", 3),
-            round_deadline_s=number("FLEET_ROUND_DEADLINE_S", 300.0),
-            boot_deadline_s=number("FLEET_BOOT_DEADLINE_S", 300.0),
-            handshake_deadline_s=number("FLEET_HANDSHAKE_DEADLINE_S", HANDSHAKE_DEADLINE_S),
-            cpu_threads=integer("FLEET_CPU_THREADS", 0, 0),
+            drain_s=number("FLEET_DRAIN_S", "drain_s", zero_ok=True),
+            keepalive_s=number("FLEET_KEEPALIVE_S", "keepalive_s"),
+            dead_after=integer("FLEET_DEAD_AFTER", "dead_after"),
+            round_deadline_s=number("FLEET_ROUND_DEADLINE_S", "round_deadline_s"),
+            boot_deadline_s=number("FLEET_BOOT_DEADLINE_S", "boot_deadline_s"),
+            handshake_deadline_s=number("FLEET_HANDSHAKE_DEADLINE_S", "handshake_deadline_s"),
+            cpu_threads=integer("FLEET_CPU_THREADS", "cpu_threads", 0),
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
-            api_secret=api_secret,
-            http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", 0, 0),
-            http_header_s=number("FLEET_HTTP_HEADER_S", 5.0),
-            http_idle_s=number("FLEET_HTTP_IDLE_S", 15.0),
-            http_body_s=number("FLEET_HTTP_BODY_S", 30.0),
+            api_secret_file=api_secret_file, api_secret=api_secret,
+            http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
+            http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),
+            http_idle_s=number("FLEET_HTTP_IDLE_S", "http_idle_s"),
+            http_body_s=number("FLEET_HTTP_BODY_S", "http_body_s"),
         )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables `from_environ` reads back as this record (the secret by its file).
+        Seconds go as they are: the engine reads fractions."""
+        env = {
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master[0], "MASTER_PORT": str(self.master[1]),
+            "FLEET_MODEL": str(self.model_dir), "FLEET_BACKEND": self.backend,
+            "FLEET_PLACEMENT": self.placement,
+            "FLEET_CONTEXT": str(self.context), "FLEET_PARALLEL": str(self.parallel),
+            "FLEET_CHUNK": str(self.chunk), "FLEET_MAX_WAITING": str(self.max_waiting),
+            "FLEET_DRAIN_S": repr(self.drain_s), "FLEET_KEEPALIVE_S": repr(self.keepalive_s),
+            "FLEET_DEAD_AFTER": str(self.dead_after),
+            "FLEET_ROUND_DEADLINE_S": repr(self.round_deadline_s),
+            "FLEET_BOOT_DEADLINE_S": repr(self.boot_deadline_s),
+            "FLEET_HANDSHAKE_DEADLINE_S": repr(self.handshake_deadline_s),
+            "FLEET_CPU_THREADS": str(self.cpu_threads), "FLEET_LOG_LEVEL": self.log_level,
+            "FLEET_CUDA_GRAPHS": "1" if self.cuda_graphs else "0",
+            "FLEET_HTTP_MAX_CONNECTIONS": str(self.http_max_connections),
+            "FLEET_HTTP_HEADER_S": repr(self.http_header_s),
+            "FLEET_HTTP_IDLE_S": repr(self.http_idle_s),
+            "FLEET_HTTP_BODY_S": repr(self.http_body_s),
+        }
+        optional = {
+            "FLEET_LAYERS": format_layers(self.layer_range) if self.layer_range else "",
+            "FLEET_LAYOUT": ",".join(format_layers(r) for r in self.layout),
+            "FLEET_LISTEN": format_host_port(*self.listen) if self.listen else "",
+            "FLEET_HTTP": format_host_port(*self.http) if self.http else "",
+            "FLEET_KEY_FILE": str(self.key_file) if self.key_file else "",
+            "FLEET_MODEL_ID": self.model_id,
+            "FLEET_API_SECRET_FILE": str(self.api_secret_file) if self.api_secret_file else "",
+        }
+        env.update({k: v for k, v in optional.items() if v})
+        return env
 
     def stage_spec(self, n_layers: int) -> StageSpec:
         return StageSpec(self.model_dir, self.layer_range or (0, n_layers), self.backend,

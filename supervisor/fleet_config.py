@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from engine.link.messages import is_wildcard_host
+from engine.addresses import AddressError, parse_host_port
+from engine.link.messages import BACKENDS, is_wildcard_host
 
-BACKENDS = ("torch-cuda", "torch-mps", "torch-cpu", "mlx-metal", "mlx-cuda", "mlx-cpu")
 OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
 DEFAULT_PARALLEL = 1
@@ -282,8 +282,11 @@ class _Field:
 def _parse_supervisor(at: _Field) -> SupervisorConfig:
     fields_ = at.mapping(known=("address", "state_dir"), required=("address", "state_dir"))
     address = fields_["address"].string()
-    host, _, port = address.rpartition(":")
-    if not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
+    try:
+        host, _ = parse_host_port(address, "address", min_port=1)
+    except AddressError as exc:
+        raise fields_["address"].error(f"expected host:port, got {address!r}", address) from exc
+    if not host:
         raise fields_["address"].error(f"expected host:port, got {address!r}", address)
     if is_wildcard_host(host):
         raise fields_["address"].error(

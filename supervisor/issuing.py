@@ -33,6 +33,7 @@ from agent.pki import (
     make_token,
     private_dir,
 )
+from engine.addresses import parse_host_port
 from supervisor.state import State
 
 
@@ -93,7 +94,7 @@ def init_pki(state_dir: Path, address: str, fleetctl_dir: Path, *,
                         "CA (use --force to replace it, which orphans every joined node)")
     ca = FleetCA.create(fleet_name)
     ca.save(pki)
-    host = address.rpartition(":")[0].strip("[]")
+    host, _ = parse_host_port(address, "address", min_port=1)
     hosts = tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
     key, cert = ca.issue_credentials("supervisor", "supervisor", hosts=hosts)
     supervisor_credentials(state_dir).store(cert_pem(ca.cert), cert, key)

@@ -15,6 +15,7 @@ import structlog
 
 from agent.pki import Identity
 from agent.spawn import port_in_use
+from engine.env import placement_id
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
@@ -272,10 +273,10 @@ class Supervisor:
             self.apply_all(lc.fail_actions(replica, exc.message, time.time(),
                                            self.settings.policy))
             return
-        placement_id = ",".join(f"{s.layer_range[0]}-{s.layer_range[1]}@{s.backend}"
-                                for s in stages)
         started = replace(replica, state=lc.STARTING, since=time.time(), stages=tuple(stages),
-                          master_port=master_port, placement_id=placement_id)
+                          master_port=master_port,
+                          placement_id=placement_id([s.layer_range for s in stages],
+                                                    [s.backend for s in stages]))
         self.record(started)
         self._spawn_task(self._spawn_all(started))
 

@@ -14,17 +14,14 @@ class SettingsError(ValueError):
 
 
 def split_address(text: str, what: str) -> tuple[str, int]:
-    """HOST:PORT of a listener; the one wildcard rule (engine.wildcard) refuses every form of
-    "every interface", literal or resolved."""
-    from engine.wildcard import wildcard_refusal
+    """HOST:PORT of a listener, by the one address rule (engine.addresses): never a wildcard,
+    literal or resolved."""
+    from engine.addresses import AddressError, listen_address
 
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SettingsError(f"{what}={text!r}: expected host:port")
-    refusal = wildcard_refusal(host, f"{what}={text!r}")
-    if refusal:
-        raise SettingsError(refusal)
-    return host.strip("[]"), int(port)
+    try:
+        return listen_address(text, what, min_port=1)
+    except AddressError as exc:
+        raise SettingsError(str(exc)) from exc
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from engine.env import parse_layers
+from engine.env import EngineEnv, parse_layers, placement_id
 
 LOOPBACK = "127.0.0.1"
 
@@ -42,10 +42,6 @@ def even_stages(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Contiguous half-open ranges of as equal a size as the layer count allows."""
     cuts = [round(n_layers * i / n_stages) for i in range(n_stages + 1)]
     return list(itertools.pairwise(cuts))
-
-
-def placement_id(stages: list[tuple[int, int]], backends: list[str]) -> str:
-    return ",".join(f"{a}-{b}@{backend}" for (a, b), backend in zip(stages, backends))
 
 
 @dataclass
@@ -135,20 +131,17 @@ def stage_envs(model_dir: Path, stages: list[tuple[int, int]], backends: list[st
                extra_env: dict[str, str] | None = None) -> list[dict[str, str]]:
     """The environment contract of every rank of one replica on loopback."""
     master_port = free_port()
-    layout = ",".join(f"{a}:{b}" for a, b in stages)
     envs = []
     for rank, ((start, end), backend) in enumerate(zip(stages, backends, strict=True)):
+        contract = EngineEnv(
+            model_dir=model_dir, rank=rank, world_size=len(stages),
+            master=(LOOPBACK, master_port), layer_range=(start, end), layout=tuple(stages),
+            backend=backend, listen=(LOOPBACK, free_port()), key_file=key_file,
+            placement=placement_id(stages, backends), http=(LOOPBACK, http_port),
+            context=context, parallel=parallel, chunk=chunk,
+            cpu_threads=max(1, (os.cpu_count() or 1) // len(stages)))
         env = dict(os.environ)
-        env.update(
-            RANK=str(rank), WORLD_SIZE=str(len(stages)), MASTER_ADDR=LOOPBACK,
-            MASTER_PORT=str(master_port), FLEET_LAYERS=f"{start}:{end}", FLEET_LAYOUT=layout,
-            FLEET_MODEL=str(model_dir), FLEET_BACKEND=backend,
-            FLEET_LISTEN=f"{LOOPBACK}:{free_port()}", FLEET_KEY_FILE=str(key_file),
-            FLEET_PLACEMENT=placement_id(stages, backends),
-            FLEET_HTTP=f"{LOOPBACK}:{http_port}", FLEET_CONTEXT=str(context),
-            FLEET_PARALLEL=str(parallel), FLEET_CHUNK=str(chunk),
-            FLEET_CPU_THREADS=str(max(1, (os.cpu_count() or 1) // len(stages))),
-        )
+        env.update(contract.to_environ())
         env.update(extra_env or {})
         envs.append(env)
     return envs

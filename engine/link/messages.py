@@ -84,6 +84,10 @@ class Backend(IntEnum):
             raise ValueError(f"unknown backend {label!r}; known: {known}") from None
 
 
+# FLEET_BACKEND's spellings, in byte order: the one list of backends every part reads.
+BACKENDS: tuple[str, ...] = tuple(b.label for b in Backend)
+
+
 class Dtype(IntEnum):
     """A KV or boundary-row element type."""
 

@@ -1,4 +1,4 @@
-"""One wildcard rule for every listener (engine.wildcard): the supervisor's API and front
+"""One wildcard rule for every listener (engine.addresses): the supervisor's API and front
 door, an agent's API, rank 0's HTTP API, the stage link's listener and MASTER_ADDR all refuse
 every spelling of "every interface", literal or resolved, with an error that names the
 setting. Each CLI is also run as a real process once, to see the refusal as an operator does.
@@ -16,11 +16,11 @@ import pytest
 
 from agent.config import AgentConfig, ConfigError
 from agent.spawn import EngineSpec, SpawnRefused, check_spawn, read_checkpoint_info
+from engine.addresses import wildcard_address
 from engine.env import EngineEnv, EnvError
 from engine.harness.launch import free_port
 from engine.link import errors as link_errors
 from engine.link.transport import listen
-from engine.wildcard import wildcard_address
 from supervisor.settings import SettingsError, split_address
 
 REPO = Path(__file__).resolve().parents[2]
