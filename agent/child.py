@@ -1,5 +1,5 @@
 """The one child-process wrapper: spawn (or adopt) a process group, tail its log, stop it
-ask → SIGTERM → SIGKILL with named grace periods, and explain its exit in a structured record.
+SIGTERM → SIGKILL with named grace periods, and explain its exit in a structured record.
 
 A child writes stdout and stderr straight into its own log file (not a pipe), so it keeps
 running, and keeps logging, when the agent restarts; the agent tails the file for the child's
@@ -18,7 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,6 @@ class SpawnError(RuntimeError):
 class GracePeriods:
     """How long each step of a stop waits before the next, harder one."""
 
-    ask_s: float = 0.0  # after the owner's polite ask (skipped when there is none)
     term_s: float = 10.0  # after SIGTERM to the process group
     kill_s: float = 5.0  # after SIGKILL, to see the process gone
 
@@ -53,7 +52,7 @@ class ChildExit:
     code: int | None  # exit status; None when unknown (an adopted child that left no word)
     signal: str | None  # the signal that ended it, if one did
     reason: str  # one sentence a person can act on
-    stopped_by: str  # "itself", "ask", "SIGTERM" or "SIGKILL": how far the stop had to go
+    stopped_by: str  # "itself", "SIGTERM" or "SIGKILL": how far the stop had to go
     last_lines: tuple[str, ...]
     at: float  # unix time it was seen gone
 
@@ -81,7 +80,7 @@ def explain_exit(returncode: int | None, stopped_by: str, child_word: dict | Non
         if name == "SIGKILL" and stopped_by == "SIGKILL":
             waited = f" within {grace.term_s:g} s" if grace else ""
             return None, name, f"killed with SIGKILL: it did not exit{waited} after SIGTERM"
-        if name == "SIGTERM" and stopped_by in ("SIGTERM", "ask"):
+        if name == "SIGTERM" and stopped_by == "SIGTERM":
             return None, name, "ended by the agent's SIGTERM"
         sender = "the agent" if stopped_by == name else "something other than the agent"
         extra = " (the kernel's out-of-memory killer?)" if name == "SIGKILL" else ""
@@ -331,10 +330,10 @@ class ChildProcess:
         self.log.info("signal sent", signal=sig.name)
         return True
 
-    async def stop(self, grace: GracePeriods,
-                   ask: Callable[[], Awaitable[None] | None] | None = None, *,
+    async def stop(self, grace: GracePeriods, *,
                    termed_already: bool = False) -> ChildExit | None:
-        """Ask (if there is a way), then SIGTERM, then SIGKILL, each after its grace period.
+        """SIGTERM, then SIGKILL, each after its grace period. (An engine's polite ask is the
+        SIGTERM itself: it drains on it.)
 
         `termed_already`: an earlier agent sent the SIGTERM; only wait, then SIGKILL (a second
         SIGTERM means "stop now" to an engine). Several callers share one stop; returns the
@@ -343,24 +342,13 @@ class ChildProcess:
         self.start_monitor()
         if self._stop_task is None:
             self._stop_task = asyncio.get_running_loop().create_task(
-                self._stop(grace, ask, termed_already))
+                self._stop(grace, termed_already))
         return await asyncio.shield(self._stop_task)
 
-    async def _stop(self, grace: GracePeriods, ask: Callable[[], Awaitable[None] | None] | None,
-                    termed_already: bool) -> ChildExit | None:
+    async def _stop(self, grace: GracePeriods, termed_already: bool) -> ChildExit | None:
         self.grace = grace
         if self.exit is not None:
             return self.exit
-        if ask is not None and grace.ask_s > 0 and not termed_already:
-            self.stopped_by = "ask"
-            try:
-                result = ask()
-                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-                    await asyncio.wait_for(result, grace.ask_s)
-            except Exception as exc:  # noqa: BLE001 - a failed ask goes straight on to SIGTERM
-                self.log.warning("ask failed", error=str(exc))
-            if await self.wait(grace.ask_s):
-                return self.exit
         self.stopped_by = "SIGTERM"
         if not termed_already:
             self.signal_group(signal.SIGTERM)
@@ -376,13 +364,13 @@ class ChildProcess:
 
     async def close(self) -> None:
         """Stop watching (the process itself is left alone)."""
-        for task in (self._monitor,):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        task = self._monitor
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
 
 
 def same_process_alive(pid: int, create_time: float) -> bool:

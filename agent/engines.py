@@ -405,7 +405,7 @@ class EngineManager:
         if drain_s is None:  # the request's, else the spawn's, else the agent's
             spec_drain_s = engine.record.spec.drain_s
             drain_s = self.config.drain_s if spec_drain_s is None else spec_drain_s
-        grace = GracePeriods(ask_s=0.0, term_s=drain_s + self.config.term_grace_s,
+        grace = GracePeriods(term_s=drain_s + self.config.term_grace_s,
                              kill_s=self.config.kill_grace_s)
         engine.record = replace(engine.record, drain_started_at=time.time())
         self._save(engine.record)
@@ -430,11 +430,6 @@ class EngineManager:
             raise SpawnRefused("engine_id", f"{engine_id} is {engine.state.value}: drain it "
                                "first", 409)
         del self.engines[engine_id]
-
-    async def wait_exited(self, engine_id: str, timeout_s: float) -> EngineView | None:
-        engine = self.engines[engine_id]
-        await engine.child.wait(timeout_s)
-        return engine.view()
 
     async def close(self, *, drain: bool = True) -> None:
         """Drain every engine (graceful stop of the agent) and stop the loop."""

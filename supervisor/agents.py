@@ -59,12 +59,3 @@ class AgentClient:
 
     async def forget(self, node: str, agent_url: str, engine_id: str) -> dict[str, Any]:
         return await self.call(node, "DELETE", f"{agent_url}/v1/engines/{engine_id}")
-
-    async def engines(self, node: str, agent_url: str) -> list[dict[str, Any]]:
-        return (await self.call(node, "GET", f"{agent_url}/v1/engines")).get("engines", [])
-
-    async def log_tail(self, node: str, agent_url: str, engine_id: str,
-                       lines: int = 20) -> list[str]:
-        data = await self.call(node, "GET",
-                                f"{agent_url}/v1/engines/{engine_id}/log?lines={lines}")
-        return list(data.get("lines", []))
