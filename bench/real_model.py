@@ -15,6 +15,7 @@ their decode ms/token is (time for all tokens - time for one) over the rest.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -141,6 +142,8 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=Path("build") / "bench-real-model")
     args = parser.parse_args()
     model_dir = ensure_real_model()
+    # Other work on the machine moves every figure; the load says how much there was.
+    load_before = os.getloadavg()[0]
     results: dict[str, dict] = {}
     for name in args.placements.split(","):
         stages, backends = PLACEMENTS[name]
@@ -163,6 +166,8 @@ def main() -> int:
             "yes" if r["text"].startswith(answer) else "NO"]
            for name, r in results.items()])
     print(f"\ntransformers' answer ({len(answer)} characters): {answer[:100]!r}...")
+    print(f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "
+          f"on {os.cpu_count()} cores")
     return 0
 
 
