@@ -92,8 +92,9 @@ def agent_config(fleet: Fleet, state_dir: Path, node: str = "node-a", **override
 
 
 @contextlib.asynccontextmanager
-async def serving(config: AgentConfig) -> AsyncIterator[str]:
-    """The agent's app served in this process with mutual TLS; yields its URL."""
+async def serving_app(config: AgentConfig) -> AsyncIterator[tuple[str, web.Application]]:
+    """The agent's app served in this process with mutual TLS; yields its URL and the app,
+    whose state a test may wait on."""
     app = make_app(config)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
@@ -101,9 +102,16 @@ async def serving(config: AgentConfig) -> AsyncIterator[str]:
                        ssl_context=server_context(NodeCredentials(config.pki_dir)))
     await site.start()
     try:
-        yield f"https://{config.listen_host}:{config.listen_port}"
+        yield f"https://{config.listen_host}:{config.listen_port}", app
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving(config: AgentConfig) -> AsyncIterator[str]:
+    """The agent's app served in this process with mutual TLS; yields its URL."""
+    async with serving_app(config) as (url, _app):
+        yield url
 
 
 @contextlib.asynccontextmanager

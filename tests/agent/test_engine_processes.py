@@ -9,6 +9,7 @@ import json
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -22,6 +23,7 @@ from tests.agent.conftest import (
     serving,
     wait_state,
 )
+from tests.waiting import log_has_event, wait_until_async
 
 STREAM_TOKENS = 1000  # long enough to be in flight through the drain
 
@@ -72,7 +74,11 @@ def test_spawn_ready_and_drain_with_a_stream_in_flight(fleet, tmp_path, tiny_mod
             await asyncio.wait_for(started.wait(), 60)
             async with session.post(url + "/v1/engines/r0/drain", json={}) as r:
                 assert r.status == 202
-            await asyncio.sleep(0.2)  # the SIGTERM lands
+            # The engine has taken the SIGTERM: it logs "draining" as it stops admitting.
+            engine_log = Path(view["log_path"])
+            await wait_until_async(lambda: asyncio.to_thread(log_has_event, engine_log,
+                                                             "draining"),
+                                   within_s=30, what="the engine logging that it drains")
             async with aiohttp.ClientSession() as plain, plain.post(
                     f"http://{http}/v1/completions",
                     json={"model": "tiny", "prompt": "late", "max_tokens": 2, "stop": []}) as r:

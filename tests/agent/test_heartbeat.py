@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import time
 
 from aiohttp import web
 
+from agent.app import HEARTBEAT
 from agent.facts import collect_facts
 from agent.heartbeat import BeatMemory, after_reply, build_heartbeat
 from tests.agent.conftest import (
@@ -18,8 +18,10 @@ from tests.agent.conftest import (
     fake_engine_command,
     free_port,
     serving,
+    serving_app,
     wait_state,
 )
+from tests.waiting import wait_until_async
 
 
 def test_build_heartbeat_sends_facts_only_when_they_change():
@@ -69,9 +71,8 @@ def test_heartbeats_events_and_goodbye(fleet, tmp_path, tiny_model):
             config = agent_config(fleet, tmp_path, supervisor_url=sup_url,
                                   engine_command=fake_engine_command())
             async with serving(config) as url, client(fleet) as session:
-                deadline = time.monotonic() + 30
-                while len(got["heartbeat"]) < 6 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
+                await wait_until_async(lambda: len(got["heartbeat"]) >= 6, within_s=30,
+                                       what="six heartbeats")
                 beats = got["heartbeat"]
                 assert [b["seq"] for b in beats[:6]] == [1, 2, 3, 4, 5, 6]
                 assert "facts" in beats[0] and beats[0]["url"] == url
@@ -81,10 +82,8 @@ def test_heartbeats_events_and_goodbye(fleet, tmp_path, tiny_model):
                         "engine_id": "hb", "model_dir": str(tiny_model)}) as r:
                     assert r.status == 201
                 await wait_state(session, url, "hb", {"ready"}, 30)
-                for _ in range(50):
-                    if len(got["events"]) >= 2:
-                        break
-                    await asyncio.sleep(0.1)
+                await wait_until_async(lambda: len(got["events"]) >= 2, within_s=5,
+                                       what="the engine's events sent")
                 states = [e["state"] for batch in got["events"] for e in batch["events"]]
                 assert states[:2] == ["starting", "ready"]
             # A graceful stop: the engine drains (reported), then the goodbye.
@@ -101,8 +100,10 @@ def test_an_unreachable_supervisor_does_not_stop_the_agent(fleet, tmp_path):
     config = agent_config(fleet, tmp_path, supervisor_url=f"https://127.0.0.1:{free_port()}")
 
     async def scenario():
-        async with serving(config) as url, client(fleet) as session:
-            await asyncio.sleep(1.0)
+        async with serving_app(config) as (url, app), client(fleet) as session:
+            heartbeat = app[HEARTBEAT]
+            await wait_until_async(lambda: heartbeat.failures >= 3, within_s=30,
+                                   what="three heartbeats tried and failed")
             async with session.get(url + "/v1/health") as r:
                 assert r.status == 200
 

@@ -16,6 +16,7 @@ from engine.link.hello import Handshake
 from engine.link.messages import Ready, decode_abort, decode_message
 from engine.link.transport import Link, accept, connect, handshake, listen
 from engine.rounds import Op, RoundPlan, StreamEntry
+from tests.waiting import wait_until
 
 KEY = b"s" * 32
 FINGERPRINT = hashlib.sha256(b"checkpoint and layout").digest()
@@ -164,30 +165,46 @@ def test_deadline_fires_on_a_silent_peer():
 
 
 def test_recv_deadline_and_link_stays_failed():
+    checked = threading.Event()
+
     def rank0(link: Link) -> object:
-        with pytest.raises(errors.Deadline):
-            link.recv(deadline_s=0.2)
-        with pytest.raises(errors.ConnectionFailed) as again:
-            link.send(FrameKind.GO, deadline_s=1)
-        return type(again.value.cause)
+        try:
+            with pytest.raises(errors.Deadline):
+                link.recv(deadline_s=0.2)
+            with pytest.raises(errors.ConnectionFailed) as again:
+                link.send(FrameKind.GO, deadline_s=1)
+            return type(again.value.cause)
+        finally:
+            checked.set()
 
     def rank1(link: Link) -> object:
-        time.sleep(0.4)
+        checked.wait(5)  # silent, and connected, until rank 0 has seen its deadline
         return None
 
     server, _ = run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1))
     assert server is errors.Deadline
 
 
-def test_connect_retries_until_the_peer_listens():
+def test_connect_retries_until_the_peer_listens(monkeypatch):
     probe = socket.socket()
     probe.bind((HOST, 0))
     port = probe.getsockname()[1]
     probe.close()
     result: dict[str, object] = {}
+    refused = threading.Event()
+    real_create_connection = socket.create_connection
+
+    def watched_create_connection(*args, **kwargs):  # the real call, observed
+        try:
+            return real_create_connection(*args, **kwargs)
+        except OSError:
+            refused.set()
+            raise
+
+    monkeypatch.setattr(socket, "create_connection", watched_create_connection)
 
     def late_listener() -> None:
-        time.sleep(0.3)
+        assert refused.wait(5), "the dialler never tried"  # listen only once it was refused
         listener = listen(HOST, port)
         conn, _ = listener.accept()
         result["accepted"] = True
@@ -248,28 +265,38 @@ def test_nothing_but_handshake_frames_before_authentication():
 
     run_pair(rank0, lambda link: None)
 
+    refused = threading.Event()
+
     def sender(link: Link) -> object:
         link._sock.sendall(encode_frame(FrameKind.ROWS, bytes(4), rows=1))
-        time.sleep(0.2)
+        refused.wait(5)  # connected until the receiver has read and refused the frame
 
     def receiver(link: Link) -> object:
-        with pytest.raises(errors.UnexpectedFrame, match="before the handshake"):
-            link.recv(deadline_s=1)
+        try:
+            with pytest.raises(errors.UnexpectedFrame, match="before the handshake"):
+                link.recv(deadline_s=1)
+        finally:
+            refused.set()
 
     run_pair(receiver, sender)
 
 
 def test_recv_rows_into_hands_other_frames_back_and_checks_the_buffer():
+    read = threading.Event()
+
     def rank0(link: Link) -> object:
         link.send_message(RoundPlan(3, ()), deadline_s=1)
         link.send(FrameKind.ROWS, bytes(100), round_no=3, rows=1, deadline_s=1)
-        time.sleep(0.2)
+        read.wait(5)  # connected until rank 1 has read both frames
 
     def rank1(link: Link) -> object:
-        first = link.recv_rows_into(bytearray(100), deadline_s=1)
-        with pytest.raises(errors.RowsSizeMismatch, match="holds 50"):
-            link.recv_rows_into(bytearray(50), deadline_s=1)
-        return first
+        try:
+            first = link.recv_rows_into(bytearray(100), deadline_s=1)
+            with pytest.raises(errors.RowsSizeMismatch, match="holds 50"):
+                link.recv_rows_into(bytearray(50), deadline_s=1)
+            return first
+        finally:
+            read.set()
 
     _, client = run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1))
     assert isinstance(client, Frame) and decode_message(client) == RoundPlan(3, ())
@@ -297,13 +324,18 @@ def test_big_rows_payload_in_place():
 def test_send_deadline_when_the_peer_does_not_read():
     size = 64 << 20
 
+    sent = threading.Event()
+
     def rank0(link: Link) -> object:
-        with pytest.raises(errors.Deadline):
-            link.send(FrameKind.ROWS, bytes(size), rows=1, deadline_s=0.2)
-        link.abort(errors.Deadline("stop"), linger_s=0.1)
+        try:
+            with pytest.raises(errors.Deadline):
+                link.send(FrameKind.ROWS, bytes(size), rows=1, deadline_s=0.2)
+            link.abort(errors.Deadline("stop"), linger_s=0.1)
+        finally:
+            sent.set()
 
     def rank1(link: Link) -> object:
-        time.sleep(0.5)
+        sent.wait(5)  # reads nothing until rank 0's send has hit its deadline
 
     run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1), max_payload_bytes=size)
 
@@ -317,20 +349,27 @@ def blocked_recv(link: Link, result: dict[str, object]) -> threading.Thread:
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(0.1)
+    # recv holds the receive lock while it blocks: the thread is in there, not about to be.
+    wait_until(lambda: link._recv_lock.locked() or not thread.is_alive(), within_s=5,
+               what="the receiving thread inside recv")
     return thread
 
 
 def test_shutdown_wakes_a_blocked_receiver_with_link_closed():
+    woken = threading.Event()
+
     def rank0(link: Link) -> object:
-        result: dict[str, object] = {}
-        thread = blocked_recv(link, result)
-        link.shutdown()
-        thread.join(2)
-        return result["error"]
+        try:
+            result: dict[str, object] = {}
+            thread = blocked_recv(link, result)
+            link.shutdown()
+            thread.join(2)
+            return result["error"]
+        finally:
+            woken.set()
 
     def rank1(link: Link) -> object:
-        time.sleep(0.5)
+        woken.wait(5)  # connected and silent: only the shutdown can wake rank 0's receiver
 
     server, _ = run_pair(shaking(shake(0), rank0), shaking(shake(1), rank1))
     assert type(server) is errors.LinkClosed
