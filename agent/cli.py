@@ -185,7 +185,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
-    from agent.service import ServiceError, agent_command, apply_plan, plan_install, plan_uninstall
+    from agent.install_service import (
+        ServiceError,
+        agent_command,
+        apply_plan,
+        plan_install,
+        plan_uninstall,
+    )
 
     config = _config(args, must_exist=False)  # install-service writes it when missing
     config_path = Path(args.config) if args.config else default_config_path()

@@ -39,7 +39,7 @@ log = structlog.get_logger()
 READY_EVENT = "ready"  # the engine's log line once it serves (rank 0) or joined its ring
 
 
-class EngineState(str, Enum):
+class EnginePhase(str, Enum):
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
@@ -53,7 +53,7 @@ class EngineView:
     """One engine as the agent sees it at one moment."""
 
     spec: EngineSpec
-    state: EngineState
+    state: EnginePhase
     pid: int
     started_at: float
     log_path: str
@@ -83,7 +83,7 @@ def decide(views: tuple[EngineView, ...], now: float, ready_timeout_s: float) ->
     """What the loop should do now: stop stages that never became ready."""
     actions = []
     for view in views:
-        if view.state == EngineState.STARTING and now - view.started_at > ready_timeout_s:
+        if view.state == EnginePhase.STARTING and now - view.started_at > ready_timeout_s:
             actions.append(DrainEngine(view.spec.engine_id,
                                        f"not ready {ready_timeout_s:g} s after start", 0.0))
     return actions
@@ -152,7 +152,7 @@ class EngineEvent:
 
     seq: int
     engine_id: str
-    state: EngineState
+    state: EnginePhase
     at: float
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -168,9 +168,9 @@ class _Engine:
         self.record = record
         self.child = child
         self.adopted = adopted
-        self.state = EngineState.READY if record.ready_at else EngineState.STARTING
+        self.state = EnginePhase.READY if record.ready_at else EnginePhase.STARTING
         if record.drain_started_at:
-            self.state = EngineState.DRAINING
+            self.state = EnginePhase.DRAINING
         self.drain_task: asyncio.Task | None = None
 
     def view(self) -> EngineView:
@@ -222,7 +222,7 @@ class EngineManager:
 
     # --- events --------------------------------------------------------------------------
 
-    def _emit(self, engine: _Engine, state: EngineState, **detail: Any) -> None:
+    def _emit(self, engine: _Engine, state: EnginePhase, **detail: Any) -> None:
         engine.state = state
         self.seq += 1
         event = EngineEvent(self.seq, engine.record.spec.engine_id, state, time.time(), detail)
@@ -250,10 +250,10 @@ class EngineManager:
         engine = self.engines.get(engine_id)
         if engine is None or event is None:
             return
-        if event.get("event") == READY_EVENT and engine.state == EngineState.STARTING:
+        if event.get("event") == READY_EVENT and engine.state == EnginePhase.STARTING:
             engine.record = replace(engine.record, ready_at=time.time())
             self._save(engine.record)
-            self._emit(engine, EngineState.READY)
+            self._emit(engine, EnginePhase.READY)
 
     def _on_exit(self, engine_id: str, exit_: ChildExit) -> None:
         engine = self.engines.get(engine_id)
@@ -261,8 +261,8 @@ class EngineManager:
             return
         self._record_path(engine_id).unlink(missing_ok=True)
         self._remove_secrets(engine_id)
-        self._emit(engine, EngineState.EXITED, **exit_.to_dict())
-        exited = [e for e in self.engines.values() if e.state == EngineState.EXITED]
+        self._emit(engine, EnginePhase.EXITED, **exit_.to_dict())
+        exited = [e for e in self.engines.values() if e.state == EnginePhase.EXITED]
         for old in exited[:-self.MAX_EXITED]:
             self.engines.pop(old.record.spec.engine_id, None)
 
@@ -303,7 +303,7 @@ class EngineManager:
             self.engines[engine_id] = engine
             self._emit(engine, engine.state, adopted=True, pid=record.pid)
             child.start_monitor()
-            if engine.state == EngineState.DRAINING:  # an earlier agent's drain: see it through
+            if engine.state == EnginePhase.DRAINING:  # an earlier agent's drain: see it through
                 self._resume_drain(engine)
             elif isinstance(action, AdoptAndDrain):
                 self.drain(engine_id, reason="adopted after a restart; adopt_engines is off")
@@ -329,7 +329,7 @@ class EngineManager:
             raise SpawnRefused("engine_id", f"{spec.engine_id!r}: use letters, digits, '-', "
                                "'_', '.' (at most 96)")
         live = self.engines.get(spec.engine_id)
-        if live is not None and live.state != EngineState.EXITED:  # before touching its files
+        if live is not None and live.state != EnginePhase.EXITED:  # before touching its files
             raise SpawnRefused("engine_id", f"{spec.engine_id!r} is already running here", 409)
         try:
             return self._spawn(self._with_secret_files(spec))
@@ -341,7 +341,7 @@ class EngineManager:
         drain_s = self.config.drain_s
         info = read_checkpoint_info(spec.model_dir)
         running = tuple(e.record.spec for e in self.engines.values()
-                        if e.state != EngineState.EXITED)
+                        if e.state != EnginePhase.EXITED)
         check_spawn(spec, info, self.backends_present(), running, drain_s)
         for name, host, port in spec.bound_ports():
             if port_in_use(host, port):
@@ -359,7 +359,7 @@ class EngineManager:
         self._save(record)
         engine = _Engine(record, child, adopted=False)
         self.engines[spec.engine_id] = engine
-        self._emit(engine, EngineState.STARTING, pid=child.pid)
+        self._emit(engine, EnginePhase.STARTING, pid=child.pid)
         child.start_monitor()
         return engine.view()
 
@@ -400,7 +400,7 @@ class EngineManager:
         """SIGTERM (the engine stops admitting and lets in-flight requests finish), then
         SIGKILL if it is still there `drain_s + term_grace_s` later. Returns at once."""
         engine = self.engines[engine_id]
-        if engine.state == EngineState.EXITED or engine.drain_task is not None:
+        if engine.state == EnginePhase.EXITED or engine.drain_task is not None:
             return engine.view()
         if drain_s is None:  # the request's, else the spawn's, else the agent's
             spec_drain_s = engine.record.spec.drain_s
@@ -409,7 +409,7 @@ class EngineManager:
                              kill_s=self.config.kill_grace_s)
         engine.record = replace(engine.record, drain_started_at=time.time())
         self._save(engine.record)
-        self._emit(engine, EngineState.DRAINING, reason=reason, drain_s=drain_s)
+        self._emit(engine, EnginePhase.DRAINING, reason=reason, drain_s=drain_s)
         engine.drain_task = asyncio.get_running_loop().create_task(engine.child.stop(grace))
         return engine.view()
 
@@ -426,7 +426,7 @@ class EngineManager:
         engine = self.engines.get(engine_id)
         if engine is None:
             raise KeyError(engine_id)
-        if engine.state != EngineState.EXITED:
+        if engine.state != EnginePhase.EXITED:
             raise SpawnRefused("engine_id", f"{engine_id} is {engine.state.value}: drain it "
                                "first", 409)
         del self.engines[engine_id]
@@ -437,7 +437,7 @@ class EngineManager:
             self._loop_task.cancel()
         if drain:
             for engine_id, engine in list(self.engines.items()):
-                if engine.state != EngineState.EXITED:
+                if engine.state != EnginePhase.EXITED:
                     self.drain(engine_id, reason="the agent is stopping")
             tasks = [e.drain_task for e in self.engines.values() if e.drain_task]
             if tasks:

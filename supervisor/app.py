@@ -21,8 +21,8 @@ from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
 from agent.tls import client_context, peer_identity
 from supervisor import issuing
 from supervisor.agents import AgentClient
+from supervisor.control_loop import RequestError, Supervisor
 from supervisor.front_door import FrontDoorConfig, open_front_door
-from supervisor.service import RequestError, Supervisor
 from supervisor.settings import SupervisorSettings, split_address
 
 log = structlog.get_logger()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from supervisor.fleet_config import FleetConfig
-from supervisor.measure import NOTHING_MEASURED, Measured
+from supervisor.measurements import NOTHING_MEASURED, Measured
 from supervisor.membership import ALIVE, DEAD, LEFT, Member
 from supervisor.memory import ModelShape
 from supervisor.placement import Placement

@@ -30,7 +30,7 @@ class MembershipTimes:
 
 
 @dataclass(frozen=True)
-class EngineState:
+class ReportedEngine:
     """One engine as its agent last reported it."""
 
     engine_id: str
@@ -40,7 +40,7 @@ class EngineState:
     exit: Mapping[str, Any] | None = None
 
     @classmethod
-    def from_view(cls, view: Mapping[str, Any]) -> EngineState:
+    def from_view(cls, view: Mapping[str, Any]) -> ReportedEngine:
         return cls(str(view["engine_id"]), str(view.get("replica", "")),
                    int(view.get("rank", 0)), str(view["state"]), view.get("exit"))
 
@@ -54,7 +54,7 @@ class Member:
     joined_at: float
     facts: Mapping[str, Any] | None = None
     facts_digest: str | None = None
-    engines: Mapping[str, EngineState] = field(default_factory=dict)
+    engines: Mapping[str, ReportedEngine] = field(default_factory=dict)
     cordoned: bool = False  # `fleetctl drain NODE`: nothing new is placed here
     reason: str = ""  # why the state is what it is
 
@@ -81,7 +81,7 @@ class Member:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Member:
-        engines = {k: EngineState(**v) for k, v in (raw.get("engines") or {}).items()}
+        engines = {k: ReportedEngine(**v) for k, v in (raw.get("engines") or {}).items()}
         return cls(raw["node"], raw["url"], raw["state"], float(raw["last_heartbeat_at"]),
                    float(raw["joined_at"]), raw.get("facts"), raw.get("facts_digest"), engines,
                    bool(raw.get("cordoned", False)), raw.get("reason", ""))
@@ -96,7 +96,7 @@ class BeatResult:
 
 def on_heartbeat(old: Member | None, beat: Mapping[str, Any], now: float) -> BeatResult:
     """A heartbeat from `beat["node"]`: the member is alive, with the engines it reports."""
-    engines = {v["engine_id"]: EngineState.from_view(v) for v in beat.get("engines", ())}
+    engines = {v["engine_id"]: ReportedEngine.from_view(v) for v in beat.get("engines", ())}
     facts = beat.get("facts")
     digest = beat.get("facts_digest")
     if old is None:
@@ -118,7 +118,7 @@ def on_events(old: Member, events: list[Mapping[str, Any]]) -> Member:
         engine_id = str(event["engine_id"])
         detail = event.get("detail") or {}
         prior = engines.get(engine_id)
-        engines[engine_id] = EngineState(
+        engines[engine_id] = ReportedEngine(
             engine_id, str(detail.get("replica") or (prior.replica if prior else "")),
             int(detail.get("rank", prior.rank if prior else 0)), str(event["state"]),
             detail.get("exit") or (detail if event["state"] == "exited" else None))

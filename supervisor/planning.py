@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from supervisor.fleet_config import FleetConfig, ModelSpec
-from supervisor.measure import NOTHING_MEASURED, Measured, NodeTiming, timing_key
+from supervisor.measurements import NOTHING_MEASURED, Measured, NodeTiming, timing_key
 from supervisor.membership import Member
 from supervisor.memory import ModelShape
 from supervisor.placement import DoesNotFit, LinkSnapshot, NodeSnapshot, Placement, place

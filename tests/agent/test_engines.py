@@ -15,7 +15,7 @@ from agent.engines import (
     AdoptAndDrain,
     Discard,
     DrainEngine,
-    EngineState,
+    EnginePhase,
     EngineView,
     RunRecord,
     decide,
@@ -107,8 +107,8 @@ def test_plan_adoption_and_decide_are_pure():
         Adopt(rec), Discard(other, "exited while the agent was not running")]
     assert plan_adoption((rec,), alive, False) == [AdoptAndDrain(rec)]
     now = time.time()
-    starting = EngineView(spec(), EngineState.STARTING, 1, now - 100, "/l")
-    ready = EngineView(spec(engine_id="e2"), EngineState.READY, 2, now - 100, "/l")
+    starting = EngineView(spec(), EnginePhase.STARTING, 1, now - 100, "/l")
+    ready = EngineView(spec(engine_id="e2"), EnginePhase.READY, 2, now - 100, "/l")
     assert decide((starting, ready), now, 60.0) == [DrainEngine("e1", "not ready 60 s after start",
                                                                 0.0)]
     assert decide((starting,), now, 600.0) == []

@@ -458,7 +458,7 @@ def test_the_supervisor_failing_a_replica_ends_its_streams(tmp_path):
 
     from supervisor import lifecycle as lc
     from supervisor.agents import AgentClient
-    from supervisor.service import Supervisor
+    from supervisor.control_loop import Supervisor
     from supervisor.settings import SupervisorSettings
 
     supervisor = Supervisor(SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0),

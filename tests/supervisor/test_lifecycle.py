@@ -7,7 +7,7 @@ from dataclasses import replace
 from engine.checkpoint.maker import PRESETS, config_json
 from supervisor import lifecycle as lc
 from supervisor.fleet_config import parse_fleet_config
-from supervisor.membership import ALIVE, DEAD, SUSPECT, EngineState, Member
+from supervisor.membership import ALIVE, DEAD, SUSPECT, Member, ReportedEngine
 from supervisor.memory import model_shape_from_config
 
 SHAPE = model_shape_from_config(config_json(PRESETS["demo"]), 2)
@@ -39,7 +39,7 @@ def member(name: str, state: str = ALIVE, engines: dict[str, str] | None = None,
     facts = {"host": {}, "backends": [
         {"backend": b, "present": True, "devices": [{"memory_usable_bytes": 8 << 30}]}
         for b in ("torch-cpu", "mlx-cpu")]}
-    views = {e: EngineState(e, "", int(e[-1]), s,
+    views = {e: ReportedEngine(e, "", int(e[-1]), s,
                             {"reason": "killed by SIGKILL"} if s == "exited" else None)
              for e, s in (engines or {}).items()}
     return Member(name, f"https://127.0.0.1:{7700 + ord(name[0])}", state, 0.0, 0.0, facts,

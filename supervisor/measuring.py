@@ -12,7 +12,7 @@ import structlog
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_config
 from supervisor.fleet_config import FleetConfig, ModelSpec
-from supervisor.measure import (
+from supervisor.measurements import (
     Measured,
     NodeTiming,
     calibrate,

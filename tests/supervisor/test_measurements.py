@@ -7,7 +7,7 @@ import pytest
 
 from engine.checkpoint.maker import PRESETS, config_json
 from supervisor.fleet_config import parse_fleet_config
-from supervisor.measure import Measured, NodeTiming, timing_from_result, timing_key
+from supervisor.measurements import Measured, NodeTiming, timing_from_result, timing_key
 from supervisor.membership import ALIVE, Member
 from supervisor.memory import model_shape_from_config
 from supervisor.placement import LinkSnapshot

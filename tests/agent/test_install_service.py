@@ -14,7 +14,7 @@ import pytest
 
 from agent.cli import main
 from agent.config import AgentConfig
-from agent.service import (
+from agent.install_service import (
     LABEL,
     UNIT_NAME,
     apply_plan,

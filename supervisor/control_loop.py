@@ -22,7 +22,7 @@ from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
 from supervisor.front_door import Route
 from supervisor.issuing import check_pin
-from supervisor.measurer import Measurer
+from supervisor.measuring import Measurer
 from supervisor.membership import (
     ALIVE,
     DEAD,
