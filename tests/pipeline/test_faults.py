@@ -17,6 +17,7 @@ import pytest
 from openai import OpenAI
 
 from engine.harness.launch import launch
+from tests.waiting import rank0_health, wait_until
 
 KEEPALIVE_S = 0.5
 DEAD_AFTER = 3
@@ -51,7 +52,11 @@ def test_kill_any_rank_mid_stream(make_model, tmp_path, victim):
         seen = [next(chunks) for _ in range(3)]  # tokens have gone out
         waiter = threading.Thread(target=whole_request)
         waiter.start()
-        time.sleep(0.5)  # the whole request is admitted and running, no byte sent yet
+        # Both slots held: the whole request is admitted and running, no byte sent yet. A
+        # request that arrived only after the kill would get a 503 too, without this case.
+        wait_until(lambda: rank0_health(fleet.http_port)["slots_in_use"] == 2, within_s=30,
+                   what="the stream and the whole request both in a slot")
+        assert not whole_outcome, whole_outcome
 
         killed_at = time.monotonic()
         os.kill(fleet.processes[victim].pid, signal.SIGKILL)
