@@ -10,8 +10,9 @@ names every nominal input, so a plan never hides a guess.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from supervisor.fleet_config import FleetConfig, ModelSpec
 from supervisor.measurements import NOTHING_MEASURED, Measured, NodeTiming, timing_key
@@ -36,8 +37,11 @@ class ModelPlan:
 
 
 def spec_digest(spec: ModelSpec) -> str:
-    """Changes when anything about how the model is served changes."""
-    return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+    """Changes when anything about how the model is served changes, and only then: a digest
+    of canonical JSON (sorted keys, no spacing), not of a repr that a Python upgrade or a new
+    field's default could change."""
+    canonical = json.dumps(asdict(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def node_backend(spec: ModelSpec, member: Member, config: FleetConfig) -> str | None:
