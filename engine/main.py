@@ -23,7 +23,7 @@ from engine.env import EngineEnv, EnvError
 from engine.lanes.host import LaneHost, RoundRunner
 from engine.lanes.text import TextCodec
 from engine.logs import configure_logging
-from engine.runner import LocalRunner
+from engine.pipeline.runner import LocalRunner
 
 log = structlog.get_logger()
 

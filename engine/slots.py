@@ -8,14 +8,16 @@ computing a wrong answer (RFC 6.1, "State consistency").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.link.errors import BadEntry, GenerationMismatch
 from engine.rounds import Op, RoundPlan, StreamEntry
 
 
-@dataclass
+@dataclass(frozen=True)
 class Slot:
+    """One slot's state; frozen, so a snapshot of the table can be read while rounds run."""
+
     open: bool = False
     offset: int = 0  # positions held in state
     generation: int = 0  # advanced by every keep (rollback), release and restore
@@ -33,6 +35,10 @@ class SlotTable:
 
     def free_slot(self) -> int | None:
         return next((i for i, s in enumerate(self.slots) if not s.open), None)
+
+    def snapshot(self) -> tuple[Slot, ...]:
+        """Every slot's state as it stands (frozen: nothing later changes it)."""
+        return tuple(self.slots)
 
     def apply(self, plan: RoundPlan) -> None:
         """Check every entry against this stage's state, then advance it.
@@ -81,7 +87,7 @@ class SlotTable:
             self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1)
             return
         if e.op == Op.OPEN:
-            slot.open, slot.generation = True, 0
+            slot = Slot(open=True, generation=0)
         elif e.accepted < slot.last_rows:  # a keep: roll back to the accepted path
-            slot.generation += 1
-        slot.offset, slot.last_rows = e.end, e.rows
+            slot = replace(slot, generation=slot.generation + 1)
+        self.slots[e.stream_id] = replace(slot, offset=e.end, last_rows=e.rows)

@@ -1,16 +1,18 @@
 """Driving rounds by hand, for benchmarks and tests that need every logit without HTTP.
 
-A `RoundDriver` builds the same plans the lane host would for streams fed explicitly:
-`round({slot: token_ids})` opens or continues each slot and returns the logits of each
-slot's last row; `close(slots)` releases them.
+A `RoundDriver` decides its rounds with the lane host's own builder, for streams fed
+explicitly: `round({slot: token_ids})` opens or continues each slot with all of its ids
+and returns the logits of each slot's last row; `close(slots)` releases them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.lanes.host import RoundRunner
-from engine.rounds import Op, RoundPlan, StreamEntry
+from engine.backends.base import Stage
+from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
+from engine.pipeline.runner import RoundRunner
+from engine.rounds import Op
 
 
 class RoundDriver:
@@ -20,33 +22,33 @@ class RoundDriver:
         self.round_no = 0
 
     @property
-    def stage(self):
+    def stage(self) -> Stage:
         """Rank 0's stage (every runner has one)."""
         return self.runner.stage
 
-    def _plan(self, entries: list[StreamEntry]) -> RoundPlan:
-        self.round_no += 1
-        return RoundPlan(self.round_no, tuple(entries))
+    def _build(self, lanes: dict[int, Lane]) -> BuiltRound:
+        inputs = RoundInputs(self.round_no + 1,
+                             tuple(lanes.get(slot) for slot in range(self.slots.parallel)),
+                             self.slots.snapshot(), chunk=None)
+        built = build_round(inputs)
+        if built.plan is not None:
+            self.round_no = built.plan.round_no
+        return built
 
     def round(self, feeds: dict[int, list[int]]) -> dict[int, np.ndarray]:
         """feeds: slot -> token ids to run this round. Returns slot -> its last row's logits."""
-        entries, ids = [], []
-        for slot in sorted(feeds):
-            state = self.slots.slots[slot]
-            rows = len(feeds[slot])
-            if state.open:
-                entries.append(StreamEntry(slot, Op.CONTINUE, state.offset, rows,
-                                           state.last_rows, 0, state.generation))
-            else:
-                entries.append(StreamEntry(slot, Op.OPEN, 0, rows, 0, 0, 0))
-            ids.extend(feeds[slot])
-        logits = self.runner.run_round(self._plan(entries), ids)
-        return {slot: logits[i] for i, slot in enumerate(sorted(feeds))}
+        states = self.slots.snapshot()
+        built = self._build({slot: Lane(tuple(ids), states[slot].offset)
+                             for slot, ids in feeds.items()})
+        if built.plan is None:
+            return {}
+        logits = self.runner.run_round(built.plan, built.token_ids)
+        return {entry.stream_id: logits[i] for i, entry in enumerate(built.plan.entries)}
 
     def close(self, slots: list[int]) -> None:
-        entries = [StreamEntry(s, Op.CLOSE, 0, 0, 0, 0, self.slots.slots[s].generation)
-                   for s in sorted(slots)]
-        self.runner.run_round(self._plan(entries), [])
+        built = self._build({slot: Lane((), 0, ending=Op.CLOSE) for slot in slots})
+        if built.plan is not None:
+            self.runner.run_round(built.plan, ())
 
     def greedy(self, prompts: dict[int, list[int]], steps: int) -> dict[int, list[int]]:
         """Prompt every slot in one round, then `steps` greedy decode rounds."""

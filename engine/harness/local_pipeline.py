@@ -19,7 +19,7 @@ from engine.harness.launch import launch
 from engine.pipeline.liveness import LivenessConfig
 from engine.pipeline.rank0 import PipelineRunner
 from engine.pipeline.stage_main import boot_ring
-from engine.runner import LocalRunner
+from engine.pipeline.runner import LocalRunner
 
 
 def model_config(model_dir: Path) -> ModelConfig:

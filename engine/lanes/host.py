@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,8 +25,9 @@ import structlog
 
 from engine.lanes.sampler import Choice, Sampler, SamplingParams
 from engine.lanes.text import TextCodec, TextStream
-from engine.rounds import Op, RoundPlan, StreamEntry
-from engine.slots import SlotTable
+from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
+from engine.pipeline.runner import RoundRunner
+from engine.rounds import Op, RoundPlan
 
 log = structlog.get_logger()
 
@@ -37,23 +38,6 @@ class Busy(Exception):
 
 class EngineFailed(Exception):
     """The engine (or its ring) has failed; nothing more will be served."""
-
-
-class RoundRunner(Protocol):
-    """Runs one round over the whole model and returns the returned rows' logits."""
-
-    slots: SlotTable
-
-    def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray: ...
-
-    def start(self, loop: asyncio.AbstractEventLoop, on_drain: Callable[[], None]) -> None:
-        """Begin any background work (a pipeline's keep-alives); `on_drain`: a stage asks."""
-
-    async def ring_failed(self) -> str:
-        """Completes, with the reason, if the runner's ring dies (never for one process)."""
-
-    def stop(self, reason: str, *, clean: bool) -> None:
-        """End the runner's peers: cleanly, or failing with `reason`."""
 
 
 class TokenMetrics(Protocol):
@@ -125,6 +109,19 @@ class Stream:
     def position(self) -> int:
         """Position of the next row this stream feeds."""
         return self.fed + max(0, len(self.generated) - 1)
+
+    def lane(self, chunk: int) -> Lane:
+        """This stream as the round builder sees it (a frozen view: nothing here changes).
+
+        At most `chunk` prompt rows: no round carries more, and a long prompt is not copied
+        whole every round."""
+        if self.finished or self.cancelled:
+            abandoned = self.failed or (self.cancelled and not self.finished)
+            return Lane((), self.position, ending=Op.CANCEL if abandoned else Op.CLOSE)
+        prompt = self.request.prompt_ids
+        if self.fed < len(prompt):
+            return Lane(prompt[self.fed:self.fed + chunk], self.position, chunked=True)
+        return Lane((self.generated[-1],), self.position)
 
 
 class LaneHost:
@@ -206,12 +203,13 @@ class LaneHost:
     async def _run_rounds(self) -> None:
         loop = asyncio.get_running_loop()
         while not self.failure:
-            built = self._build_round()
-            if built is None:
+            built = build_round(self._round_inputs())
+            self._apply(built)
+            if built.plan is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            plan, token_ids = built
+            plan, token_ids = built.plan, built.token_ids
             try:
                 logits = await loop.run_in_executor(
                     self._executor, self.runner.run_round, plan, token_ids)
@@ -226,52 +224,22 @@ class LaneHost:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _build_round(self) -> tuple[RoundPlan, list[int]] | None:
-        self._admit_waiting()
-        table = self.runner.slots.slots
-        entries: list[StreamEntry] = []
-        token_ids: list[int] = []
-        budget = self.chunk
-        for slot, stream in enumerate(self.slots):
-            if stream is None:
-                continue
-            state = table[slot]
-            if stream.finished or stream.cancelled:
-                if state.open:
-                    abandoned = stream.failed or (stream.cancelled and not stream.finished)
-                    op = Op.CANCEL if abandoned else Op.CLOSE
-                    entries.append(StreamEntry(slot, op, 0, 0, 0, 0, state.generation))
-                else:
-                    self.slots[slot] = None  # never opened: nothing to release
-                continue
-            prompt = stream.request.prompt_ids
-            if stream.fed < len(prompt):
-                rows = min(budget, len(prompt) - stream.fed)
-                if rows == 0:
-                    continue
-                budget -= rows
-                ids = prompt[stream.fed:stream.fed + rows]
-            else:
-                rows, ids = 1, [stream.generated[-1]]
-            first = stream.position
-            if state.open:
-                entries.append(StreamEntry(slot, Op.CONTINUE, first, rows, state.last_rows, 0,
-                                           state.generation))
-            else:
-                entries.append(StreamEntry(slot, Op.OPEN, 0, rows, 0, 0, 0))
-            token_ids.extend(ids)
-        if not entries:
-            return None
-        self.round_no += 1
-        return RoundPlan(self.round_no, tuple(entries)), token_ids
+    def _round_inputs(self) -> RoundInputs:
+        return RoundInputs(
+            round_no=self.round_no + 1,
+            lanes=tuple(None if s is None else s.lane(self.chunk) for s in self.slots),
+            slots=self.runner.slots.snapshot(), chunk=self.chunk,
+            waiting=tuple(s.lane(self.chunk) for s in self.waiting))
 
-    def _admit_waiting(self) -> None:
-        for slot, stream in enumerate(self.slots):
-            if stream is None and self.waiting:
-                waiting = self.waiting.popleft()
-                if waiting.cancelled:
-                    continue
-                self.slots[slot], waiting.slot = waiting, slot
+    def _apply(self, built: BuiltRound) -> None:
+        """Take the admitted waiters into their lanes, empty the released lanes."""
+        taken = [self.waiting.popleft() for _ in range(built.taken)]
+        for index, slot in built.admitted:
+            self.slots[slot], taken[index].slot = taken[index], slot
+        for slot in built.released:
+            self.slots[slot] = None
+        if built.plan is not None:
+            self.round_no = built.plan.round_no
 
     def _deliver(self, plan: RoundPlan, logits: np.ndarray) -> None:
         now = time.monotonic()

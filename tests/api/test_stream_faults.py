@@ -21,7 +21,7 @@ from engine.lanes.host import LaneHost
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
 from engine.harness.launch import free_port
-from engine.runner import LocalRunner
+from engine.pipeline.runner import LocalRunner
 
 POISON_SEED = 666  # the sampler of a stream with this seed fails after its third token
 POISON_STOP = "poison-stop"  # the text of a stream with this stop string fails at once
@@ -151,10 +151,10 @@ def test_a_bug_in_the_round_loop_fails_the_engine_with_its_reason(make_model, mo
     runner = LocalRunner(load_stage(spec))
     host = LaneHost(runner, TextCodec(spec.model_dir), chunk=16, max_waiting=1)
 
-    def broken_round():
+    def broken_round(inputs):
         raise KeyError("injected loop bug")
 
-    monkeypatch.setattr(host, "_build_round", broken_round)
+    monkeypatch.setattr(lane_host, "build_round", broken_round)
 
     async def main():
         stream = host.submit(lane_host.GenerationRequest((1, 2, 3), max_tokens=2))

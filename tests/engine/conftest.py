@@ -6,7 +6,7 @@ from pathlib import Path
 
 from engine.backends.base import StageSpec, load_stage
 from engine.harness.driver import RoundDriver
-from engine.runner import LocalRunner
+from engine.pipeline.runner import LocalRunner
 
 
 def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk: int = 64,

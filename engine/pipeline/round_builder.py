@@ -1,0 +1,107 @@
+"""Building a round: a pure decision over a frozen snapshot of lanes, waiters and slot states.
+
+Rank 0's lane host and the harness's round driver both decide rounds here and then apply
+what comes back; nothing here changes a stream, a queue or a slot. Every live lane rides
+every round: a decode row each, and prompt rows up to the round's chunk budget, shared in
+slot order. A lane whose stream has ended closes (or cancels) its open slot, or, if the
+slot never opened, is simply emptied. Waiters take the lanes that are empty at the start
+of the round, in arrival order, and ride the same round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.rounds import Op, RoundPlan, StreamEntry
+from engine.slots import Slot
+
+ENDINGS = (Op.CLOSE, Op.CANCEL)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One stream as the builder sees it: what it still has to run, and from where."""
+
+    pending: tuple[int, ...]  # token ids not yet run: a prompt's rest, or the newest token
+    position: int  # position of the first pending row
+    chunked: bool = False  # prompt rows: they share the round's chunk budget
+    ending: Op | None = None  # CLOSE (finished) or CANCEL (abandoned): no rows, release
+
+    def __post_init__(self) -> None:
+        if self.ending is not None and self.ending not in ENDINGS:
+            raise ValueError(f"a lane ends with CLOSE or CANCEL, not {self.ending.name}")
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """Everything a round is decided from, frozen at one moment."""
+
+    round_no: int  # the number the next round gets
+    lanes: tuple[Lane | None, ...]  # one per slot; None: an empty lane
+    slots: tuple[Slot, ...]  # the slot table's states, one per slot
+    chunk: int | None  # prompt rows a round may carry; None: no budget
+    waiting: tuple[Lane, ...] = ()  # streams waiting for a lane, in arrival order
+
+
+@dataclass(frozen=True)
+class BuiltRound:
+    """A round to run (or None: nothing to run) and the admissions and releases to apply."""
+
+    plan: RoundPlan | None
+    token_ids: tuple[int, ...]  # the plan's rows' token ids, in row order
+    taken: int  # waiters that leave the queue: the admitted and the ended ones before them
+    admitted: tuple[tuple[int, int], ...]  # (index in `waiting`, slot) for each admission
+    released: tuple[int, ...]  # lanes to empty now: their streams ended before their slot opened
+
+
+def build_round(inputs: RoundInputs) -> BuiltRound:
+    """Decide the next round from `inputs`; the caller applies the result."""
+    if len(inputs.lanes) != len(inputs.slots):
+        raise ValueError(f"{len(inputs.lanes)} lanes but {len(inputs.slots)} slots")
+    lanes = list(inputs.lanes)
+    taken, admitted = _admit(inputs.waiting, lanes)
+    for index, slot in admitted:
+        lanes[slot] = inputs.waiting[index]
+    entries: list[StreamEntry] = []
+    token_ids: list[int] = []
+    released: list[int] = []
+    budget = inputs.chunk
+    for slot, lane in enumerate(lanes):
+        if lane is None:
+            continue
+        state = inputs.slots[slot]
+        if lane.ending is not None:
+            if state.open:
+                entries.append(StreamEntry(slot, lane.ending, 0, 0, 0, 0, state.generation))
+            else:
+                released.append(slot)  # never opened: nothing to release on any stage
+            continue
+        rows = len(lane.pending)
+        if lane.chunked and budget is not None:
+            rows = min(rows, budget)
+            budget -= rows
+        if rows == 0:
+            continue  # the budget is spent: this prompt waits for the next round
+        if state.open:
+            entries.append(StreamEntry(slot, Op.CONTINUE, lane.position, rows, state.last_rows,
+                                       0, state.generation))
+        else:
+            entries.append(StreamEntry(slot, Op.OPEN, 0, rows, 0, 0, 0))
+        token_ids.extend(lane.pending[:rows])
+    plan = RoundPlan(inputs.round_no, tuple(entries)) if entries else None
+    return BuiltRound(plan, tuple(token_ids), taken, tuple(admitted), tuple(released))
+
+
+def _admit(waiting: tuple[Lane, ...],
+           lanes: list[Lane | None]) -> tuple[int, list[tuple[int, int]]]:
+    """Waiters for the empty lanes, in order; an ended waiter leaves without taking one."""
+    empty = [slot for slot, lane in enumerate(lanes) if lane is None]
+    admitted: list[tuple[int, int]] = []
+    taken = 0
+    for index, waiter in enumerate(waiting):
+        if len(admitted) == len(empty):
+            break
+        taken = index + 1
+        if waiter.ending is None:
+            admitted.append((index, empty[len(admitted)]))
+    return taken, admitted
