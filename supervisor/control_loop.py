@@ -36,7 +36,6 @@ from supervisor.membership import (
     tick,
 )
 from supervisor.memory import ModelShape
-from supervisor.placement import render_plan
 from supervisor.planning import plan_model, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
@@ -55,17 +54,6 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.status, self.message, self.extra = status, message, extra
-
-
-def render_text(renderable: Any) -> str:
-    """A rich table as plain text, for fleetctl to print as it is."""
-    import io
-
-    from rich.console import Console
-
-    console = Console(record=True, width=160, file=io.StringIO())
-    console.print(renderable)
-    return console.export_text()
 
 
 class Supervisor:
@@ -384,7 +372,7 @@ class Supervisor:
                 out.append({"model": spec.id, "error": plan.error})
             else:
                 out.append({"model": spec.id, "ring": list(plan.placement.ring),
-                            "note": plan.note, "text": render_text(render_plan(plan.placement))})
+                            "note": plan.note, "placement": plan.placement.to_dict()})
         return out
 
     def apply_desired(self, text: str, source: str, *, dry_run: bool = False,

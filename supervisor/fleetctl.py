@@ -144,6 +144,34 @@ def show_status(data: dict[str, Any]) -> None:
     out.print(f"front door: {data['front_door']}")
 
 
+def render_plan(p: dict[str, Any]) -> Table:
+    """A placement (`Placement.to_dict`) as `fleetctl plan` shows it: one row per stage,
+    predictions, and why. "extras" are the row buffers, plus on rank 0 the embeddings, final
+    norm, head and logits."""
+    ring = [s["node"] for s in p["stages"]]
+    table = Table(title=f"{p['model_id']}: {' -> '.join(ring)} -> {ring[0]}"
+                  + (" (explicit)" if p["explicit"] else ""), title_justify="left")
+    for name in ("rank", "node", "backend", "layers", "weights", "KV", "extras", "total",
+                 "usable", "decode ms", "hop ms", "chunk ms", "chunk hop ms"):
+        table.add_column(name, justify="left" if name in ("node", "backend") else "right")
+    for s in p["stages"]:
+        m = s["memory"]
+        table.add_row(str(s["rank"]), s["node"], s["backend"],
+                      f"{s['layer_range'][0]}:{s['layer_range'][1]}",
+                      format_bytes(m["weights_bytes"]), format_bytes(m["kv_bytes"]),
+                      format_bytes(m["rank0_extras_bytes"] + m["staging_bytes"]),
+                      format_bytes(m["total_bytes"]), format_bytes(s["usable_memory_bytes"]),
+                      f"{s['decode_ms']:.2f}", f"{s['hop_decode_ms']:.2f}",
+                      f"{s['prefill_chunk_ms']:.1f}", f"{s['hop_chunk_ms']:.1f}")
+    summary = (f"decode: {p['decode_ms_per_token']:.2f} ms per token at {p['parallel']} "
+               f"stream(s), {p['decode_ms_per_token_single']:.2f} ms alone; prompt of "
+               f"{p['prompt_tokens']} tokens: {p['prompt_ms']:.0f} ms; objective: "
+               f"{p['objective']}")
+    table.caption = "\n".join([summary, *p["why"]])
+    table.caption_justify = "left"
+    return table
+
+
 def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
     """The diff, then each model's placement; `plan` exits 1 when a model has none."""
     refused = sum(1 for plan in data.get("plans", []) if "error" in plan)
@@ -158,7 +186,7 @@ def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
             if "error" in plan:
                 err.print(f"{plan['model']}: {plan['error']}", markup=False)
             else:
-                out.print(plan["text"], markup=False, end="")
+                out.print(render_plan(plan["placement"]))
         if args.command == "apply" and data.get("changes"):
             out.print("applied" if data.get("applied") else "not applied (dry run)")
     return 1 if args.command == "plan" and refused else 0

@@ -14,9 +14,8 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-
-from rich.table import Table
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
@@ -124,6 +123,14 @@ class Placement:
     @property
     def ring(self) -> tuple[str, ...]:
         return tuple(s.node for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON for fleetctl, each stage's memory with its totals (which it renders)."""
+        out = asdict(self)
+        for stage, raw in zip(self.stages, out["stages"], strict=True):
+            raw["memory"].update(rank0_extras_bytes=stage.memory.rank0_extras_bytes,
+                                 total_bytes=stage.memory.total_bytes)
+        return out
 
 
 @dataclass(frozen=True)
@@ -517,30 +524,3 @@ def _build(problem: _Problem, ring: tuple[str, ...], counts: Sequence[int], expl
                      decode_ms_per_token_single=problem.decode_ms(ring, counts, 1),
                      prompt_ms=problem.prompt_ms(ring, counts), explicit=explicit,
                      runner_up=runner_up, why=why)
-
-
-def render_plan(placement: Placement) -> Table:
-    """The placement as `fleetctl plan` shows it: one row per stage, predictions, and why.
-
-    "extras" are the row buffers, plus on rank 0 the embeddings, final norm, head and logits.
-    """
-    p = placement
-    table = Table(title=f"{p.model_id}: {' -> '.join(p.ring)} -> {p.ring[0]}"
-                  + (" (explicit)" if p.explicit else ""), title_justify="left")
-    for name in ("rank", "node", "backend", "layers", "weights", "KV", "extras", "total",
-                 "usable", "decode ms", "hop ms", "chunk ms", "chunk hop ms"):
-        table.add_column(name, justify="left" if name in ("node", "backend") else "right")
-    for s in p.stages:
-        m = s.memory
-        table.add_row(str(s.rank), s.node, s.backend, f"{s.layer_range[0]}:{s.layer_range[1]}",
-                      format_bytes(m.weights_bytes), format_bytes(m.kv_bytes),
-                      format_bytes(m.rank0_extras_bytes + m.staging_bytes),
-                      format_bytes(m.total_bytes), format_bytes(s.usable_memory_bytes),
-                      f"{s.decode_ms:.2f}", f"{s.hop_decode_ms:.2f}",
-                      f"{s.prefill_chunk_ms:.1f}", f"{s.hop_chunk_ms:.1f}")
-    summary = (f"decode: {p.decode_ms_per_token:.2f} ms per token at {p.parallel} stream(s), "
-               f"{p.decode_ms_per_token_single:.2f} ms alone; prompt of {p.prompt_tokens} "
-               f"tokens: {p.prompt_ms:.0f} ms; objective: {p.objective}")
-    table.caption = "\n".join([summary, *p.why])
-    table.caption_justify = "left"
-    return table

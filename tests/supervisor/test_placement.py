@@ -10,7 +10,6 @@ import math
 import random
 
 import pytest
-from rich.console import Console
 
 from engine.checkpoint.maker import CheckpointSpec, config_json, tensor_plan
 from supervisor.fleet_config import BACKENDS, CheckpointPaths, ExplicitStage, ModelSpec
@@ -29,7 +28,6 @@ from supervisor.placement import (
     Placement,
     PlacementError,
     place,
-    render_plan,
 )
 
 MB = 1_000_000
@@ -330,17 +328,6 @@ def test_six_nodes_sixty_four_layers_runs():
         p = place(spec(objective=objective), shape, nodes)
         check_valid(p, spec(objective=objective), shape, nodes)
         assert p.why[0].startswith("searched 1956 ring orders over 6 node(s)")
-
-
-def test_render_plan_shows_stages_predictions_and_why():
-    nodes = mesh([node("gb10", 500, decode=1.0), node("mac", 500, decode=0.2)], rtt_ms=0.5)
-    p = place(spec(rank0="gb10"), SHAPE, nodes)
-    console = Console(record=True, width=200)
-    console.print(render_plan(p))
-    text = console.export_text()
-    assert "m: gb10 -> mac -> gb10" in text
-    for fragment in ("0:1", "1:8", "torch-cpu", "ms per token at 2 stream(s)", "runner-up:"):
-        assert fragment in text
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])

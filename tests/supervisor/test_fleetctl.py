@@ -1,0 +1,25 @@
+"""fleetctl's rendering of a plan: the supervisor sends the placement as JSON, fleetctl draws it."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from supervisor.fleetctl import render_plan
+from supervisor.placement import place
+from tests.supervisor.test_placement import SHAPE, mesh, node, spec
+
+
+def test_render_plan_shows_stages_predictions_and_why():
+    nodes = mesh([node("gb10", 500, decode=1.0), node("mac", 500, decode=0.2)], rtt_ms=0.5)
+    p = place(spec(rank0="gb10"), SHAPE, nodes)
+    sent = json.loads(json.dumps(p.to_dict()))  # as it travels from the supervisor
+    console = Console(record=True, width=200)
+    console.print(render_plan(sent))
+    text = console.export_text()
+    assert "m: gb10 -> mac -> gb10" in text
+    for fragment in ("0:1", "1:8", "torch-cpu", "ms per token at 2 stream(s)", "runner-up:"):
+        assert fragment in text
+    rank0 = p.stages[0].memory
+    assert sent["stages"][0]["memory"]["total_bytes"] == rank0.total_bytes > 0
