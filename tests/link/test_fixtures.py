@@ -6,8 +6,6 @@ import json
 
 import pytest
 
-from engine.link import errors
-from engine.link.frame import HEADER_BYTES, NEED_MORE, Frame, FrameParser, NeedMore
 from engine.harness.make_fixtures import (
     FIXTURE_DIR,
     FIXTURE_MAX_PAYLOAD_BYTES,
@@ -18,6 +16,8 @@ from engine.harness.make_fixtures import (
     manifest_text,
     to_jsonable,
 )
+from engine.link import errors
+from engine.link.frame import HEADER_BYTES, NEED_MORE, Frame, FrameParser, NeedMore
 
 FIXTURES = build()
 BY_NAME = {f.name: f for f in FIXTURES}

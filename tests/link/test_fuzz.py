@@ -20,10 +20,6 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.link import errors
-from engine.link.accept_loop import AcceptLoop
-from engine.link.frame import Frame, FrameKind, FrameParser, encode_frame
-from engine.link.hello import Handshake, encode_hello, proof_mac
 from engine.harness.make_fixtures import (
     FIXTURE_FINGERPRINT,
     FIXTURE_KEY,
@@ -34,6 +30,10 @@ from engine.harness.make_fixtures import (
     build,
     decode_fixture,
 )
+from engine.link import errors
+from engine.link.accept_loop import AcceptLoop
+from engine.link.frame import Frame, FrameKind, FrameParser, encode_frame
+from engine.link.hello import Handshake, encode_hello, proof_mac
 from engine.link.messages import (
     encode_abort,
     encode_describe,

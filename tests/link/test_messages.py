@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.harness.make_fixtures import DESCRIBE, PLAN
 from engine.link import errors
 from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES, Frame, FrameKind, FrameParser
-from engine.harness.make_fixtures import DESCRIBE, PLAN
 from engine.link.messages import (
     ENTRY_BYTES,
     MAX_PLAN_BYTES,

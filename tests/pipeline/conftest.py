@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.harness.local_pipeline import local_pipeline
 from engine.lanes.host import Done, GenerationRequest, LaneHost
 from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
-from engine.harness.local_pipeline import local_pipeline
 
 
 @contextmanager

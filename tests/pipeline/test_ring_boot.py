@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from engine.harness.make_fixtures import DESCRIBE
 from engine.link import errors
 from engine.link.accept_loop import AcceptLoop
-from engine.harness.make_fixtures import DESCRIBE
 from engine.link.transport import listen
 from engine.pipeline.ring import (
     Ring,

@@ -9,8 +9,8 @@ import os
 import pytest
 from safetensors import safe_open
 
-from engine.lanes.text import TextCodec
 from engine.harness.launch import free_port
+from engine.lanes.text import TextCodec
 from scripts.real_model import MADE_MARKER, RealModelError, install_package
 
 
