@@ -13,7 +13,7 @@ import os
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +34,11 @@ from agent.config import AgentConfig
 from agent.engines import EngineManager
 from agent.facts import FactsService, engine_version
 from agent.heartbeat import Heartbeat
-from agent.pki import Identity, NodeCredentials
+from agent.mtls_api import PEER, authorize_and_explain, error_body, roles
+from agent.pki import NodeCredentials
 from agent.probe import ProbeError, ProbeListener, ProbeTicket, open_listener, run_probe
 from agent.spawn import EngineSpec, SpawnRefused, engine_pythonpath
-from agent.tls import client_context, peer_identity
+from agent.tls import client_context
 
 log = structlog.get_logger()
 
@@ -140,45 +141,23 @@ HEARTBEAT = web.AppKey("heartbeat", Heartbeat)
 CALIBRATIONS = web.AppKey("calibrations", Calibrations)
 PROBES = web.AppKey("probes", set)
 BACKGROUND = web.AppKey("background", set)
-PEER = web.RequestKey("peer", Identity)
 
 
 # --- errors and who may call what -------------------------------------------------------
 
-def error_body(message: str, status: int, **extra: Any) -> web.Response:
-    return web.json_response({"error": {"message": message, "status": status, **extra}},
-                             status=status)
-
-
-def roles(*allowed: str) -> Callable:
-    def mark(handler: Callable) -> Callable:
-        handler.allowed_roles = frozenset(allowed)  # type: ignore[attr-defined]
-        return handler
-    return mark
-
-
-@web.middleware
-async def authorize_and_explain(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Every caller has passed the TLS handshake with a fleet certificate; the role in it must
-    also allow this route. Errors come back as JSON that names the problem."""
-    who = peer_identity(request.transport)
-    if who is None:
-        return error_body("a fleet client certificate is required", 401)
-    allowed = getattr(handler, "allowed_roles", ANY_MEMBER)
-    if who.role not in allowed:
-        return error_body(f"certificate {who.node!r} has role {who.role!r}; this needs one of "
-                          f"{', '.join(sorted(allowed))}", 403)
-    request[PEER] = who
-    try:
-        return await handler(request)
-    except SpawnRefused as exc:
+def explain(exc: Exception) -> web.Response | None:
+    """The agent's typed errors as bodies that name the field or problem."""
+    if isinstance(exc, SpawnRefused):
         return error_body(exc.message, exc.status, field=exc.field)
-    except (CalibrationError, ProbeError) as exc:
+    if isinstance(exc, (CalibrationError, ProbeError)):
         return error_body(str(exc), 422)
-    except json.JSONDecodeError as exc:
-        return error_body(f"the body is not valid JSON: {exc}", 400)
-    except (ValueError, TypeError) as exc:  # a bad number in a query or body
+    if isinstance(exc, (ValueError, TypeError)):  # a bad number in a query or body
         return error_body(f"bad request: {exc}", 400)
+    return None
+
+
+# Any fleet certificate may read; spawning and draining are marked for controllers.
+authorize = authorize_and_explain(ANY_MEMBER, explain)
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
@@ -402,7 +381,7 @@ async def side_jobs_ctx(app: web.Application) -> AsyncIterator[None]:
 def make_app(config: AgentConfig) -> web.Application:
     """The agent: serve it with `agent.tls.server_context(NodeCredentials(config.pki_dir))`."""
     credentials = NodeCredentials(config.pki_dir)
-    app = web.Application(middlewares=[authorize_and_explain], client_max_size=1 << 20)
+    app = web.Application(middlewares=[authorize], client_max_size=1 << 20)
     app[CONFIG] = config
     app[CREDENTIALS] = credentials
     app[CLIENT_SSL] = client_context(credentials)

@@ -10,15 +10,15 @@ are open: a joining node has no certificate yet, and its token is the proof.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from agent.mtls_api import authorize_and_explain, error_body, roles
 from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
-from agent.tls import client_context, peer_identity
+from agent.tls import client_context
 from supervisor import issuing
 from supervisor.agents import AgentClient
 from supervisor.control_loop import RequestError, Supervisor
@@ -31,51 +31,28 @@ SETTINGS = web.AppKey("settings", SupervisorSettings)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 CA = web.AppKey("ca", FleetCA)
 LOOPS = web.AppKey("loops", list)
-PEER = web.RequestKey("peer", Identity)
-OPEN = frozenset({"open"})
 AGENT, ADMIN = frozenset({"agent"}), frozenset({"admin"})
 
 
-def error_body(message: str, status: int, **extra: Any) -> web.Response:
-    return web.json_response({"error": {"message": message, "status": status, **extra}},
-                             status=status)
+def refuse_agent_peer(request: web.Request, who: Identity, allowed: frozenset[str]) -> str | None:
+    """An agent reports for its own node only, with the certificate pinned when it joined."""
+    if allowed != AGENT:
+        return None
+    node = request.match_info.get("node")
+    if node != who.node:
+        return f"certificate {who.node!r} may not report for node {node!r}"
+    return request.app[SUPERVISOR].refuse_agent(who)
 
 
-def roles(allowed: frozenset[str]) -> Callable:
-    def mark(handler: Callable) -> Callable:
-        handler.allowed_roles = allowed  # type: ignore[attr-defined]
-        return handler
-    return mark
-
-
-@web.middleware
-async def authorize_and_explain(request: web.Request, handler: Callable) -> web.StreamResponse:
-    allowed = getattr(handler, "allowed_roles", ADMIN)
-    if allowed is not OPEN:
-        who = peer_identity(request.transport)
-        if who is None:
-            return error_body("a fleet client certificate is required", 401)
-        if who.role not in allowed:
-            return error_body(f"certificate {who.node!r} has role {who.role!r}; this needs "
-                              f"{', '.join(sorted(allowed))}", 403)
-        node = request.match_info.get("node")
-        if allowed is AGENT and node != who.node:
-            return error_body(f"certificate {who.node!r} may not report for node {node!r}", 403)
-        if allowed is AGENT:  # the certificate pinned when the node joined, and no other
-            refusal = request.app[SUPERVISOR].refuse_agent(who)
-            if refusal:
-                return error_body(refusal, 403)
-        request[PEER] = who
-    try:
-        return await handler(request)
-    except RequestError as exc:
+def explain(exc: Exception) -> web.Response | None:
+    """The supervisor's typed errors as bodies that name the field, line or problem."""
+    if isinstance(exc, RequestError):
         return error_body(exc.message, exc.status, **exc.extra)
-    except issuing.AlreadyMember as exc:
+    if isinstance(exc, issuing.AlreadyMember):
         return error_body(str(exc), 409)
-    except PkiError as exc:
+    if isinstance(exc, PkiError):
         return error_body(str(exc), 403)
-    except json.JSONDecodeError as exc:
-        return error_body(f"the body is not valid JSON: {exc}", 400)
+    return None
 
 
 async def body_of(request: web.Request) -> dict[str, Any]:
@@ -86,19 +63,19 @@ async def body_of(request: web.Request) -> dict[str, Any]:
 
 
 # --- the PKI ------------------------------------------------------------------------------
-@roles(OPEN)
+@roles("open")
 async def pki_ca(request: web.Request) -> web.Response:
     return web.json_response(issuing.ca_body(request.app[CA]))
 
 
-@roles(OPEN)
+@roles("open")
 async def pki_join(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
     return web.json_response(issuing.join(request.app[CA], supervisor.state,
                                           await body_of(request)))
 
 
-@roles(ADMIN)
+@roles("admin")
 async def new_token(request: web.Request) -> web.Response:
     body = await body_of(request)
     node = body.get("node")
@@ -118,7 +95,7 @@ async def new_token(request: web.Request) -> web.Response:
 
 
 # --- agents -------------------------------------------------------------------------------
-@roles(AGENT)
+@roles("agent")
 async def heartbeat(request: web.Request) -> web.Response:
     body = await body_of(request)
     if not isinstance(body.get("url"), str) or not body["url"].startswith("https://"):
@@ -128,14 +105,14 @@ async def heartbeat(request: web.Request) -> web.Response:
     return web.json_response(reply)
 
 
-@roles(AGENT)
+@roles("agent")
 async def events(request: web.Request) -> web.Response:
     body = await body_of(request)
     request.app[SUPERVISOR].engine_events(request.match_info["node"], list(body.get("events", [])))
     return web.json_response({"ok": True})
 
 
-@roles(AGENT)
+@roles("agent")
 async def goodbye(request: web.Request) -> web.Response:
     body = await body_of(request)
     request.app[SUPERVISOR].goodbye(request.match_info["node"], str(body.get("reason", "")))
@@ -215,7 +192,8 @@ async def front_door_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def make_app(settings: SupervisorSettings) -> web.Application:
     """Serve it with `tls.server_context(settings)`; the front door opens with it."""
-    app = web.Application(middlewares=[authorize_and_explain], client_max_size=4 << 20)
+    app = web.Application(middlewares=[authorize_and_explain(ADMIN, explain, refuse_agent_peer)],
+                          client_max_size=4 << 20)
     app[SETTINGS] = settings
     app[CA] = FleetCA.load(settings.state_dir / "pki")
     app.router.add_routes([

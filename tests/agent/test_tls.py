@@ -32,14 +32,14 @@ REFUSED = (aiohttp.ClientError, ssl.SSLError, ConnectionError)
 
 def test_unauthenticated_callers_are_refused_before_any_handler(fleet, tmp_path, monkeypatch):
     calls = []
-    original = agent.app.authorize_and_explain
+    original = agent.app.authorize
 
     @web.middleware
     async def counting(request, handler):
         calls.append(request.path)
         return await original(request, handler)
 
-    monkeypatch.setattr(agent.app, "authorize_and_explain", counting)
+    monkeypatch.setattr(agent.app, "authorize", counting)
     config = agent_config(fleet, tmp_path)
 
     async def scenario():
