@@ -113,7 +113,9 @@ def test_the_agent_calibrates_in_a_child_and_serves_the_cache(fleet, tmp_path):
                                     json=dict(body, backend=absent)) as r:
                 assert r.status == 202
                 bad = await r.json()
+            deadline = time.monotonic() + 60
             while bad["state"] == "running":
+                assert time.monotonic() < deadline, bad
                 await asyncio.sleep(0.2)
                 async with session.get(f"{url}/v1/calibrations/jobs/{bad['job_id']}") as r:
                     bad = await r.json()

@@ -37,6 +37,7 @@ from tests.agent.conftest import (
     serving,
     wait_state,
 )
+from tests.waiting import wait_until
 
 INFO = CheckpointInfo("/m", n_layers=4, weight_files=1)
 CPU = frozenset({"torch-cpu", "mlx-cpu"})
@@ -245,10 +246,9 @@ def test_after_a_restart_engines_are_ended_when_adoption_is_off_and_dead_ones_fo
             left_behind[engine_id] = subprocess.Popen(
                 fake_engine_command(*flags), stdout=log, stderr=log, start_new_session=True,
                 env=dict(os.environ))
-        for _ in range(100):  # up and handling SIGTERM, as a long-running engine would be
-            if b'"ready"' in log_path.read_bytes():
-                break
-            time.sleep(0.1)
+        # Up and handling SIGTERM, as a long-running engine would be.
+        wait_until(lambda path=log_path: b'"ready"' in path.read_bytes(), within_s=10,
+                   what=f"{engine_id}'s fake engine ready")
     gone = subprocess.Popen(["true"])
     gone.wait()
     for engine_id, pid, created, drain_started_at in (

@@ -16,6 +16,7 @@ import pytest
 
 from engine.harness.launch import LOOPBACK, launch
 from tests.api.conftest import http, serve
+from tests.waiting import wait_until
 
 HEADER_S = 1.5
 IDLE_S = 3.0
@@ -43,13 +44,6 @@ def health_latency_s(fleet, timeout_s: float = 5.0) -> float:
     status, _ = http("GET", f"{base(fleet)}/health")
     assert status == 200
     return time.monotonic() - started
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    until = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < until, what
-        time.sleep(0.05)
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -117,7 +111,8 @@ def test_a_dripping_body_gets_a_408_and_an_idle_connection_is_closed(guarded):
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         answered = time.monotonic()
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-        wait_until(lambda: closed_by_peer(sock), IDLE_S + 3, "an idle connection stayed open")
+        wait_until(lambda: closed_by_peer(sock), within_s=IDLE_S + 3,
+                   what="an idle connection closed by the server")
         assert time.monotonic() - answered > IDLE_S - 0.5  # idle, not refused
 
 
@@ -137,8 +132,8 @@ def test_connections_past_the_cap_are_refused_at_once_and_service_resumes(guarde
     finally:
         for sock in idle:
             sock.close()
-    wait_until(lambda: http("GET", f"{base(guarded)}/health")[0] == 200, 10,
-               "/health did not answer after the flood")
+    wait_until(lambda: http("GET", f"{base(guarded)}/health")[0] == 200, within_s=10,
+               what="/health answering after the flood")
 
 
 def test_a_megabyte_prompt_does_not_stall_health(guarded):
@@ -197,14 +192,14 @@ def test_running_out_of_descriptors_logs_one_line_per_interval(make_model, tmp_p
                  for _ in range(60)]
         # The flood sits in the backlog while accept() fails with EMFILE, retried each second.
         wait_until(lambda: "socket.accept() out of system resource" in fleet.log_tail(0, 200),
-                   10, "accept never failed")
+                   within_s=10, what="accept failing for want of descriptors")
         # The connections accepted before the limit close at their header deadline (2 s),
         # by which time accept() has failed and been retried at least twice more.
-        wait_until(lambda: "no request headers in time" in fleet.log_tail(0, 200), 10,
-                   "the accepted connections were never closed")
+        wait_until(lambda: "no request headers in time" in fleet.log_tail(0, 200),
+                   within_s=10, what="the accepted connections closed at their deadline")
         for sock in flood:
             sock.close()
-        wait_until(lambda: health_ok(fleet), 15, "/health did not come back")
+        wait_until(lambda: health_ok(fleet), within_s=15, what="/health coming back")
     finally:
         fleet.stop()
     lines = fleet.log_paths[0].read_text().splitlines()

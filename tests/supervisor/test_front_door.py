@@ -27,6 +27,7 @@ from supervisor.front_door import (
     open_front_door,
 )
 from supervisor.relays import Relays, UpstreamSilence
+from tests.waiting import wait_until_async
 
 QUICK_SILENCE = UpstreamSilence(keepalive_s=0.25, dead_after=3)  # 0.75 s without a sign
 
@@ -354,10 +355,13 @@ def test_slow_heads_and_bodies_are_cut_and_health_still_answers():
     limits = HttpLimits(header_s=1.0, idle_s=1.0, body_s=1.0, max_connections=64,
                         max_body_bytes=MAX_BODY_BYTES)
 
+    dripping: list[int] = []
+
     async def slowloris(port: int) -> float:
         """Sends a request head a byte at a time; returns when the door closed it."""
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         t0 = time.monotonic()
+        dripping.append(port)
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
         try:
             for byte in head:
@@ -373,7 +377,8 @@ def test_slow_heads_and_bodies_are_cut_and_health_still_answers():
 
     async def check(door: Door) -> None:
         slow = [asyncio.ensure_future(slowloris(door.port)) for _ in range(20)]
-        await asyncio.sleep(0.3)
+        await wait_until_async(lambda: len(dripping) == len(slow), within_s=10,
+                               what="every slow connection open and dripping")
         for _ in range(5):
             t0 = time.monotonic()
             async with door.session.get("/health") as r:
