@@ -86,7 +86,7 @@ async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamRespo
                                  status=int(mode), headers={"X-Engine": "1"})
     if mode == "close":  # lost before the first byte
         request.transport.close()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the fake upstream's behaviour: gone, then a late return
         return web.Response()
     if mode == "hang":
         await forever()
@@ -100,7 +100,7 @@ async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamRespo
     await response.write(chunk("one"))
     await response.write(chunk("two"))
     if mode == "cut":  # lost after tokens were sent
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # behaviour, not synchronisation: a loss after a pause
         request.transport.abort()
         await asyncio.sleep(0.1)
         return response
