@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import checkpoint, median_s, n_layers, table
 from engine.harness.driver import RoundDriver
 from engine.harness.launch import even_stages
+from engine.harness.local_pipeline import local_pipeline, whole_runner
 from engine.link.frame import FrameKind
 from engine.link.hello import Handshake
 from engine.link.transport import accept, connect, handshake, listen
-from engine.harness.local_pipeline import local_pipeline, whole_runner
 
 
 def measure(runner, streams: list[int], steps: int, prompt: int, chunk: int,
@@ -197,8 +197,7 @@ def main() -> int:
                             **shape) as runner:
             split = measure(runner, streams, args.steps, args.prompt, args.chunk,
                             args.repeats)
-            hidden = runner.stage.hidden_size
-            itemsize = 4 if runner.stage.row_dtype == "float32" else 2
+            row_format = runner.stage.row_format
             phases = [phase_medians(list(runner.timings))]
         for rank in range(1, len(stages)):
             phases.append(phase_medians(
@@ -223,7 +222,7 @@ def main() -> int:
 
     link_rows = []
     for rows_per_frame in (1, 8, args.chunk):
-        size = rows_per_frame * hidden * itemsize
+        size = row_format.nbytes(rows_per_frame)
         frames = max(50, min(5000, int(2e8 // size)))
         link_gbs, raw_gbs = link_vs_raw(size, frames)
         link_rows.append([rows_per_frame, size, frames, link_gbs, raw_gbs, link_gbs / raw_gbs])

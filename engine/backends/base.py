@@ -1,24 +1,32 @@
-"""The interface every backend's stage offers, and how a backend is picked by name."""
+"""The stage every backend offers: one layer range's skeleton, and how a backend is picked.
+
+`Stage` writes the round once (checks, slot table, embed, layers, returned rows, bytes in
+and out); a backend supplies only the framework's operations, as the hooks at the end
+of the class. Two backends then cannot drift apart on what a round means.
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from engine.checkpoint.quantize import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
-from engine.config import ModelConfig
-from engine.rounds import RoundPlan
+from engine.config import ConfigError, ModelConfig
+from engine.link.messages import BACKENDS
+from engine.rounds import RoundPlan, RowLayout
+from engine.row_format import RowFormat
 from engine.slots import SlotTable
 
 if sys.byteorder != "little":  # rows and frames are little-endian raw values
     raise ImportError("ringfleet needs a little-endian host")
 
-BACKENDS = ("torch-cuda", "torch-mps", "torch-cpu", "mlx-metal", "mlx-cuda", "mlx-cpu")
-ROW_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per value
+Progress = Callable[[int, int, str], None]  # (done, total, unit), as load_progress reports
 
 
 class BackendError(RuntimeError):
@@ -38,36 +46,6 @@ class StageSpec:
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs where the device has them
 
 
-class Stage(Protocol):
-    """One layer range, loaded and holding per-slot state.
-
-    Rows are backend tensors of shape [rows, hidden] in the engine's row dtype.
-    """
-
-    layer_range: tuple[int, int]
-    is_first: bool  # holds the embeddings, final norm and head (rank 0)
-    is_last: bool  # sends only the rows rank 0 needs back
-    hidden_size: int
-    row_dtype: str
-    planes: int  # hidden planes on the wire (1 for Llama-style families)
-
-    def forward(self, plan: RoundPlan, rows: Any | None, token_ids: Sequence[int] | None) -> Any:
-        """Embed (first stage), run this range over the round, keep the returned rows (last)."""
-
-    def logits(self, rows: Any) -> Any:
-        """Final norm and head over returned rows: float32 numpy array [rows, vocab]."""
-
-    def rows_to_bytes(self, rows: Any) -> memoryview:
-        """Rows as raw little-endian values, plane-major (the engine's dtype, bit for bit)."""
-
-    def rows_from_bytes(self, data: bytes | bytearray | memoryview, n_rows: int,
-                        dtype: str) -> Any:
-        """Rows from a neighbour's bytes in `dtype`, converted bit-exactly to this stage's."""
-
-    def kv_capacity_rows(self) -> int:
-        """Positions one slot can hold."""
-
-
 @dataclass(frozen=True)
 class OpenedRange:
     """A checkpoint opened for one stage, its range checked against the model."""
@@ -77,15 +55,22 @@ class OpenedRange:
     quant: QuantConfig | None  # None: a dense checkpoint
 
 
-def open_range(spec: StageSpec, dtypes: Iterable[str]) -> OpenedRange:
-    """Open the checkpoint and refuse what no backend could run, before any tensor is read."""
-    checkpoint = open_checkpoint(spec.model_dir)
+def open_range(spec: StageSpec, checkpoint: Checkpoint | None = None) -> OpenedRange:
+    """Refuse what no backend could run, before any tensor is read.
+
+    `checkpoint` is the caller's, already opened (the engine opens it once per start);
+    without it the spec's directory is opened here.
+    """
+    if checkpoint is None:
+        checkpoint = open_checkpoint(spec.model_dir)
+    elif Path(checkpoint.dir).resolve() != Path(spec.model_dir).resolve():
+        raise ValueError(f"the checkpoint given is {checkpoint.dir}, the stage's is "
+                         f"{spec.model_dir}")
     config = ModelConfig.from_dict(checkpoint.config)
-    if config.dtype not in dtypes:
-        raise BackendError(f"config.json: dtype {config.dtype!r} is not supported")
     try:
+        RowFormat.of(config)
         quant = QuantConfig.from_config(checkpoint.config)
-    except QuantConfigError as exc:
+    except (ConfigError, QuantConfigError) as exc:
         raise BackendError(str(exc)) from exc
     start, end = spec.layer_range
     if not 0 <= start < end <= config.num_hidden_layers:
@@ -94,34 +79,7 @@ def open_range(spec: StageSpec, dtypes: Iterable[str]) -> OpenedRange:
     return OpenedRange(checkpoint, config, quant)
 
 
-class RangeStage:
-    """What every backend's stage knows of its place: the Stage protocol's plain fields."""
-
-    planes = 1  # Llama-style rows carry one plane: the residual stream
-
-    def __init__(self, spec: StageSpec, config: ModelConfig) -> None:
-        self.spec = spec
-        self.config = config
-        self.layer_range = spec.layer_range
-        self.is_first = spec.layer_range[0] == 0
-        self.is_last = spec.layer_range[1] == config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.row_dtype = config.dtype
-        self.slots = SlotTable(spec.parallel, spec.context)
-
-    def kv_capacity_rows(self) -> int:
-        return self.spec.context
-
-    def check_rows_given(self, plan: RoundPlan, given: int) -> None:
-        """Refuse a round whose row count is not the plan's, before the slot table moves."""
-        if given != plan.total_rows:
-            raise BackendError(f"round {plan.round_no}: the plan runs {plan.total_rows} rows, "
-                               f"this stage was given {given}")
-
-
-
-def layer_progress(spec: StageSpec, progress: Callable[[int, int, str], None] | None
-                   ) -> Callable[[int], None] | None:
+def layer_progress(spec: StageSpec, progress: Progress | None) -> Callable[[int], None] | None:
     """A per-layer callback reporting (layers done, layers in range, "layers"), or None."""
     if progress is None:
         return None
@@ -129,16 +87,147 @@ def layer_progress(spec: StageSpec, progress: Callable[[int, int, str], None] | 
     return lambda layer: progress(layer - start + 1, end - start, "layers")
 
 
-def load_stage(spec: StageSpec, *, progress: Any = None) -> Stage:
-    """Load a stage on the named backend; imports the framework only when asked for."""
+class Stage(ABC):
+    """One layer range, loaded and holding per-slot state: what the round runners drive.
+
+    Rows are backend tensors of shape [rows, hidden] in the row format's dtype. `model`
+    is the backend's family range (`embed_tokens`, `run_layers`, `logits`, `cache`).
+    """
+
+    def __init__(self, spec: StageSpec, config: ModelConfig, model: Any) -> None:
+        self.spec = spec
+        self.config = config
+        self.model = model
+        self.layer_range = spec.layer_range
+        self.is_first = spec.layer_range[0] == 0  # holds the embeddings, final norm and head
+        self.is_last = spec.layer_range[1] == config.num_hidden_layers  # returns few rows
+        self.hidden_size = config.hidden_size
+        self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
+        self.slots = SlotTable(spec.parallel, spec.context)
+
+    @classmethod
+    def load(cls, spec: StageSpec, checkpoint: Checkpoint | None = None,
+             progress: Progress | None = None) -> Stage:
+        """The device first (a missing one is named before any file is read), then the range."""
+        device = cls._device(spec.backend)
+        return cls._build(spec, open_range(spec, checkpoint), device,
+                          layer_progress(spec, progress))
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of per-slot state (KV) this stage holds."""
+        return self.model.cache.nbytes
+
+    def kv_capacity_rows(self) -> int:
+        """Positions one slot can hold."""
+        return self.spec.context
+
+    def forward(self, plan: RoundPlan, rows: Any | None, token_ids: Sequence[int] | None) -> Any:
+        """Embed (first stage), run this range over the round, keep the returned rows (last).
+
+        A round whose row count is not the plan's is refused before the slot table moves.
+        """
+        given = (len(token_ids) if token_ids is not None else 0) if self.is_first \
+            else (len(rows) if rows is not None else 0)
+        if given != plan.total_rows:
+            raise BackendError(f"round {plan.round_no}: the plan runs {plan.total_rows} rows, "
+                               f"this stage was given {given}")
+        self.slots.apply(plan)
+        if not plan.total_rows:  # only closes and cancels: nothing to compute
+            return self._empty_rows()
+        with self._computing():
+            x = self._embed(token_ids) if self.is_first else rows  # [rows, hidden]
+            x = self._run_layers(x, RowLayout.of(plan))
+            returned = plan.returned_rows()
+            if self.is_last and len(returned) < plan.total_rows:
+                x = self._take_rows(x, returned)  # [streams, hidden]
+            return self._settle(x)
+
+    def logits(self, rows: Any) -> Any:
+        """Final norm and head over returned rows: float32 numpy array [rows, vocab]."""
+        with self._computing():
+            return self._to_numpy(self.model.logits(rows))
+
+    def rows_from_bytes(self, data: bytes | bytearray | memoryview, n_rows: int) -> Any:
+        """Rows from a neighbour's bytes in this stage's row format, bit for bit.
+
+        Always a copy: the link reuses its receive buffer for the next round.
+        """
+        raw = memoryview(data).cast("B")
+        expected = self.row_format.nbytes(n_rows)
+        if len(raw) != expected:
+            raise BackendError(f"{n_rows} rows of {self.hidden_size} {self.row_format.name} "
+                               f"values need {expected} bytes, got {len(raw)}")
+        if not n_rows:
+            return self._empty_rows()
+        with self._computing():
+            return self._settle(self._rows_from_raw(raw, n_rows))
+
+    @abstractmethod
+    def rows_to_bytes(self, rows: Any) -> memoryview:
+        """Rows as raw little-endian values, plane-major (the row format's dtype, bit for bit)."""
+
+    # The framework's part ------------------------------------------------------------
+
+    @staticmethod
+    @abstractmethod
+    def _device(backend: str) -> Any:
+        """The device the backend names, or a BackendError saying why it is unusable."""
+
+    @classmethod
+    @abstractmethod
+    def _build(cls, spec: StageSpec, opened: OpenedRange, device: Any,
+               on_layer: Callable[[int], None] | None) -> Stage:
+        """The range's weights and state on `device`."""
+
+    @abstractmethod
+    def _computing(self) -> AbstractContextManager[Any]:
+        """The context every computation of this stage runs in (no autograd; its device)."""
+
+    @abstractmethod
+    def _embed(self, token_ids: Sequence[int]) -> Any:
+        """Token ids -> rows [len(token_ids), hidden]."""
+
+    @abstractmethod
+    def _run_layers(self, rows: Any, layout: RowLayout) -> Any:
+        """This range's layers over a round's rows, writing the round's K and V."""
+
+    @abstractmethod
+    def _take_rows(self, rows: Any, indices: list[int]) -> Any:
+        """rows[indices]."""
+
+    def _settle(self, rows: Any) -> Any:
+        """Rows whose computation has been issued (a lazy framework evaluates them here)."""
+        return rows
+
+    @abstractmethod
+    def _empty_rows(self) -> Any:
+        """Rows [0, hidden] in the row format's dtype."""
+
+    @abstractmethod
+    def _rows_from_raw(self, raw: memoryview, n_rows: int) -> Any:
+        """A copy of `raw` (the row format's values, length checked) as rows [n_rows, hidden]."""
+
+    @abstractmethod
+    def _to_numpy(self, logits: Any) -> Any:
+        """Logits [rows, vocab] float32 as a numpy array the caller owns."""
+
+
+def load_stage(spec: StageSpec, *, checkpoint: Checkpoint | None = None,
+               progress: Progress | None = None) -> Stage:
+    """Load a stage on the named backend; imports the framework only when asked for.
+
+    `checkpoint`: the spec's checkpoint, already opened by the caller, so it is not opened
+    again here.
+    """
     if spec.backend not in BACKENDS:
         raise BackendError(f"unknown backend {spec.backend!r} (known: {', '.join(BACKENDS)})")
     if spec.backend.startswith("torch-"):
         from engine.backends.pytorch.stage import TorchStage
 
-        return TorchStage.load(spec, progress=progress)
+        return TorchStage.load(spec, checkpoint, progress)
     try:
         from engine.backends.mlx.stage import MlxStage
     except ImportError as exc:
         raise BackendError(f"backend {spec.backend} needs MLX: {exc}") from exc
-    return MlxStage.load(spec, progress=progress)
+    return MlxStage.load(spec, checkpoint, progress)

@@ -7,7 +7,7 @@ from typing import Any
 from engine.backends.base import Stage
 from engine.link.errors import UnexpectedFrame
 from engine.link.frame import Frame
-from engine.link.messages import Dtype, check_rows_frame
+from engine.link.messages import check_rows_frame
 from engine.link.transport import Link
 
 
@@ -23,8 +23,7 @@ def receive_rows(link: Link, stage: Stage, round_no: int, n_rows: int, deadline_
         kind = got.kind.name
         raise UnexpectedFrame(f"expected the rows of round {round_no} from {link.peer}, got "
                               f"{kind} of round {got.round_no}")
-    dtype = Dtype[stage.row_dtype.upper()]
-    check_rows_frame(got, hidden=stage.hidden_size, planes=stage.planes, dtype=dtype,
+    rows = stage.row_format
+    check_rows_frame(got, hidden=rows.hidden, planes=rows.planes, dtype=rows.dtype,
                      expect_rows=n_rows)
-    return stage.rows_from_bytes(memoryview(buffer)[: got.payload_length], n_rows,
-                                 stage.row_dtype)
+    return stage.rows_from_bytes(memoryview(buffer)[: got.payload_length], n_rows)

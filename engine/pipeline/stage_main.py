@@ -18,7 +18,7 @@ from engine.env import EngineEnv
 from engine.link.errors import ProtocolError
 from engine.link.frame import FrameKind
 from engine.link.hello import read_key_file
-from engine.link.messages import Backend, Describe, Dtype
+from engine.link.messages import Backend, Describe
 from engine.pipeline.follower import follow
 from engine.pipeline.liveness import Fate, LivenessConfig
 from engine.pipeline.rank0 import PipelineRunner
@@ -28,12 +28,12 @@ log = structlog.get_logger()
 
 
 def describe(stage: Stage, env: EngineEnv) -> Describe:
-    dtype = Dtype[stage.row_dtype.upper()]
+    rows = stage.row_format
     start, end = stage.layer_range
     return Describe(
-        engine_version=ENGINE_VERSION, backend=Backend.from_label(env.backend), kv_dtype=dtype,
-        rank=env.rank, world=env.world_size, layer_first=start, layer_end=end,
-        hidden=stage.hidden_size, row_dtype=dtype, planes=stage.planes,
+        engine_version=ENGINE_VERSION, backend=Backend.from_label(env.backend),
+        kv_dtype=rows.dtype, rank=env.rank, world=env.world_size, layer_first=start, layer_end=end,
+        hidden=rows.hidden, row_dtype=rows.dtype, planes=rows.planes,
         prompt_chunk=env.chunk, max_rows_per_round=env.parallel + env.chunk,
         parallel=env.parallel, context=env.context, drafter_width=0,
         kv_rows=stage.kv_capacity_rows(), recurrent_states=env.parallel,
@@ -45,8 +45,7 @@ def boot_ring(env: EngineEnv, stage: Stage, config: ModelConfig) -> Ring:
     key = read_key_file(env.key_file)
     fingerprint = layout_fingerprint(checkpoint_digest(env.model_dir), list(env.layout))
     own = describe(stage, env)
-    rows_bound = (env.parallel + env.chunk) * stage.hidden_size * stage.planes \
-        * own.row_dtype.itemsize
+    rows_bound = stage.row_format.nbytes(env.parallel + env.chunk)
     ring_config = RingConfig(env.rank, env.world_size, env.master, env.listen, fingerprint,
                              key, rows_bound, env.boot_deadline_s, env.round_deadline_s,
                              env.handshake_deadline_s)

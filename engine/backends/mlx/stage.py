@@ -9,36 +9,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.backends.base import (
-    ROW_DTYPES,
-    BackendError,
-    RangeStage,
-    StageSpec,
-    layer_progress,
-    open_range,
-)
+from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
-from engine.rounds import RoundPlan, RowLayout
-
-MLX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-# numpy has no bfloat16: its rows cross numpy as their raw 16-bit patterns.
-WIRE_NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
+from engine.rounds import RowLayout
+from engine.row_format import RowFormat
 
 
-def mlx_device(backend: str) -> mx.Device:
-    kind = backend.removeprefix("mlx-")
-    if kind == "cpu":
-        return mx.cpu
-    if kind == "metal" and not mx.metal.is_available():
-        raise BackendError("backend mlx-metal: this MLX build sees no Metal device")
-    cuda = getattr(mx, "cuda", None)  # absent from builds without the CUDA back end
-    if kind == "cuda" and not (cuda and cuda.is_available()):
-        raise BackendError("backend mlx-cuda: this MLX build sees no CUDA device")
-    return mx.gpu
+def mlx_dtype(row_format: RowFormat) -> mx.Dtype:
+    return getattr(mx, row_format.name)  # the wire's labels are MLX's names
 
 
 def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], dtype: mx.Dtype,
@@ -79,23 +61,31 @@ def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], dtyp
     return out
 
 
-class MlxStage(RangeStage):
+class MlxStage(Stage):
     def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange,
                  device: mx.Device) -> None:
-        super().__init__(spec, config)
-        self.model = model
+        super().__init__(spec, config, model)
         self.device = device
-        self.dtype = MLX_DTYPES[config.dtype]
+        self.dtype = mlx_dtype(self.row_format)
+
+    @staticmethod
+    def _device(backend: str) -> mx.Device:
+        kind = backend.removeprefix("mlx-")
+        if kind == "cpu":
+            return mx.cpu
+        if kind == "metal" and not mx.metal.is_available():
+            raise BackendError("backend mlx-metal: this MLX build sees no Metal device")
+        cuda = getattr(mx, "cuda", None)  # absent from builds without the CUDA back end
+        if kind == "cuda" and not (cuda and cuda.is_available()):
+            raise BackendError("backend mlx-cuda: this MLX build sees no CUDA device")
+        return mx.gpu
 
     @classmethod
-    def load(cls, spec: StageSpec,
-             progress: Callable[[int, int, str], None] | None = None) -> MlxStage:
-        device = mlx_device(spec.backend)
-        opened = open_range(spec, MLX_DTYPES)
+    def _build(cls, spec: StageSpec, opened: OpenedRange, device: mx.Device,
+               on_layer: Callable[[int], None] | None) -> MlxStage:
         checkpoint, config, quant = opened.checkpoint, opened.config, opened.quant
-        dtype = MLX_DTYPES[config.dtype]
+        dtype = mlx_dtype(RowFormat.of(config))
         total = spec.layer_range[1] - spec.layer_range[0]
-        on_layer = layer_progress(spec, progress)
         # Streams follow the device, so two stages in one process (tests) can sit on
         # different devices without touching the process-wide default.
         with mx.stream(device):
@@ -106,56 +96,38 @@ class MlxStage(RangeStage):
                                cache, Rope(config), on_layer)
         return cls(spec, config, model, device)
 
-    def forward(self, plan: RoundPlan, rows: mx.array | None,
-                token_ids: Sequence[int] | None) -> mx.array:
-        given = len(token_ids or ()) if self.is_first else (0 if rows is None else rows.shape[0])
-        self.check_rows_given(plan, given)
-        self.slots.apply(plan)
-        with mx.stream(self.device):
-            if self.is_first and token_ids:
-                rows = self.model.embed_tokens(mx.array(list(token_ids), dtype=mx.int32))
-            elif not given:  # a round without rows: keep-alive, close, cancel
-                rows = mx.zeros((0, self.hidden_size), dtype=self.dtype)
-            if plan.total_rows:
-                index = RoundIndex.build(RowLayout.of(plan), self.config.sliding_window)
-                rows = self.model.run_layers(rows, index)
-            if self.is_last:
-                rows = rows[mx.array(plan.returned_rows(), dtype=mx.int32)]
-            # MLX is lazy: evaluate the rows and every cache write now, so the round's time
-            # is spent here and the next round starts from settled buffers.
-            mx.eval(rows, self.model.cache.arrays())
+    def _computing(self) -> Any:
+        return mx.stream(self.device)
+
+    def _embed(self, token_ids: Sequence[int]) -> mx.array:
+        return self.model.embed_tokens(mx.array(list(token_ids), dtype=mx.int32))
+
+    def _run_layers(self, rows: mx.array, layout: RowLayout) -> mx.array:
+        return self.model.run_layers(rows, RoundIndex.build(layout, self.config.sliding_window))
+
+    def _take_rows(self, rows: mx.array, indices: list[int]) -> mx.array:
+        return rows[mx.array(indices, dtype=mx.int32)]
+
+    def _settle(self, rows: mx.array) -> mx.array:
+        # MLX is lazy: evaluate the rows and every cache write now, so the round's time
+        # is spent here and the next round starts from settled buffers.
+        mx.eval(rows, self.model.cache.arrays())
         return rows
 
-    def logits(self, rows: mx.array) -> np.ndarray:
-        with mx.stream(self.device):
-            logits = self.model.logits(rows)
-            mx.eval(logits)
-        return np.array(logits, copy=True)  # [rows, vocab] float32
+    def _empty_rows(self) -> mx.array:
+        return mx.zeros((0, self.hidden_size), dtype=self.dtype)
 
     def rows_to_bytes(self, rows: mx.array) -> memoryview:
         # Viewed as bytes inside MLX, so bfloat16 never passes through a float type numpy has.
         raw = np.ascontiguousarray(np.array(rows.view(mx.uint8), copy=True))
         return memoryview(raw).cast("B")
 
-    def rows_from_bytes(self, data: Any, n_rows: int, dtype: str) -> mx.array:
-        if dtype not in ROW_DTYPES:
-            raise BackendError(f"rows in unknown dtype {dtype!r} (known: {', '.join(ROW_DTYPES)})")
-        expected = n_rows * self.hidden_size * ROW_DTYPES[dtype]
-        if len(memoryview(data).cast("B")) != expected:
-            raise BackendError(f"{n_rows} rows of {self.hidden_size} {dtype} values need "
-                               f"{expected} bytes, got {len(memoryview(data).cast('B'))}")
-        if n_rows == 0:
-            return mx.zeros((0, self.hidden_size), dtype=self.dtype)
-        values = np.frombuffer(data, dtype=WIRE_NUMPY[dtype]).reshape(n_rows, self.hidden_size)
-        with mx.stream(self.device):
-            # mx.array copies, so the link may reuse its receive buffer once this returns.
-            rows = mx.array(values)
-            if dtype == "bfloat16":
-                rows = rows.view(mx.bfloat16)
-            rows = rows.astype(self.dtype)
-            mx.eval(rows)
-        return rows
+    def _rows_from_raw(self, raw: memoryview, n_rows: int) -> mx.array:
+        # Unsigned integers of the value's width carry the bits through numpy (which has no
+        # bfloat16), and mx.array copies them, so the link may reuse its buffer at once.
+        values = np.frombuffer(raw, dtype=self.row_format.raw_numpy).reshape(n_rows, -1)
+        return mx.array(values).view(self.dtype)
 
-    @property
-    def state_nbytes(self) -> int:
-        return self.model.cache.nbytes
+    def _to_numpy(self, logits: mx.array) -> np.ndarray:
+        mx.eval(logits)
+        return np.array(logits, copy=True)  # [rows, vocab] float32

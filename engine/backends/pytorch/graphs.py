@@ -3,10 +3,17 @@
 An eager decode step launches a few hundred small kernels from Python, and on a GPU that
 host work, not memory, sets the pace. A decode round whose streams sit in consecutive
 slots [a, b) (the usual case) has fixed shapes: one row per slot, attention over the
-whole preallocated context under a mask. It is captured once per [a, b) and replayed
-with new token ids (or rows) and positions copied into its static inputs. Rounds of any
-other shape (prompt chunks, scattered slots) run eagerly. Whole model and pipeline stages
-take the same path for the same round, so a pipeline still gives one process's bits.
+whole preallocated context under a mask. Its layers are captured once per [a, b) and
+replayed with new rows and positions copied into its static inputs (a first stage embeds
+its token ids eagerly, one gather, before). Rounds of any other shape (prompt chunks,
+scattered slots) run eagerly. Whole model and pipeline stages take the same path for the
+same round, so a pipeline still gives one process's bits.
+
+Every graph of a stage draws its buffers from one memory pool instead of a private pool
+each (there can be parallel x (parallel + 1) / 2 of them). Sharing is safe in any replay
+order because graphs replay one at a time on one stream, each writes its intermediates
+before reading them, static inputs and the KV cache live outside the pool, and a
+replay's output is cloned at once, before another graph may reuse its memory.
 """
 
 from __future__ import annotations
@@ -24,19 +31,18 @@ WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
 @dataclass
 class Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [n] token ids (first stage) or [n, hidden] rows
+    inputs: torch.Tensor  # [n, hidden] rows
     positions: torch.Tensor  # [n]
     output: torch.Tensor  # [n, hidden]
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaRange, context: int, window: int | None,
-                 takes_tokens: bool) -> None:
+    def __init__(self, model: LlamaRange, context: int, window: int | None) -> None:
         self.model = model
         self.context = context
         self.window = window
-        self.takes_tokens = takes_tokens
         self.captured: dict[tuple[int, int], Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle()  # shared by every capture below
 
     def replay(self, run: tuple[int, int], inputs: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -46,9 +52,8 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.output.clone()  # the next replay reuses the output buffer
 
-    def _step(self, run: tuple[int, int], inputs: torch.Tensor,
+    def _step(self, run: tuple[int, int], rows: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
-        rows = self.model.embed_tokens(inputs) if self.takes_tokens else inputs
         return self.model.run_layers(rows, decode_index(positions, run, self.context,
                                                         self.window))
 
@@ -64,7 +69,7 @@ class DecodeGraphs:
                 self._step(run, static_inputs, static_positions)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             output = self._step(run, static_inputs, static_positions)
         captured = Captured(graph, static_inputs, static_positions, output)
         self.captured[run] = captured
