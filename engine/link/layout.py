@@ -60,15 +60,13 @@ def check_descriptions(
     engine_version: str,
     context: int,
     parallel: int,
-    allow_dtype_conversion: bool = False,
 ) -> list[Describe]:
     """Refuse the first thing wrong with the stages' descriptions; return them by rank.
 
     Rank 0 runs this once every stage has described itself, before any round. The world is
     rank 0's; each rank 0..world-1 must describe itself exactly once. Boundary formats are
-    compared around the whole ring (the last stage's rows go back to rank 0). A row dtype
-    may differ between neighbours only when `allow_dtype_conversion` says a converting hop
-    was declared.
+    compared around the whole ring (the last stage's rows go back to rank 0), row dtype
+    included: a stage reads its neighbour's rows as its own format, converting nothing.
     """
     by_rank: dict[int, Describe] = {}
     for d in descs:
@@ -113,7 +111,7 @@ def check_descriptions(
     if world > 1:
         for sender in ordered:
             receiver = ordered[(sender.rank + 1) % world]
-            _check_boundary(sender, receiver, allow_dtype_conversion)
+            _check_boundary(sender, receiver)
 
     for d in ordered:
         if d.kv_rows < context:
@@ -125,15 +123,15 @@ def check_descriptions(
     return ordered
 
 
-def _check_boundary(sender: Describe, receiver: Describe, allow_dtype_conversion: bool) -> None:
+def _check_boundary(sender: Describe, receiver: Describe) -> None:
     hop = f"rank {sender.rank} -> rank {receiver.rank}"
     for name in ("hidden", "planes", "drafter_width"):
         ours, theirs = getattr(sender, name), getattr(receiver, name)
         if ours != theirs:
             raise FormatMismatch(f"{hop}: {name} differs: rank {sender.rank} declares {ours}, "
                                  f"rank {receiver.rank} declares {theirs}")
-    if sender.row_dtype != receiver.row_dtype and not allow_dtype_conversion:
+    if sender.row_dtype != receiver.row_dtype:
         raise FormatMismatch(
             f"{hop}: row dtype differs: rank {sender.rank} sends {sender.row_dtype.label}, "
-            f"rank {receiver.rank} expects {receiver.row_dtype.label} (no conversion declared)"
+            f"rank {receiver.rank} expects {receiver.row_dtype.label}"
         )

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from engine.harness.make_fixtures import DESCRIBE
 from engine.link import errors
 from engine.link.layout import check_descriptions, check_layout
-from engine.harness.make_fixtures import DESCRIBE
 from engine.link.messages import Backend, Describe, Dtype
 
 
@@ -81,9 +81,11 @@ def test_bad_descriptions(descs, error, match):
         check(descs)
 
 
-def test_dtype_conversion_only_when_declared():
-    descs = fleet(row_dtype=Dtype.FLOAT16)
-    assert check(descs, allow_dtype_conversion=True) == descs
+def test_a_row_dtype_that_differs_is_refused_whichever_hop():
+    # No stage converts rows: a dtype that differs on the hop back to rank 0 is refused too.
+    descs = [stage(0, 0, 20, row_dtype=Dtype.FLOAT16), stage(1, 20, 36)]
+    with pytest.raises(errors.FormatMismatch, match="rank 0 sends float16, rank 1 expects"):
+        check(descs)
 
 
 def test_three_stage_ring_checks_the_hop_back_to_rank_0():
