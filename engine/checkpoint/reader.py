@@ -8,13 +8,11 @@ range, not the model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from engine.config import SUPPORTED_FAMILIES
 
@@ -122,18 +120,6 @@ class Checkpoint:
                                               "the file lacks it")
                     out[name] = f.get_tensor(name)
         return out
-
-
-@contextmanager
-def _opened(path: Path, framework: str, device: str | None = None) -> Iterator[Any]:
-    """safe_open, with a damaged file reported as a CheckpointError naming it."""
-    kwargs = {"device": device} if framework == "pt" and device else {}
-    try:
-        handle = safe_open(path, framework=framework, **kwargs)
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-    with handle as f:
-        yield f
 
 
 def open_checkpoint(directory: Path | str) -> Checkpoint:

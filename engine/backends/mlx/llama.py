@@ -7,9 +7,10 @@ the head) and the same round semantics. Each op is the one mlx-lm's `models/llam
 back, `mx.fast.rope`, `mx.fast.scaled_dot_product_attention`, `addmm` for biased
 projections, `x * sigmoid(x)` for SiLU), so float32 logits match mlx-lm closely. RoPE takes
 its frequencies from `engine.config.rope_inv_freq` (llama3 scaling included), the one table
-every backend starts from. The tensor-shape tables are the checkpoint's, not the framework's,
-so they are imported from the PyTorch family file rather than copied. Any projection, the
-embeddings and the head may come packed by mlx-lm's affine quantization (`quant.py`).
+every backend starts from. The tensor names and shapes are the checkpoint's, not the
+framework's: they, and the range loading that reads them, come from `engine.family`, as
+the PyTorch twin's do. Any projection, the embeddings and the head may come packed by
+mlx-lm's affine quantization (`quant.py`).
 """
 
 from __future__ import annotations
