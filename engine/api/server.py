@@ -7,6 +7,10 @@ A stream that has already sent tokens ends with an SSE error event and no
 `finish_reason`, so the client can tell it is incomplete. A client that goes away cancels
 its stream, which frees its slot in the next round. Bodies are read under a deadline and
 parsed, checked and tokenized on a worker thread, so a 1 MB prompt does not hold the loop.
+
+The app owns the lane host's round loop: it starts with the app and, when the app shuts
+down, every stream left ends (503s and SSE error events) before the server waits for
+their handlers to write them, and only then does the loop stop.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ CONFIG = web.AppKey("config", ApiConfig)
 METRICS = web.AppKey("metrics", EngineMetrics)
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 PARSERS = web.AppKey("parsers", ThreadPoolExecutor)
+ROUND_LOOP = web.AppKey("round_loop", asyncio.Task)  # ends only when the engine fails
+SHUTTING_DOWN = "the engine is shutting down"
 
 
 def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.Application:
@@ -63,6 +69,8 @@ def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.A
                           client_max_size=config.limits.max_body_bytes)
     app[HOST], app[CONFIG], app[METRICS], app[CONNECTIONS] = host, config, metrics, guard
     app.cleanup_ctx.append(_parser_threads)
+    app.cleanup_ctx.append(_round_loop)
+    app.on_shutdown.append(_end_streams)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/v1/models", models)
@@ -75,6 +83,26 @@ async def _parser_threads(app: web.Application) -> AsyncIterator[None]:
     app[PARSERS] = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="parse")
     yield
     app[PARSERS].shutdown(wait=False, cancel_futures=True)
+
+
+async def _round_loop(app: web.Application) -> AsyncIterator[None]:
+    host = app[HOST]
+    app[ROUND_LOOP] = asyncio.create_task(host.run(), name="rounds")
+    yield
+    _end_streams_now(host)
+    app[ROUND_LOOP].cancel()
+    await asyncio.gather(app[ROUND_LOOP], return_exceptions=True)
+    host.close()
+
+
+async def _end_streams(app: web.Application) -> None:
+    """Before the server waits for the handlers: give each a last event to answer with."""
+    _end_streams_now(app[HOST])
+
+
+def _end_streams_now(host: LaneHost) -> None:
+    if not host.failure:  # a failure already ended every stream, with its own reason
+        host.fail(SHUTTING_DOWN)
 
 
 def error_response(error: ApiError) -> web.Response:

@@ -15,12 +15,12 @@ import engine.lanes.host as lane_host
 from engine.api.connections import GuardedSite
 from engine.api.metrics import EngineMetrics
 from engine.api.schema import ServedModel
-from engine.api.server import CONNECTIONS, ApiConfig, make_app
+from engine.api.server import CONNECTIONS, ROUND_LOOP, ApiConfig, make_app
 from engine.backends.base import StageSpec, load_stage
+from engine.harness.launch import free_port
 from engine.lanes.host import LaneHost
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
-from engine.harness.launch import free_port
 from engine.pipeline.runner import LocalRunner
 
 POISON_SEED = 666  # the sampler of a stream with this seed fails after its third token
@@ -61,19 +61,16 @@ def serve_in_process(model_dir: Path, scenario) -> None:
         app = make_app(host, ApiConfig(ServedModel("m", 256, codec.vocab_size, codec), "p"),
                        metrics)
         web_runner = web.AppRunner(app, handler_cancellation=True)
-        await web_runner.setup()
-        port = free_port()
-        await GuardedSite(web_runner, "127.0.0.1", port, app[CONNECTIONS]).start()
-        rounds = asyncio.create_task(host.run())
+        await web_runner.setup()  # the app starts its round loop
         try:
+            port = free_port()
+            await GuardedSite(web_runner, "127.0.0.1", port, app[CONNECTIONS]).start()
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
                 await scenario(session, f"http://127.0.0.1:{port}", host)
-            assert not rounds.done(), "the round loop ended"
+            assert not app[ROUND_LOOP].done(), "the round loop ended"
             assert host.failure is None
         finally:
-            rounds.cancel()
-            await web_runner.cleanup()
-            host.close()
+            await web_runner.cleanup()  # and stops it
 
     asyncio.run(main())
 
