@@ -15,7 +15,6 @@ import structlog
 
 from agent.pki import Identity
 from agent.spawn import port_in_use
-from engine.env import placement_id
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
@@ -46,6 +45,7 @@ log = structlog.get_logger()
 
 HEALTH_TIMEOUT_S = 2.0
 STATUS_HISTORY = 3  # generations per model that `status` shows
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # where a port can be checked from here
 
 
 class RequestError(Exception):
@@ -76,7 +76,7 @@ class Supervisor:
         self.shapes: dict[str, ModelShape | str] = {}
         self.healthy: set[str] = set()
         self.tasks: set[asyncio.Task] = set()
-        self.port_cursor = settings.engine_port_first
+        self.busy_ports: set[tuple[str, int]] = set()  # found taken when a start checked
         self.forgetting: set[lc.ForgetEngine] = set()
         self.relays = Relays()  # the front door's open relays, ended when a replica fails
         self.secrets = ReplicaSecrets(settings.keys_dir)
@@ -148,7 +148,10 @@ class Supervisor:
                            replicas=dict(self.replicas), shapes=dict(self.shapes),
                            healthy=frozenset(self.healthy),
                            rebalance_epoch=self.state.rebalance_epoch(),
-                           policy=self.settings.policy, measured=self.measurer.snapshot())
+                           policy=self.settings.policy, measured=self.measurer.snapshot(),
+                           engine_ports=(self.settings.engine_port_first,
+                                         self.settings.engine_port_last),
+                           busy_ports=frozenset(self.busy_ports))
 
     def _measured_one(self, failure: str, node: str) -> None:
         if failure:
@@ -224,49 +227,22 @@ class Supervisor:
             return False
 
     # --- starting and stopping stages -----------------------------------------------------
-    def _ports(self, host: str, count: int) -> list[int]:
-        """`count` ports no running replica uses on `host` (and free here, when local)."""
-        used = {p for r in self.replicas.values() if r.state in lc.RUNNING_STATES
-                for s in r.stages if s.host == host
-                for p in (s.listen_port, s.http_port, r.master_port if s.rank == 0 else 0)}
-        first, last = self.settings.engine_port_first, self.settings.engine_port_last
-        out: list[int] = []
-        for _ in range(last - first + 1):
-            port = self.port_cursor
-            self.port_cursor = first if port >= last else port + 1
-            local = host in ("127.0.0.1", "localhost", "::1")
-            if port not in used and port not in out and not (local and port_in_use(host, port)):
-                out.append(port)
-                if len(out) == count:
-                    return out
-        raise RequestError(503, f"no free engine port on {host} in {first}..{last}")
-
     def start_stages(self, action: lc.StartStages) -> None:
-        replica, placement = action.replica, action.placement
-        assert self.desired is not None
-        stages = []
-        master_port = 0
-        try:
-            for stage in placement.stages:
-                member = self.members[stage.node]
-                host = member.url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-                if stage.rank == 0:
-                    listen, http, master_port = self._ports(host, 3)
-                else:
-                    listen, http = self._ports(host, 1)[0], 0
-                stages.append(lc.StageRecord(stage.rank, stage.node, stage.backend,
-                                             stage.layer_range, f"{replica.id}-r{stage.rank}",
-                                             host, listen, http))
-        except RequestError as exc:
-            self.apply_all(lc.fail_actions(replica, exc.message, time.time(),
-                                           self.settings.policy))
+        """Spawn the stages on the ports the lifecycle chose, unless one of them is taken
+        here by another process: then it is left out of the next decision (the replica is
+        still placing) and the next step chooses again."""
+        replica = action.replica
+        busy = {(s.host, p) for s in replica.stages if s.host in LOCAL_HOSTS
+                for p in (*s.ports(), replica.master_port if s.rank == 0 else 0)
+                if p and port_in_use(s.host, p)}
+        if busy:
+            self.busy_ports |= busy
+            log.info("engine ports taken here; choosing again", replica=replica.id,
+                     ports=sorted(p for _, p in busy))
             return
-        started = replace(replica, state=lc.STARTING, since=time.time(), stages=tuple(stages),
-                          master_port=master_port,
-                          placement_id=placement_id([s.layer_range for s in stages],
-                                                    [s.backend for s in stages]))
-        self.record(started)
-        self._spawn_task(self._spawn_all(started))
+        self.busy_ports.clear()
+        self.record(replica)
+        self._spawn_task(self._spawn_all(replica))
 
     def apply_all(self, actions: list[lc.Action]) -> None:
         for action in actions:

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.addresses import format_host_port
+from engine.env import placement_id
 from supervisor.fleet_config import FleetConfig
 from supervisor.measurements import NOTHING_MEASURED, Measured
 from supervisor.membership import ALIVE, DEAD, LEFT, Member
@@ -50,9 +52,12 @@ class StageRecord:
     backend: str
     layer_range: tuple[int, int]
     engine_id: str
-    host: str  # the node's address (from its agent's URL)
+    host: str  # the node's address (its member's host)
     listen_port: int
     http_port: int = 0  # rank 0 only
+
+    def ports(self) -> tuple[int, ...]:
+        return (self.listen_port, self.http_port) if self.http_port else (self.listen_port,)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self), layer_range=list(self.layer_range))
@@ -85,7 +90,7 @@ class Replica:
         """Rank 0's OpenAI base URL ("" before the stages exist)."""
         if not self.stages:
             return ""
-        return f"http://{self.stages[0].host}:{self.stages[0].http_port}"
+        return f"http://{format_host_port(self.stages[0].host, self.stages[0].http_port)}"
 
     def layout(self) -> tuple[tuple[str, str, tuple[int, int]], ...]:
         return tuple((s.node, s.backend, s.layer_range) for s in self.stages)
@@ -112,6 +117,9 @@ class Snapshot:
     rebalance_epoch: int = 0
     policy: Policy = Policy()
     measured: Measured = NOTHING_MEASURED
+    engine_ports: tuple[int, int] = (29600, 29999)  # the range stages listen in, every node
+    # (host, port) pairs found taken by another process when a start was about to use them
+    busy_ports: frozenset[tuple[str, int]] = frozenset()
 
 
 # --- actions ------------------------------------------------------------------------------
@@ -125,7 +133,8 @@ class Record:
 
 @dataclass(frozen=True)
 class StartStages:
-    """Pick ports, write the link key, spawn every stage; then store `replica` as starting."""
+    """Write the link key and spawn every stage of `replica` (starting, its ports chosen);
+    then store it."""
 
     replica: Replica
     placement: Placement = field(compare=False)
@@ -253,8 +262,53 @@ def _placing(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
     plan = plan_model(spec, shape, s.desired, s.members, s.measured)
     if plan.placement is None:
         return [] if plan.error == replica.reason else [Record(replace(replica, reason=plan.error))]
-    return [StartStages(replace(replica, reason="", note=plan.note, why=plan.placement.why),
-                        plan.placement)]
+    stages = assign_ports(replica.id, plan.placement, s)
+    if isinstance(stages, str):
+        return _fail(s, replica, stages)
+    records, master_port = stages
+    starting = _to(replica, STARTING, s.now, "", note=plan.note, why=plan.placement.why,
+                   stages=records, master_port=master_port,
+                   placement_id=placement_id([r.layer_range for r in records],
+                                             [r.backend for r in records]))
+    return [StartStages(starting, plan.placement)]
+
+
+def assign_ports(replica_id_: str, placement: Placement, s: Snapshot
+                 ) -> tuple[tuple[StageRecord, ...], int] | str:
+    """Each stage's host and ports (rank 0 also its API and its control port), or why not.
+
+    A port is free on a host when no running replica uses it there and it was not found
+    busy. The search goes round the range from just after the ports of the replica started
+    last, so a port given up a moment ago is the last to be handed out again."""
+    first, last = s.engine_ports
+    used: dict[str, set[int]] = {}
+    for r in s.replicas.values():
+        if r.state in RUNNING_STATES:
+            for st in r.stages:
+                used.setdefault(st.host, set()).update(st.ports())
+                if st.rank == 0:
+                    used[st.host].add(r.master_port)
+    for host, port in s.busy_ports:
+        used.setdefault(host, set()).add(port)
+    latest = max((r for r in s.replicas.values() if r.stages), key=lambda r: r.since,
+                 default=None)
+    start = max((p for st in latest.stages for p in st.ports()), default=last) + 1 \
+        if latest else first
+    order = [first + (start - first + i) % (last - first + 1) for i in range(last - first + 1)]
+    records, master_port = [], 0
+    for stage in placement.stages:
+        host = s.members[stage.node].host
+        taken = used.setdefault(host, set())
+        free = [p for p in order if p not in taken][:3 if stage.rank == 0 else 1]
+        if len(free) < (3 if stage.rank == 0 else 1):
+            return f"no free engine port on {host} in {first}..{last}"
+        taken.update(free)
+        listen, http = free[0], free[1] if stage.rank == 0 else 0
+        if stage.rank == 0:
+            master_port = free[2]
+        records.append(StageRecord(stage.rank, stage.node, stage.backend, stage.layer_range,
+                                   f"{replica_id_}-r{stage.rank}", host, listen, http))
+    return tuple(records), master_port
 
 
 def _lost_stage(s: Snapshot, replica: Replica) -> str | None:

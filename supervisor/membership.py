@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 STATES = (ALIVE, SUSPECT, DEAD, LEFT)
@@ -57,6 +58,11 @@ class Member:
     engines: Mapping[str, ReportedEngine] = field(default_factory=dict)
     cordoned: bool = False  # `fleetctl drain NODE`: nothing new is placed here
     reason: str = ""  # why the state is what it is
+
+    @property
+    def host(self) -> str:
+        """The node's address, as its agent advertises itself (its URL's host, bare)."""
+        return urlsplit(self.url).hostname or ""
 
     @property
     def placeable(self) -> bool:

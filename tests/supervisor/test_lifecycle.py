@@ -207,3 +207,48 @@ def test_a_serving_stage_its_agent_no_longer_reports_is_lost():
     assert record.replica.state == lc.FAILED and "no longer reports rank 1" in record.replica.reason
     # while starting, a stage not reported yet is only not there yet
     assert lc.decide(snap([started()], members=members)) == []
+
+
+def test_placing_chooses_ports_from_the_snapshot_and_starts():
+    placing = lc.decide(snap([]))[0].replica
+    [start] = lc.decide(replace(snap([placing]), engine_ports=(9000, 9009)))
+    r = start.replica
+    assert r.state == lc.STARTING and r.placement_id == "0-4@torch-cpu,4-8@mlx-cpu"
+    # rank 0: listen, API, control; the other stage on the same host gets the next one
+    assert [(s.host, s.listen_port, s.http_port) for s in r.stages] == [
+        ("127.0.0.1", 9000, 9001), ("127.0.0.1", 9003, 0)]
+    assert r.master_port == 9002 and r.url == "http://127.0.0.1:9001"
+
+
+def test_ports_skip_running_replicas_and_busy_ones_and_go_round_the_range():
+    running = started(lc.SERVING)  # 9000..9003 on 127.0.0.1 (9003 its control port)
+    placing = replace(lc.decide(snap([]))[0].replica, id="demo-g2", generation=2)
+    s = replace(snap([running, placing]), engine_ports=(9000, 9008),
+                busy_ports=frozenset({("127.0.0.1", 9005)}))
+    [start] = lc.decide(s)
+    # after the last replica's ports (9002), past the busy 9005, then round to the end
+    assert [(st.listen_port, st.http_port) for st in start.replica.stages] == [(9004, 9006),
+                                                                               (9008, 0)]
+    assert start.replica.master_port == 9007
+    freed = replace(running, state=lc.STOPPED)  # its ports come back, last
+    s = replace(s, replicas={"demo-g1": freed, "demo-g2": placing}, engine_ports=(9000, 9004))
+    [start] = lc.decide(s)
+    assert [st.ports() for st in start.replica.stages] == [(9003, 9004), (9001,)]
+    assert start.replica.master_port == 9000
+
+
+def test_no_free_port_fails_the_replica_with_the_host_and_range():
+    running = started(lc.SERVING)
+    placing = replace(lc.decide(snap([]))[0].replica, id="demo-g2", generation=2)
+    actions = lc.decide(replace(snap([running, placing]), engine_ports=(9000, 9005)))
+    failed = [a.replica for a in only(actions, lc.Record) if a.replica.id == "demo-g2"]
+    assert failed and failed[0].state == lc.FAILED
+    assert "no free engine port on 127.0.0.1 in 9000..9005" in failed[0].reason
+
+
+def test_an_ipv6_member_gets_a_bracketed_url():
+    ipv6 = {"a": replace(member("a"), url="https://[::1]:7797"), "b": member("b")}
+    placing = lc.decide(snap([], members=ipv6))[0].replica
+    [start] = lc.decide(snap([placing], members=ipv6))
+    assert start.replica.stages[0].host == "::1"
+    assert start.replica.url.startswith("http://[::1]:")
