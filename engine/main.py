@@ -77,7 +77,7 @@ def main() -> int:
         checkpoint = open_checkpoint(env.model_dir)
         config = ModelConfig.from_dict(checkpoint.config)
         spec = env.stage_spec(config.num_hidden_layers)
-        stage = load_stage(spec, progress=load_progress(str(env.model_dir)))
+        stage = load_stage(spec, checkpoint=checkpoint, progress=load_progress(str(env.model_dir)))
         codec = TextCodec(env.model_dir) if env.rank == 0 else None
     except (CheckpointError, ConfigError, BackendError) as exc:
         log.error("exiting", code=2, reason=f"cannot start: {exc}")
