@@ -17,6 +17,16 @@ from engine.link.messages import BACKENDS
 MIN_API_SECRET_CHARS = 16
 DEFAULT_HTTP = "127.0.0.1:8000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# The knobs `to_environ` writes only when they differ from their defaults: variable -> field.
+TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
+          "FLEET_KEEPALIVE_S": "keepalive_s", "FLEET_DEAD_AFTER": "dead_after",
+          "FLEET_ROUND_DEADLINE_S": "round_deadline_s",
+          "FLEET_BOOT_DEADLINE_S": "boot_deadline_s",
+          "FLEET_HANDSHAKE_DEADLINE_S": "handshake_deadline_s",
+          "FLEET_CPU_THREADS": "cpu_threads", "FLEET_LOG_LEVEL": "log_level",
+          "FLEET_CUDA_GRAPHS": "cuda_graphs", "FLEET_HTTP_MAX_CONNECTIONS": "http_max_connections",
+          "FLEET_HTTP_HEADER_S": "http_header_s", "FLEET_HTTP_IDLE_S": "http_idle_s",
+          "FLEET_HTTP_BODY_S": "http_body_s"}
 
 
 class EnvError(ValueError):
@@ -195,25 +205,16 @@ class EngineEnv:
 
     def to_environ(self) -> dict[str, str]:
         """The variables `from_environ` reads back as this record (the secret by its file).
-        Seconds go as they are: the engine reads fractions."""
+        Where a stage is and what it serves is always written; a tuning knob only when it
+        differs from its default, so one set in the caller's environment still reaches an
+        engine the launch harness starts. Seconds go as they are: the engine reads fractions."""
         env = {
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": self.master[0], "MASTER_PORT": str(self.master[1]),
             "FLEET_MODEL": str(self.model_dir), "FLEET_BACKEND": self.backend,
             "FLEET_PLACEMENT": self.placement,
             "FLEET_CONTEXT": str(self.context), "FLEET_PARALLEL": str(self.parallel),
-            "FLEET_CHUNK": str(self.chunk), "FLEET_MAX_WAITING": str(self.max_waiting),
-            "FLEET_DRAIN_S": repr(self.drain_s), "FLEET_KEEPALIVE_S": repr(self.keepalive_s),
-            "FLEET_DEAD_AFTER": str(self.dead_after),
-            "FLEET_ROUND_DEADLINE_S": repr(self.round_deadline_s),
-            "FLEET_BOOT_DEADLINE_S": repr(self.boot_deadline_s),
-            "FLEET_HANDSHAKE_DEADLINE_S": repr(self.handshake_deadline_s),
-            "FLEET_CPU_THREADS": str(self.cpu_threads), "FLEET_LOG_LEVEL": self.log_level,
-            "FLEET_CUDA_GRAPHS": "1" if self.cuda_graphs else "0",
-            "FLEET_HTTP_MAX_CONNECTIONS": str(self.http_max_connections),
-            "FLEET_HTTP_HEADER_S": repr(self.http_header_s),
-            "FLEET_HTTP_IDLE_S": repr(self.http_idle_s),
-            "FLEET_HTTP_BODY_S": repr(self.http_body_s),
+            "FLEET_CHUNK": str(self.chunk),
         }
         optional = {
             "FLEET_LAYERS": format_layers(self.layer_range) if self.layer_range else "",
@@ -225,6 +226,12 @@ class EngineEnv:
             "FLEET_API_SECRET_FILE": str(self.api_secret_file) if self.api_secret_file else "",
         }
         env.update({k: v for k, v in optional.items() if v})
+        default = {name: f.default for name, f in type(self).__dataclass_fields__.items()}
+        for variable, attr in TUNING.items():
+            value = getattr(self, attr)
+            if value != default[attr]:
+                env[variable] = (("1" if value else "0") if isinstance(value, bool)
+                                 else repr(value) if isinstance(value, float) else str(value))
         return env
 
     def stage_spec(self, n_layers: int) -> StageSpec:

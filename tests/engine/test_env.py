@@ -68,7 +68,13 @@ def test_the_contract_reads_back_what_it_writes(tmp_path):
 
 def test_a_standalone_contract_reads_back_too(tmp_path):
     env = EngineEnv(model_dir=tmp_path, http=("127.0.0.1", 8001), model_id="x")
-    assert EngineEnv.from_environ(env.to_environ()) == env
+    written = env.to_environ()
+    assert EngineEnv.from_environ(written) == env
+    # knobs at their defaults are left to the engine (and to the caller's environment)
+    assert "FLEET_LOG_LEVEL" not in written and "FLEET_DRAIN_S" not in written
+    assert set(written) == {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLEET_MODEL",
+                            "FLEET_BACKEND", "FLEET_PLACEMENT", "FLEET_CONTEXT",
+                            "FLEET_PARALLEL", "FLEET_CHUNK", "FLEET_HTTP", "FLEET_MODEL_ID"}
 
 
 @pytest.mark.parametrize(("variable", "value"), [
