@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.lifecycle import LIVE_STATES
 from supervisor.local import LocalFleet
+from tests.waiting import stays_true
 
 pytestmark = pytest.mark.timeout(240)
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -76,6 +78,16 @@ def fleet_file(fleet: LocalFleet, checkpoint: Path, name: str, **values) -> Path
 def serving(fleet: LocalFleet) -> dict:
     [replica] = [r for r in fleet.status()["replicas"] if r["state"] == "serving"]
     return replica
+
+
+def live_replicas(fleet: LocalFleet) -> dict[str, str]:
+    """id -> state of every replica that is not stopped or failed."""
+    return {r["id"]: r["state"] for r in fleet.status()["replicas"] if r["state"] in LIVE_STATES}
+
+
+def member(status: dict, node: str) -> dict:
+    [found] = [m for m in status["members"] if m["node"] == node]
+    return found
 
 
 def chat(fleet: LocalFleet, **kw):
@@ -200,8 +212,14 @@ def test_drain_node_moves_the_replica_and_rebalance_brings_it_back(fleet):
     moved = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != old["id"])
     assert [s["node"] for s in moved["stages"]] == ["node-a"] and "needs node-b" in moved["note"]
     fleet.fleetctl("drain", "node-b", "--undo")
-    time.sleep(1.0)
-    assert serving(fleet)["id"] == moved["id"]  # a node back changes nothing by itself
+    # A node back changes nothing by itself. The supervisor decided on the uncordoned node
+    # within the undo request; its ticks (0.2 s) decide again on each heartbeat (0.3 s). No
+    # event says "nothing was re-placed", so the replicas are watched over several of both.
+    assert not member(fleet.status(), "node-b")["cordoned"]
+    stays_true(lambda: {i: s for i, s in live_replicas(fleet).items() if i != old["id"]}
+               == {moved["id"]: "serving"}, for_s=1.5,
+               what="the moved replica serving, and no other placed, after node-b is back")
+    assert serving(fleet)["id"] == moved["id"]
     fleet.fleetctl("rebalance")
     back = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != moved["id"])
     assert [s["node"] for s in back["stages"]] == ["node-a", "node-b"]
