@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
 import structlog
 
 from agent.pki import Identity
-from agent.spawn import port_in_use
+from agent.spawn import EngineSpec, port_in_use
+from engine.addresses import format_host_port
+from engine.env import format_layers
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
@@ -249,26 +251,25 @@ class Supervisor:
             self.apply(action)
 
     def spawn_body(self, replica: lc.Replica, stage: lc.StageRecord) -> dict[str, Any]:
+        """The agent's spawn request (agent.spawn.EngineSpec, which it reads back into the
+        environment contract) for one stage of `replica`."""
         assert self.desired is not None
         spec = self.desired.model(replica.model_id)
         assert spec is not None
         rank0 = replica.stages[0]
-        return {
-            "engine_id": stage.engine_id, "model_dir": spec.checkpoint.path_for(stage.node),
-            "backend": stage.backend, "replica": replica.id, "rank": stage.rank,
-            "world_size": len(replica.stages),
-            "layers": f"{stage.layer_range[0]}:{stage.layer_range[1]}",
-            "layout": ",".join(f"{s.layer_range[0]}:{s.layer_range[1]}" for s in replica.stages),
-            "listen": f"{stage.host}:{stage.listen_port}",
-            "http": f"{rank0.host}:{rank0.http_port}" if stage.rank == 0 else "",
-            "master_addr": rank0.host, "master_port": replica.master_port,
+        return asdict(EngineSpec(
+            engine_id=stage.engine_id, model_dir=spec.checkpoint.path_for(stage.node) or "",
+            backend=stage.backend, replica=replica.id, rank=stage.rank,
+            world_size=len(replica.stages), layers=format_layers(stage.layer_range),
+            layout=",".join(format_layers(s.layer_range) for s in replica.stages),
+            listen=format_host_port(stage.host, stage.listen_port),
+            http=format_host_port(rank0.host, rank0.http_port) if stage.rank == 0 else "",
+            master_addr=rank0.host, master_port=replica.master_port,
             # The secrets travel inside the mutual-TLS request: agents need not share a disk.
-            "link_key": self.secrets.make(replica.id, LINK_KEY),
-            "api_secret": self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
-            "placement": replica.placement_id,
-            "model_id": spec.id, "context": spec.context, "parallel": spec.parallel,
-            "chunk": spec.chunk, "drain_s": self.settings.policy.drain_s,
-        }
+            link_key=self.secrets.make(replica.id, LINK_KEY),
+            api_secret=self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
+            placement=replica.placement_id, model_id=spec.id, context=spec.context,
+            parallel=spec.parallel, chunk=spec.chunk, drain_s=self.settings.policy.drain_s))
 
     async def _spawn_all(self, replica: lc.Replica) -> None:
         async def one(stage: lc.StageRecord) -> None:

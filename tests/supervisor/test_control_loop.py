@@ -1,0 +1,41 @@
+"""The control loop's spawn request is the agent's EngineSpec, which reads back into the
+engine's environment contract with the stage's addresses (an IPv6 node's in brackets)."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import replace
+
+from agent.spawn import EngineSpec
+from supervisor import lifecycle as lc
+from supervisor.agents import AgentClient
+from supervisor.control_loop import Supervisor
+from supervisor.settings import SupervisorSettings
+from tests.supervisor.test_lifecycle import config
+
+
+def test_the_spawn_body_reads_back_as_each_stage_contract(tmp_path):
+    supervisor = Supervisor(SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0),
+                            AgentClient(ssl.create_default_context()))
+    supervisor.desired = config()
+    stages = (lc.StageRecord(0, "a", "torch-cpu", (0, 4), "demo-g1-r0", "::1", 9000, 9001),
+              lc.StageRecord(1, "b", "mlx-cpu", (4, 8), "demo-g1-r1", "10.0.0.2", 9002))
+    replica = lc.Replica("demo-g1", "demo", 1, lc.STARTING, 0.0, "d", stages=stages,
+                         master_port=9003, placement_id="0-4@torch-cpu,4-8@mlx-cpu")
+    key = tmp_path / "link.key"
+    key.write_text("k" * 32)
+    envs = []
+    for stage in stages:
+        body = supervisor.spawn_body(replica, stage)
+        spec = EngineSpec.from_dict(body)
+        assert len(spec.link_key) == 64 and (spec.api_secret != "") == (stage.rank == 0)
+        # the agent keeps the secrets in files of its own before it checks the request
+        envs.append(replace(spec, key_file=str(key), link_key="", api_secret="")
+                    .engine_env(drain_s=1.0))
+    rank0, rank1 = envs
+    assert rank0.listen == ("::1", 9000) and rank0.http == ("::1", 9001)
+    assert rank1.listen == ("10.0.0.2", 9002) and rank1.master == ("::1", 9003)
+    assert rank0.layout == rank1.layout == ((0, 4), (4, 8))
+    assert (rank0.model_id, rank0.context, rank0.placement) == (
+        "demo", 1024, "0-4@torch-cpu,4-8@mlx-cpu")
+    assert rank0.drain_s == rank1.drain_s == supervisor.settings.policy.drain_s
