@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from engine.backends.base import StageSpec, load_stage
+from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.engine.conftest import stage_driver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -48,3 +49,54 @@ def test_cuda_graph_decode_matches_eager_decode(make_model):
     assert graph_tokens == eager_tokens
     for slot in graph_logits:
         np.testing.assert_allclose(graph_logits[slot], eager_logits[slot], atol=1e-4, rtol=0)
+
+
+def test_graphs_of_several_runs_share_one_pool_and_replay_in_any_order(make_model):
+    """Every decode graph of a stage draws from one memory pool; runs of slots captured in
+    one order and replayed in others still give eager decoding's logits."""
+    model_dir = make_model("llama", num_hidden_layers=3)
+    prompts = {s: np.random.default_rng(10 + s).integers(0, 300, 5 + 3 * s).tolist()
+               for s in range(4)}
+    orders = [(0, 1, 2, 3), (0, 1), (2, 3), (1, 2), (0, 1, 2, 3), (2, 3), (0, 1), (1, 2, 3)]
+
+    def run(cuda_graphs: bool):
+        stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 4, 128, 64, cuda_graphs))
+        driver = stage_driver(stage)
+        logits = driver.round(prompts)
+        tokens = {s: int(np.argmax(row)) for s, row in logits.items()}
+        out = []
+        for slots in orders * 2:
+            logits = driver.round({s: [tokens[s]] for s in slots})
+            tokens.update({s: int(np.argmax(logits[s])) for s in slots})
+            out.extend(logits[s] for s in slots)
+        return out, stage
+
+    graph_rows, stage = run(True)
+    eager_rows, _ = run(False)
+    assert len(stage.graphs.captured) == 5  # (0, 4), (0, 2), (2, 4), (1, 3), (1, 4)
+    assert {c.graph.pool() for c in stage.graphs.captured.values()} == {stage.graphs.pool}
+    for got, want in zip(graph_rows, eager_rows, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_first_range_embeds_eagerly_then_replays_its_layers(make_model):
+    """A first range's graph captures its layers only (the embedding runs eagerly before
+    it): its rows match eager rows within float32 noise."""
+    model_dir = make_model("qwen3", num_hidden_layers=3)
+    ids = [[7, 8, 9], [3, 4]]
+
+    def run(cuda_graphs: bool) -> list[torch.Tensor]:
+        stage = load_stage(StageSpec(model_dir, (0, 1), "torch-cuda", 2, 64, 64, cuda_graphs))
+        out = [stage.forward(RoundPlan(1, (StreamEntry(0, Op.OPEN, 0, 3, 0, 0, 0),
+                                           StreamEntry(1, Op.OPEN, 0, 2, 0, 0, 0))),
+                             None, ids[0] + ids[1])]
+        for r, pos in enumerate(range(2, 6)):
+            plan = RoundPlan(2 + r, (StreamEntry(0, Op.CONTINUE, pos + 1, 1, 1 if r else 3, 0, 0),
+                                     StreamEntry(1, Op.CONTINUE, pos, 1, 1 if r else 2, 0, 0)))
+            out.append(stage.forward(plan, None, [11 + r, 21 + r]).cpu())
+        assert (stage.graphs is not None) == cuda_graphs and (
+            not cuda_graphs or list(stage.graphs.captured) == [(0, 2)])
+        return out
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-5, rtol=0)

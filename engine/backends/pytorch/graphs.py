@@ -43,6 +43,10 @@ class DecodeGraphs:
         self.window = window
         self.captured: dict[tuple[int, int], Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()  # shared by every capture below
+        # One stream for every warm-up: the caching allocator reuses a freed block only on
+        # the stream that allocated it, so a fresh stream per capture kept a fresh set of
+        # warm-up buffers per captured run.
+        self.warmup_stream = torch.cuda.Stream()
 
     def replay(self, run: tuple[int, int], inputs: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -62,7 +66,7 @@ class DecodeGraphs:
         # Static inputs hold this round's values, so the warm-up steps write the same K and V
         # the captured step will: running them changes no slot's state.
         static_inputs, static_positions = inputs.clone(), positions.clone()
-        side = torch.cuda.Stream()
+        side = self.warmup_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
