@@ -126,7 +126,9 @@ class AgentConfig:
 
     @property
     def url(self) -> str:
-        return self.advertise_url or f"https://{self.listen_host}:{self.listen_port}"
+        from engine.addresses import format_host_port
+
+        return self.advertise_url or f"https://{format_host_port(self.listen_host, self.listen_port)}"
 
     def with_overrides(self, **overrides: Any) -> AgentConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -84,6 +84,8 @@ def test_named_addresses_still_serve(tmp_path):
     assert split_address("127.0.0.1:8000", "front_door") == ("127.0.0.1", 8000)
     assert split_address("[::1]:8000", "listen") == ("::1", 8000)
     assert AgentConfig(node="n", state_dir=tmp_path, listen_host="localhost").listen_host
+    assert AgentConfig(node="n", state_dir=tmp_path, listen_host="::1").url == (
+        "https://[::1]:7700")
     assert EngineEnv.from_environ({"FLEET_MODEL": "m", "FLEET_HTTP": "localhost:1"}).http == (
         "localhost", 1)
 
