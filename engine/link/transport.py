@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Self, TypeVar
 
+from engine.addresses import wildcard_address
 from engine.link.errors import (
     ConnectionFailed,
     Deadline,
@@ -62,15 +63,15 @@ ABORT_LINGER_S = 0.5
 
 def listen(host: str, port: int, *, backlog: int = 16) -> socket.socket:
     """A listening socket on one named address; a wildcard is refused (`WildcardListen`)."""
-    if is_wildcard_host(host):
+    wildcard = wildcard_address(host)  # the one rule every listener applies
+    if wildcard is not None:
+        how = "" if is_wildcard_host(host) else f" (it resolves to {wildcard})"
         raise WildcardListen(
-            f"refusing to listen on {host!r}:{port}: the stage link binds one named address "
-            "(set FLEET_LISTEN to this machine's address on the fleet network)"
+            f"refusing to listen on {host!r}:{port}{how}: the stage link binds one named "
+            "address (set FLEET_LISTEN to this machine's address on the fleet network)"
         )
     family, kind, proto, _name, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM)[0]
-    if is_wildcard_host(str(address[0])):
-        raise WildcardListen(f"{host!r} resolves to the wildcard address {address[0]}")
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
