@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
+from engine.addresses import format_host_port
 from engine.api.repeated_errors import RepeatedLog
 
 log = structlog.get_logger()
@@ -131,7 +132,7 @@ class GuardedSite(web.BaseSite):
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
+        return f"http://{format_host_port(self._host, self._port)}"
 
     async def start(self) -> None:
         await super().start()

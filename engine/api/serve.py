@@ -13,6 +13,7 @@ import time
 import structlog
 from aiohttp import web
 
+from engine.addresses import format_host_port
 from engine.api.connections import GuardedSite, HttpLimits, default_max_connections
 from engine.api.metrics import EngineMetrics
 from engine.api.repeated_errors import RepeatedLog
@@ -77,7 +78,7 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
     await web_runner.setup()  # starts the round loop
     try:
         await GuardedSite(web_runner, env.http[0], env.http[1], app[CONNECTIONS]).start()
-        log.info("ready", http=f"http://{env.http[0]}:{env.http[1]}/v1", model=env.model_id)
+        log.info("ready", http=f"http://{format_host_port(*env.http)}/v1", model=env.model_id)
         code, reason = await _serve_until_the_end(env, runner, host, app[ROUND_LOOP])
         host.fail(reason if code else SHUTTING_DOWN)
     finally:
