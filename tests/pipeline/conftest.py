@@ -12,6 +12,7 @@ from engine.harness.local_pipeline import local_pipeline
 from engine.lanes.host import Done, GenerationRequest, LaneHost
 from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
+from tests.waiting import wait_until_async
 
 
 @contextmanager
@@ -46,8 +47,9 @@ def greedy_trace(runner, model_dir: Path, prompts: list[list[int]], *, steps: in
             while not isinstance(await stream.events.get(), Done):
                 pass
         # Let the round that closes the last slots run too.
-        while host.slots_in_use():
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: host.slots_in_use() == 0 or task.done(), within_s=60,
+                               what="the round that closes the last slots")
+        assert not task.done(), f"the round loop ended: {host.failure}"
         task.cancel()
 
     asyncio.run(go())
