@@ -1,11 +1,14 @@
-"""The Llama-style family's tensors: names and the shapes config.json implies (any backend)."""
+"""The Llama-style family's tensors, for any backend: names, shapes, a layer's weights, loading."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from engine.config import ModelConfig
+
+W = TypeVar("W")  # a backend's weight: a torch.Tensor, an mx.array, a packed MLX weight
 
 
 def layer_tensor_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -44,7 +47,7 @@ def end_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# A decoder layer's weights by the name each backend's LayerWeights gives them.
+# A decoder layer's weights by their LayerWeights field.
 LAYER_FIELDS = {
     "input_norm": "input_layernorm.weight",
     "q": "self_attn.q_proj.weight",
@@ -65,18 +68,38 @@ OPTIONAL_LAYER_FIELDS = {  # Qwen2's biases, Qwen3's q/k norms
 }
 
 
-def layer_fields(tensors: dict[str, Any], layer: int) -> dict[str, Any]:
-    """A layer's loaded tensors keyed by field name (absent optional ones are None)."""
-    p = f"model.layers.{layer}."
-    fields = {f: tensors[p + name] for f, name in LAYER_FIELDS.items()}
-    fields.update({f: tensors.get(p + name) for f, name in OPTIONAL_LAYER_FIELDS.items()})
-    return fields
+@dataclass
+class LayerWeights(Generic[W]):
+    """One decoder layer's weights, named for what they are, in a backend's weight type."""
+
+    input_norm: W
+    q: W  # projections may be packed (mlx-lm's affine quantization); norms never are
+    k: W
+    v: W
+    o: W
+    post_norm: W
+    gate: W
+    up: W
+    down: W
+    q_bias: W | None = None
+    k_bias: W | None = None
+    v_bias: W | None = None
+    q_norm: W | None = None
+    k_norm: W | None = None
+
+    @classmethod
+    def of_layer(cls, tensors: dict[str, W], layer: int) -> LayerWeights[W]:
+        """A layer's loaded tensors by field (absent optional ones are None)."""
+        p = f"model.layers.{layer}."
+        fields = {f: tensors[p + name] for f, name in LAYER_FIELDS.items()}
+        fields.update({f: tensors.get(p + name) for f, name in OPTIONAL_LAYER_FIELDS.items()})
+        return cls(**fields)
 
 
 def load_range(config: ModelConfig, layer_range: tuple[int, int],
-               load: Callable[[dict[str, tuple[int, ...]]], dict[str, Any]],
-               layer_weights: Callable[[dict[str, Any], int], Any],
-               on_layer: Callable[[int], None] | None = None) -> tuple[list[Any], tuple]:
+               load: Callable[[dict[str, tuple[int, ...]]], dict[str, W]],
+               on_layer: Callable[[int], None] | None = None,
+               ) -> tuple[list[LayerWeights[W]], tuple]:
     """A range's weights, layer by layer, through a backend's `load`.
 
     Returns the layers and (embeddings, final norm, head), which only the range starting at
@@ -85,7 +108,7 @@ def load_range(config: ModelConfig, layer_range: tuple[int, int],
     start, end = layer_range
     layers = []
     for layer in range(start, end):
-        layers.append(layer_weights(load(layer_tensor_shapes(config, layer)), layer))
+        layers.append(LayerWeights.of_layer(load(layer_tensor_shapes(config, layer)), layer))
         if on_layer:
             on_layer(layer)
     if start != 0:

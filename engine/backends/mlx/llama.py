@@ -16,36 +16,13 @@ mlx-lm's affine quantization (`quant.py`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import mlx.core as mx
 
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.config import ModelConfig, rope_inv_freq
-from engine.family import layer_fields, load_range
-
-
-@dataclass
-class LayerWeights:
-    input_norm: mx.array
-    q: Weight  # projections may be packed (mlx-lm's affine quantization); norms never are
-    k: Weight
-    v: Weight
-    o: Weight
-    post_norm: mx.array
-    gate: Weight
-    up: Weight
-    down: Weight
-    q_bias: mx.array | None = None
-    k_bias: mx.array | None = None
-    v_bias: mx.array | None = None
-    q_norm: mx.array | None = None
-    k_norm: mx.array | None = None
-
-
-def layer_weights(tensors: dict, layer: int) -> LayerWeights:
-    return LayerWeights(**layer_fields(tensors, layer))
+from engine.family import LayerWeights, load_range
 
 
 def linear(x: mx.array, weight: Weight, bias: mx.array | None = None) -> mx.array:
@@ -115,7 +92,7 @@ class LlamaRange:
         self.layer_range = layer_range
         self.cache = cache
         self.rope = rope
-        self.layers, ends = load_range(config, layer_range, load, layer_weights, on_layer)
+        self.layers, ends = load_range(config, layer_range, load, on_layer)
         self.embed, self.norm, self.head = ends
 
     def embed_tokens(self, token_ids: mx.array) -> mx.array:

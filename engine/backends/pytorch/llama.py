@@ -9,36 +9,13 @@ model's dtype) so that float32 logits match it closely.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.config import ModelConfig, rope_inv_freq
-from engine.family import layer_fields, load_range
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
-    post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-
-
-def layer_weights(tensors: dict, layer: int) -> LayerWeights:
-    return LayerWeights(**layer_fields(tensors, layer))
+from engine.family import LayerWeights, load_range
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,7 +87,7 @@ class LlamaRange:
         self.layer_range = layer_range
         self.cache = cache
         self.rope = rope
-        self.layers, ends = load_range(config, layer_range, load, layer_weights, on_layer)
+        self.layers, ends = load_range(config, layer_range, load, on_layer)
         self.embed, self.norm, self.head = ends
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
