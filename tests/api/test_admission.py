@@ -3,13 +3,12 @@ its slot at once."""
 
 from __future__ import annotations
 
-import time
-
 import openai
 import pytest
 from openai import OpenAI
 
 from tests.api.conftest import http, serve
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +39,6 @@ def test_busy_gets_503_with_retry_after_and_a_leaving_client_frees_its_slot(one_
     assert raised.value.response.headers["Retry-After"] == "1"
     assert raised.value.body["type"] == "server_error"
     long.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 10
-    while slots_in_use(one_slot) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert slots_in_use(one_slot) == 0
+    wait_until(lambda: slots_in_use(one_slot) == 0, within_s=10,
+               what="the slot given back once its client went away")
     assert client.completions.create(model=model, prompt="now", max_tokens=2).choices

@@ -22,6 +22,7 @@ from engine.lanes.host import LaneHost
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
 from engine.pipeline.runner import LocalRunner
+from tests.waiting import wait_until_async
 
 POISON_SEED = 666  # the sampler of a stream with this seed fails after its third token
 POISON_STOP = "poison-stop"  # the text of a stream with this stop string fails at once
@@ -85,11 +86,8 @@ async def sse_events(response: aiohttp.ClientResponse) -> list:
 
 
 async def wait_for_free_slots(host: LaneHost, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    until = loop.time() + timeout_s
-    while host.slots_in_use() and loop.time() < until:
-        await asyncio.sleep(0.02)
-    assert host.slots_in_use() == 0, "a failed stream kept its slot"
+    await wait_until_async(lambda: host.slots_in_use() == 0, within_s=timeout_s,
+                           what="every slot free again (a failed stream keeps none)")
 
 
 def body(**fields) -> dict:

@@ -20,6 +20,7 @@ import pytest
 from engine.harness.launch import LocalFleet, free_port, launch
 from supervisor.front_door import FrontDoorConfig, Route, open_front_door
 from supervisor.relays import UpstreamSilence
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.timeout(180)
 LONG = 4000  # tokens: ~15 s of generation on the tiny model, far beyond every bound below
@@ -84,9 +85,11 @@ async def slots_in_use(direct: aiohttp.ClientSession) -> int:
 
 async def wait_slots(direct: aiohttp.ClientSession, want: int, within_s: float) -> float:
     t0 = time.monotonic()
-    while (n := await slots_in_use(direct)) != want:
-        assert time.monotonic() - t0 < within_s, f"slots_in_use {n}, not {want}"
-        await asyncio.sleep(0.02)
+
+    async def reached() -> bool:
+        return await slots_in_use(direct) == want
+
+    await wait_until_async(reached, within_s=within_s, what=f"slots_in_use {want}")
     return time.monotonic() - t0
 
 
