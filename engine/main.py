@@ -23,8 +23,8 @@ from engine.logs import configure_logging
 from engine.pipeline.follower import run_follower
 from engine.pipeline.liveness import LivenessConfig
 from engine.pipeline.rank0 import PipelineRunner
+from engine.pipeline.ring import boot_ring
 from engine.pipeline.runner import LocalRunner
-from engine.pipeline.stage_main import boot_ring
 
 log = structlog.get_logger()
 

@@ -18,8 +18,8 @@ from engine.env import EngineEnv
 from engine.harness.launch import launch
 from engine.pipeline.liveness import LivenessConfig
 from engine.pipeline.rank0 import PipelineRunner
+from engine.pipeline.ring import boot_ring
 from engine.pipeline.runner import LocalRunner
-from engine.pipeline.stage_main import boot_ring
 
 
 def model_config(model_dir: Path) -> ModelConfig:

@@ -1,1 +1,2 @@
-"""Pipelines: one model split over several engine processes joined by the stage link."""
+"""Rounds over the whole model: the round runner protocol and the pure round builder, the
+one-process runner, and a ring of stage processes (boot, liveness, rank 0's runner, followers)."""

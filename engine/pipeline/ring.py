@@ -10,6 +10,7 @@ GO. Rows then flow rank i -> i + 1 directly, the last rank back to rank 0; plans
 Listeners admit through an `AcceptLoop`: anything that reaches them before the expected
 peer (a port scan, garbage, a wrong key, a silent socket) is refused and logged with its
 address, and never ends or stalls the boot. One boot deadline bounds the whole bootstrap.
+`boot_ring` is the entry point: this rank's part, from its environment contract.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from engine import ENGINE_VERSION
+from engine.addresses import format_host_port
+from engine.backends.base import Stage
+from engine.checkpoint.fingerprint import checkpoint_digest, layout_fingerprint
+from engine.config import ModelConfig
+from engine.env import EngineEnv
 from engine.link.accept_loop import HANDSHAKE_DEADLINE_S, AcceptLoop, Refusal
 from engine.link.errors import (
     ConnectionFailed,
@@ -29,9 +36,9 @@ from engine.link.errors import (
     UnexpectedFrame,
 )
 from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES, Frame, FrameKind
-from engine.link.hello import Handshake
+from engine.link.hello import Handshake, read_key_file
 from engine.link.layout import check_descriptions
-from engine.link.messages import Describe, Neighbour, Ready, decode_message
+from engine.link.messages import Backend, Describe, Neighbour, Ready, decode_message
 from engine.link.transport import Link, connect, handshake, listen
 
 log = structlog.get_logger()
@@ -61,7 +68,6 @@ class Ring:
     control: dict[int, Link]  # rank 0: every follower by rank; a follower: {0: rank 0}
     to_next: Link  # rows to the successor
     from_prev: Link  # rows from the predecessor
-    describes: dict[int, Describe]  # rank 0 only: every rank's description
     rows_buffer: bytearray = field(init=False)  # where the predecessor's rows land
 
     def __post_init__(self) -> None:
@@ -73,6 +79,36 @@ class Ring:
     def close(self) -> None:
         for link in self.links():
             link.close()
+
+
+def describe(stage: Stage, env: EngineEnv) -> Describe:
+    """What this rank tells rank 0 about itself at boot (RFC 6.4 Describe)."""
+    rows = stage.row_format
+    start, end = stage.layer_range
+    return Describe(
+        engine_version=ENGINE_VERSION, backend=Backend.from_label(env.backend),
+        kv_dtype=rows.dtype, rank=env.rank, world=env.world_size, layer_first=start, layer_end=end,
+        hidden=rows.hidden, row_dtype=rows.dtype, planes=rows.planes,
+        prompt_chunk=env.chunk, max_rows_per_round=env.parallel + env.chunk,
+        parallel=env.parallel, context=env.context, drafter_width=0,
+        kv_rows=stage.kv_capacity_rows(), recurrent_states=env.parallel,
+    )
+
+
+def boot_ring(env: EngineEnv, stage: Stage, config: ModelConfig) -> Ring:
+    """Authenticate and wire this rank into its replica's ring (blocks until GO)."""
+    key = read_key_file(env.key_file)
+    fingerprint = layout_fingerprint(checkpoint_digest(env.model_dir), list(env.layout))
+    own = describe(stage, env)
+    rows_bound = stage.row_format.nbytes(env.parallel + env.chunk)
+    ring_config = RingConfig(env.rank, env.world_size, env.master, env.listen, fingerprint,
+                             key, rows_bound, env.boot_deadline_s, env.round_deadline_s,
+                             env.handshake_deadline_s)
+    if env.rank == 0:
+        return boot_rank0(ring_config, own, n_layers=config.num_hidden_layers,
+                          engine_version=ENGINE_VERSION, context=env.context,
+                          parallel=env.parallel)
+    return boot_follower(ring_config, own)
 
 
 class _BootClock:
@@ -90,8 +126,7 @@ class _BootClock:
 
 
 def _address(host_port: tuple[str, int]) -> str:
-    host, port = host_port
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_host_port(*host_port)
 
 
 def _expect(frame: Frame, kind: FrameKind, peer: str):
@@ -204,7 +239,7 @@ def boot_rank0(config: RingConfig, own: Describe, *, n_layers: int, engine_versi
         control_door.close()
         if data_door is not None:
             data_door.close()
-    return Ring(config, control, data[0], data[1], describes)
+    return Ring(config, control, data[0], data[1])
 
 
 def boot_follower(config: RingConfig, own: Describe) -> Ring:
@@ -244,4 +279,4 @@ def boot_follower(config: RingConfig, own: Describe) -> Ring:
         raise
     finally:
         data_door.close()
-    return Ring(config, {0: link}, data[0], data[1], {})
+    return Ring(config, {0: link}, data[0], data[1])
