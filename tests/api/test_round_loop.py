@@ -22,6 +22,7 @@ from engine.harness.launch import free_port
 from engine.lanes.host import LaneHost
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import LocalRunner
+from tests.waiting import wait_until_async
 
 FREE_ROUNDS = 4  # rounds that run before the stall: the streamed reply has sent tokens
 
@@ -40,14 +41,6 @@ class StallingRunner(LocalRunner):
             self.stalled.set()
             self.release.wait(30)
         return super().run_round(plan, token_ids)
-
-
-async def until(condition, what: str, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, f"not within {timeout_s} s: {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_shutting_the_app_down_answers_every_stream_in_flight_then_stops_the_loop(make_model):
@@ -79,8 +72,9 @@ def test_shutting_the_app_down_answers_every_stream_in_flight_then_stops_the_loo
                         events.append(json.loads(line[6:]))
                         if events[-1]["choices"][0]["text"]:
                             break
-                await until(lambda: runner.stalled.is_set() and host.slots_in_use() == 2,
-                            "both requests hold a slot while a round stalls")
+                await wait_until_async(
+                    lambda: runner.stalled.is_set() and host.slots_in_use() == 2,
+                    within_s=20, what="both requests hold a slot while a round stalls")
                 await web_runner.cleanup()
                 cleaned = True
                 # The loop stopped, after the streams had ended with the shutdown's reason.
