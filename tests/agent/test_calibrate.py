@@ -16,6 +16,7 @@ from agent.calibrate import (
     calibrate_cached,
 )
 from tests.agent.conftest import agent_config, client, serving
+from tests.waiting import wait_until_async
 
 # Attention-heavy on purpose (many KV heads, small MLP) so the cost of rows and of context
 # stands well clear of timing noise on a busy two-core machine.
@@ -28,6 +29,19 @@ def request(backend: str = "torch-cpu", **fields) -> CalibrationRequest:
     return CalibrationRequest(**dict(dict(config=SHAPE, backend=backend, contexts=(SHORT, LONG),
                                           batch_rows=B, chunk_rows=128, runs=3, warmup=1,
                                           budget_s=8.0, threads=1), **fields))
+
+
+async def finished_job(session, url: str, job: dict, within_s: float = 120) -> dict:
+    """The calibration job's view once it no longer runs (done or failed)."""
+    async def ended() -> dict | None:
+        nonlocal job
+        if job.get("state") == "running":
+            async with session.get(f"{url}/v1/calibrations/jobs/{job['job_id']}") as r:
+                job = await r.json()
+        return job if job.get("state") != "running" else None
+
+    return await wait_until_async(ended, within_s=within_s, poll_s=0.2,
+                                  what=f"calibration job {job.get('job_id')} ended")
 
 
 def check_ordered(result) -> None:
@@ -90,11 +104,7 @@ def test_the_agent_calibrates_in_a_child_and_serves_the_cache(fleet, tmp_path):
             async with session.post(url + "/v1/calibrations", json=body) as r:
                 assert r.status == 202, await r.text()
                 job = await r.json()
-            deadline = time.monotonic() + 120
-            while job["state"] == "running" and time.monotonic() < deadline:
-                await asyncio.sleep(0.3)
-                async with session.get(f"{url}/v1/calibrations/jobs/{job['job_id']}") as r:
-                    job = await r.json()
+            job = await finished_job(session, url, job)
             assert job["state"] == "done", job
             assert job["done"] == job["total"] == 5
             from agent.calibrate import Calibration
@@ -113,12 +123,7 @@ def test_the_agent_calibrates_in_a_child_and_serves_the_cache(fleet, tmp_path):
                                     json=dict(body, backend=absent)) as r:
                 assert r.status == 202
                 bad = await r.json()
-            deadline = time.monotonic() + 60
-            while bad["state"] == "running":
-                assert time.monotonic() < deadline, bad
-                await asyncio.sleep(0.2)
-                async with session.get(f"{url}/v1/calibrations/jobs/{bad['job_id']}") as r:
-                    bad = await r.json()
+            bad = await finished_job(session, url, bad, within_s=60)
             assert bad["state"] == "failed" and "sees no" in bad["error"]
 
     asyncio.run(scenario())

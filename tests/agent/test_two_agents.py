@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import aiohttp
 import pytest
@@ -21,7 +20,7 @@ from tests.agent.conftest import (
     read_records,
     wait_state,
 )
-from tests.agent.test_calibrate import LONG, SHAPE, SHORT, B, check_ordered
+from tests.agent.test_calibrate import LONG, SHAPE, SHORT, B, check_ordered, finished_job
 from tests.agent.test_engine_processes import stream_completion
 from tests.agent.test_facts import check_against_this_machine
 
@@ -34,11 +33,7 @@ async def calibrated(session, url: str, backend: str) -> Calibration:
                 chunk_rows=128, runs=3, warmup=1, budget_s=8.0, threads=1)
     async with session.post(url + "/v1/calibrations", json=body) as r:
         job = await r.json()
-    deadline = time.monotonic() + 120
-    while job.get("state") == "running" and time.monotonic() < deadline:
-        await asyncio.sleep(0.3)
-        async with session.get(f"{url}/v1/calibrations/jobs/{job['job_id']}") as r:
-            job = await r.json()
+    job = await finished_job(session, url, job)
     assert job["state"] == "done", job
     return Calibration.from_dict(job["result"])
 
