@@ -280,10 +280,8 @@ def test_a_failed_replica_ends_its_relays_at_once_and_gets_no_more():
         assert streamed.status == 200
         assert b"one" in await streamed.content.readuntil(b"\n\n")
         whole = asyncio.ensure_future(s.post("/v1/chat/completions", json=ask("m", "hang")))
-        deadline = time.monotonic() + 5
-        while door.config.relays.open_count("m-g1") < 2:  # both relays are open upstream
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: door.config.relays.open_count("m-g1") >= 2, within_s=5,
+                               what="both relays open upstream")
         t0 = time.monotonic()
         assert door.config.relays.replica_failed("m-g1", "rank 1 exited (code 1)") == 2
         rest = (await streamed.read()).decode()
@@ -296,10 +294,8 @@ def test_a_failed_replica_ends_its_relays_at_once_and_gets_no_more():
         assert "rank 1 exited" in (await whole_reply.json())["error"]["message"]
         async with s.post("/v1/chat/completions", json=ask("m")) as r:  # routed there still
             assert r.status == 503 and "failed" in (await r.json())["error"]["message"]
-        deadline = time.monotonic() + 5
-        while door.upstream.cancelled < 2:  # rank 0 saw both requests end
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: door.upstream.cancelled >= 2, within_s=5,
+                               what="rank 0 seeing both requests end")
         assert len(door.upstream.authorizations) == 2  # the third never went upstream
     run(check, relays=Relays())
 
@@ -338,15 +334,11 @@ def test_a_disconnecting_client_cancels_its_upstream_request():
         async with aiohttp.ClientSession(f"http://127.0.0.1:{door.port}") as client:
             whole = asyncio.ensure_future(client.post("/v1/chat/completions",
                                                       json=ask("m", "hang")))
-            deadline = time.monotonic() + 5
-            while door.config.relays.open_count("m-g1") < 1:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: door.config.relays.open_count("m-g1") >= 1,
+                                   within_s=5, what="the relay open upstream")
         whole.cancel()  # the session closed under it: the client is gone
-        deadline = time.monotonic() + 3
-        while door.upstream.cancelled < 1:
-            assert time.monotonic() < deadline, "the upstream request outlived its client"
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: door.upstream.cancelled >= 1, within_s=3,
+                               what="the upstream request ended with its client")
         assert door.config.relays.open_count("m-g1") == 0
     run(check)
 
