@@ -14,6 +14,7 @@ from agent.child import (
     explain_exit,
     same_process_alive,
 )
+from tests.waiting import wait_until_async
 
 IGNORES_TERM = ("import signal, sys, time\n"
                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -44,11 +45,8 @@ def test_sigkill_follows_an_ignored_sigterm(tmp_path):
                                    RotatingLog(tmp_path / "c.log"),
                                    on_line=lambda line, ev: lines.append(ev))
         child.start_monitor()
-        for _ in range(100):
-            if lines:
-                break
-            await asyncio.sleep(0.1)
-        assert lines and lines[0] == {"event": "ready"}
+        await wait_until_async(lambda: lines, within_s=10, what="the child's first line")
+        assert lines[0] == {"event": "ready"}
         exit_ = await child.stop(GracePeriods(term_s=0.5, kill_s=5))
         assert exit_ is not None
         assert (exit_.signal, exit_.stopped_by) == ("SIGKILL", "SIGKILL")

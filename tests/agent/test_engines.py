@@ -37,7 +37,7 @@ from tests.agent.conftest import (
     serving,
     wait_state,
 )
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_async
 
 INFO = CheckpointInfo("/m", n_layers=4, weight_files=1)
 CPU = frozenset({"torch-cpu", "mlx-cpu"})
@@ -179,11 +179,8 @@ def test_no_orphans_a_drained_engine_takes_its_process_group_with_it(fleet, tmp_
             async with session.post(url + "/v1/engines/parent/drain", json={}) as r:
                 assert r.status == 202
             await wait_state(session, url, "parent", {"exited"}, 30)
-            for _ in range(50):
-                if not pid_alive(grandchild):
-                    break
-                await asyncio.sleep(0.1)
-            assert not pid_alive(grandchild)
+            await wait_until_async(lambda: not pid_alive(grandchild), within_s=5,
+                                   what="the grandchild gone with its engine")
 
     asyncio.run(scenario())
 
