@@ -140,6 +140,8 @@ class LaneHost:
         self.draining = False
         self.round_no = 0
         self._wake = asyncio.Event()
+        self._settled = asyncio.Event()  # set while no stream is in flight, or once failed
+        self._settled.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round")
 
     @property
@@ -162,6 +164,7 @@ class LaneHost:
             self.waiting.append(stream)
         else:
             raise Busy(f"all {len(self.slots)} slots are busy and {self.max_waiting} requests wait")
+        self._settled.clear()
         self._wake.set()
         return stream
 
@@ -171,10 +174,10 @@ class LaneHost:
     async def drain(self, deadline_s: float) -> bool:
         """Stop admitting and wait up to `deadline_s` for in-flight streams; True if all ended."""
         self.draining = True
-        loop = asyncio.get_running_loop()
-        until = loop.time() + deadline_s
-        while not self.idle() and not self.failure and loop.time() < until:
-            await asyncio.sleep(0.05)
+        try:
+            await asyncio.wait_for(self._settled.wait(), deadline_s)
+        except TimeoutError:
+            pass
         return self.idle()
 
     def fail(self, reason: str) -> None:
@@ -185,6 +188,7 @@ class LaneHost:
                 stream.finished = True
                 stream.events.put_nowait(Failed(reason))
         self.waiting.clear()
+        self._settled.set()
         self._wake.set()
 
     async def run(self) -> None:
@@ -240,6 +244,7 @@ class LaneHost:
             self.slots[slot] = None
         if built.plan is not None:
             self.round_no = built.plan.round_no
+        self._note_settled()
 
     def _deliver(self, plan: RoundPlan, logits: np.ndarray) -> None:
         now = time.monotonic()
@@ -265,6 +270,11 @@ class LaneHost:
                 stream.fail(f"generating this reply failed: {type(exc).__name__}: {exc}")
         if any(s is not None for s in self.slots) or self.waiting:
             self._wake.set()
+        self._note_settled()
+
+    def _note_settled(self) -> None:
+        if self.idle():
+            self._settled.set()
 
     def _sample(self, stream: Stream, row: np.ndarray, now: float) -> None:
         request = stream.request
