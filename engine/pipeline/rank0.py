@@ -16,7 +16,7 @@ import structlog
 
 from engine.backends.base import Stage
 from engine.link.errors import ProtocolError, UnexpectedFrame
-from engine.link.frame import FrameKind
+from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
 from engine.pipeline.ring import Ring
 from engine.pipeline.rows import receive_rows
@@ -52,7 +52,9 @@ class PipelineRunner:
             watch(link, self._liveness, self.fate, self._on_follower_frame)
 
     async def ring_failed(self) -> str:
-        """Completes with the reason when the ring dies."""
+        """Completes with the reason when the ring dies (never, if not started on a loop)."""
+        if self._failed is None:
+            await asyncio.Event().wait()
         return await self._failed
 
     def _on_fatal(self, reason: str) -> None:
@@ -60,7 +62,7 @@ class PipelineRunner:
             self._loop.call_soon_threadsafe(
                 lambda: self._failed.done() or self._failed.set_result(reason))
 
-    def _on_follower_frame(self, frame) -> bool:
+    def _on_follower_frame(self, frame: Frame) -> bool:
         if frame.kind is FrameKind.PLAN:  # a follower's keep-alive
             return True
         if frame.kind is FrameKind.GOODBYE:  # a follower was asked to stop: drain the replica
