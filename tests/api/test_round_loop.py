@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import aiohttp
 from aiohttp import web
@@ -21,33 +20,15 @@ from engine.backends.base import StageSpec, load_stage
 from engine.harness.launch import free_port
 from engine.lanes.host import LaneHost
 from engine.lanes.text import TextCodec
-from engine.pipeline.runner import LocalRunner
+from tests.stalling_runner import StallingRunner
 from tests.waiting import wait_until_async
-
-FREE_ROUNDS = 4  # rounds that run before the stall: the streamed reply has sent tokens
-
-
-class StallingRunner(LocalRunner):
-    """Runs `FREE_ROUNDS` rounds, then holds the next one until `release` is set."""
-
-    def __init__(self, stage) -> None:
-        super().__init__(stage)
-        self.rounds = 0
-        self.stalled, self.release = threading.Event(), threading.Event()
-
-    def run_round(self, plan, token_ids):
-        self.rounds += 1
-        if self.rounds > FREE_ROUNDS:
-            self.stalled.set()
-            self.release.wait(30)
-        return super().run_round(plan, token_ids)
 
 
 def test_shutting_the_app_down_answers_every_stream_in_flight_then_stops_the_loop(make_model):
     model_dir = make_model("qwen3")
     spec = StageSpec(model_dir, (0, 3), "torch-cpu", parallel=4, context=256, chunk=32)
     codec = TextCodec(model_dir)
-    runner = StallingRunner(load_stage(spec))
+    runner = StallingRunner(load_stage(spec), free_rounds=4)  # the stream sends tokens first
 
     async def main() -> None:
         host = LaneHost(runner, codec, chunk=32, max_waiting=4)

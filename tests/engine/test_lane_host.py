@@ -5,7 +5,6 @@ one fault injected is a round that stalls."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -15,21 +14,7 @@ from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import LocalRunner
 from tests.engine.conftest import whole_stage
-
-
-class StallingRunner(LocalRunner):
-    """Holds every round after the first `free_rounds` until `release` is set."""
-
-    def __init__(self, stage, free_rounds: int) -> None:
-        super().__init__(stage)
-        self.free_rounds, self.rounds = free_rounds, 0
-        self.release = threading.Event()
-
-    def run_round(self, plan, token_ids):
-        self.rounds += 1
-        if self.rounds > self.free_rounds:
-            self.release.wait(30)
-        return super().run_round(plan, token_ids)
+from tests.stalling_runner import StallingRunner
 
 
 def request(max_tokens: int) -> GenerationRequest:
@@ -63,23 +48,28 @@ def test_a_drain_returns_when_the_last_stream_ends_and_takes_no_new_one(model):
     assert queued == [13, 21]  # every token and the Done were there when the drain returned
 
 
+async def drain_while_a_round_stalls(host: LaneHost, deadline_s: float,
+                                     fail_after_s: float | None = None):
+    """Submit one long stream, drain (failing the host after `fail_after_s`, if given);
+    returns (drained, seconds waited, the stream's events)."""
+    loop_task = asyncio.create_task(host.run())
+    stream = host.submit(request(30))
+    if fail_after_s is not None:
+        asyncio.get_running_loop().call_later(fail_after_s, host.fail, "the ring died")
+    started = time.monotonic()
+    drained = await host.drain(deadline_s)
+    waited = time.monotonic() - started
+    host.runner.release.set()
+    loop_task.cancel()
+    return drained, waited, [stream.events.get_nowait() for _ in range(stream.events.qsize())]
+
+
 def test_a_drain_gives_up_at_its_deadline(model):
     stage, codec = model
     runner = StallingRunner(stage, free_rounds=2)
     host = LaneHost(runner, codec, chunk=16, max_waiting=2)
-
-    async def go():
-        loop_task = asyncio.create_task(host.run())
-        host.submit(request(30))
-        started = time.monotonic()
-        drained = await host.drain(0.5)
-        waited = time.monotonic() - started
-        runner.release.set()
-        loop_task.cancel()
-        return drained, waited
-
     try:
-        drained, waited = asyncio.run(go())
+        drained, waited, _events = asyncio.run(drain_while_a_round_stalls(host, 0.5))
     finally:
         runner.release.set()
         host.close()
@@ -90,20 +80,9 @@ def test_a_failure_ends_a_drain_at_once(model):
     stage, codec = model
     runner = StallingRunner(stage, free_rounds=1)
     host = LaneHost(runner, codec, chunk=16, max_waiting=2)
-
-    async def go():
-        loop_task = asyncio.create_task(host.run())
-        stream = host.submit(request(30))
-        asyncio.get_running_loop().call_later(0.2, host.fail, "the ring died")
-        started = time.monotonic()
-        drained = await host.drain(30)
-        waited = time.monotonic() - started
-        loop_task.cancel()
-        events = [stream.events.get_nowait() for _ in range(stream.events.qsize())]
-        return drained, waited, events
-
     try:
-        drained, waited, events = asyncio.run(go())
+        drained, waited, events = asyncio.run(
+            drain_while_a_round_stalls(host, 30, fail_after_s=0.2))
     finally:
         runner.release.set()
         host.close()
