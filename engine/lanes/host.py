@@ -2,8 +2,10 @@
 
 Every active stream rides every round: decode rows for streams that are generating, and
 prompt chunks (at most `chunk` prompt rows a round, in slot order) for streams that are
-still reading their prompt. A round runs on one worker thread, so the event loop stays
-free for HTTP while the model computes; sampling happens back on the loop.
+still reading their prompt. Each round is decided by `engine.pipeline.round_builder` from
+a frozen view of the streams and the slot table; the host applies the admissions and
+releases it returns, then runs the plan. A round runs on one worker thread, so the event
+loop stays free for HTTP while the model computes; sampling happens back on the loop.
 
 Whatever goes wrong while sampling or detokenizing one stream ends that stream alone (a
 `Failed` event with `per_request` set, its slot cancelled next round); only a failed round
