@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import socket
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -86,3 +87,22 @@ def stays_true(condition: Callable[[], object], *, for_s: float, what: str,
         if time.monotonic() >= deadline:
             return
         time.sleep(poll_s)
+
+
+def connect_once_listening(address: tuple[str, int], *, within_s: float, what: str,
+                           still_worth_it: Callable[[], object] = lambda: True,
+                           poll_s: float = 0.05) -> socket.socket:
+    """A socket connected to `address` as soon as something listens there.
+
+    A port that is not open yet has no event to wait on, so this dials again every
+    `poll_s`. `still_worth_it` is checked before each attempt (an assert that the process
+    that should listen is still running, say), so a dead listener fails at once.
+    """
+    def attempt() -> socket.socket | None:
+        still_worth_it()
+        try:
+            return socket.create_connection(address, timeout=5)
+        except ConnectionRefusedError:
+            return None
+
+    return wait_until(attempt, within_s=within_s, what=what, poll_s=poll_s)

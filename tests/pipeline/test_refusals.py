@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-import time
-
 import pytest
 
 from engine.harness.launch import launch, write_key_file
+from tests.waiting import connect_once_listening
 
 BOOT = {"FLEET_BOOT_DEADLINE_S": "8"}
 
@@ -78,14 +76,12 @@ def test_a_garbage_hello_is_refused_and_the_ring_still_boots(model, tmp_path):
     fleet = launch(model, [(0, 2), (2, 4)], run_dir=tmp_path / "run", spawn=[0])
     master = ("127.0.0.1", int(fleet.envs[0]["MASTER_PORT"]))
     try:
-        deadline = time.monotonic() + 60
-        while True:  # rank 0 listens once its stage has loaded
-            try:
-                stranger = socket.create_connection(master, timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, fleet.log_tail(0)
-                time.sleep(0.1)
+        def alive() -> None:
+            assert fleet.processes[0].poll() is None, fleet.log_tail(0)
+
+        # Rank 0 listens once its stage has loaded.
+        stranger = connect_once_listening(master, within_s=60, still_worth_it=alive,
+                                          what="rank 0 listening")
         with stranger:
             stranger.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64))
             stranger.settimeout(5)

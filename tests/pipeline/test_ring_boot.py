@@ -23,6 +23,7 @@ from engine.pipeline.ring import (
     boot_follower,
     boot_rank0,
 )
+from tests.waiting import connect_once_listening
 
 HOST = "127.0.0.1"
 KEY = b"r" * 32
@@ -107,14 +108,8 @@ def test_one_boot_deadline_bounds_the_bootstrap_and_names_the_strangers():
     started = time.monotonic()
     thread = threading.Thread(target=lambda: outcome.extend(boot_all([config])[:1]))
     thread.start()
-    deadline = time.monotonic() + 10
-    while True:  # the stranger, once rank 0 listens
-        try:
-            stranger = socket.create_connection(config.master, timeout=5)
-            break
-        except ConnectionRefusedError:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    stranger = connect_once_listening(config.master, within_s=10, poll_s=0.02,
+                                      what="rank 0 listening, for the stranger")
     with stranger:
         stranger.sendall(b"\x00" * 32)
         address = "{}:{}".format(*stranger.getsockname()[:2])

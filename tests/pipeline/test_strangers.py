@@ -24,6 +24,7 @@ from engine.harness.launch import LocalFleet, launch
 from engine.link import errors
 from engine.link.hello import Handshake
 from engine.link.transport import connect, handshake
+from tests.waiting import connect_once_listening
 
 STAGES = [(0, 2), (2, 4)]
 ENV = {
@@ -48,15 +49,12 @@ def source(sock: socket.socket) -> str:
 def wait_listening(fleet: LocalFleet, rank: int, address: tuple[str, int]) -> str:
     """Connect until `address` accepts, then close at once: the scanner's connect-and-close.
     Returns the source address of the connection that got in."""
-    until = time.monotonic() + WAIT_S
-    while True:
+    def alive() -> None:
         assert fleet.processes[rank].poll() is None, fleet.log_tail(rank)
-        try:
-            with socket.create_connection(address, timeout=5) as probe:
-                return source(probe)
-        except ConnectionRefusedError:
-            assert time.monotonic() < until, f"{address} never listened:\n{fleet.log_tail(rank)}"
-            time.sleep(0.1)  # polling a port that is not open yet: nothing to wait on
+
+    with connect_once_listening(address, within_s=WAIT_S, still_worth_it=alive,
+                                what=f"{address} listening (rank {rank})") as probe:
+        return source(probe)
 
 
 def send_garbage(address: tuple[str, int]) -> tuple[str, bytes]:
