@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.config import ConfigError, ModelConfig
+from engine.row_format import RowFormat
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import ModelShape, ShapeError, model_shape_from_config
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def read_shape(spec: ModelSpec) -> ModelShape | str:
@@ -28,10 +28,12 @@ def read_config(spec: ModelSpec) -> tuple[dict[str, Any], ModelShape] | str:
             raw = json.loads(config_path.read_text())
         except (OSError, ValueError):
             continue
-        dtype = str(raw.get("torch_dtype", "bfloat16"))
         try:
-            return raw, model_shape_from_config(raw, DTYPE_BYTES.get(dtype, 2))
-        except ShapeError as exc:
+            # The dtype the engine will load (`dtype` as transformers 5 writes it, or
+            # `torch_dtype`), by the engine's own rule, so a float32 checkpoint counts 4 bytes.
+            dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
+            return raw, model_shape_from_config(raw, dtype_bytes)
+        except (ShapeError, ConfigError, TypeError) as exc:
             return f"{config_path}: {exc}"
     return (f"no checkpoint path of {spec.id} has a readable config.json on the supervisor's "
             f"machine ({', '.join(dict.fromkeys(paths))})")
