@@ -52,6 +52,8 @@ _OVERRIDES: dict[str, str] = {
     "sliding_window": "sliding_window",
     "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
+    "multimodal": "multimodal",
+    "full_attention_interval": "full_attention_interval",
 }
 
 
@@ -83,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--sliding-window", type=int, help="mistral only")
     make.add_argument("--max-position-embeddings", type=int)
     make.add_argument("--rms-norm-eps", type=float)
+    make.add_argument("--multimodal", action=argparse.BooleanOptionalAction, default=None,
+                      help="qwen3_5 only: the conditional-generation layout (text weights "
+                           "under model.language_model., a tiny vision tower, MTP tensors)")
+    make.add_argument("--full-attention-interval", type=int,
+                      help="qwen3_5 only: every n-th layer is full attention (default 4)")
     make.add_argument("--quantize", type=int, choices=AFFINE_BITS,
                       help="write mlx-lm's affine format at this many bits (e.g. 4 or 8)")
     make.add_argument("--group-size", type=int, choices=AFFINE_GROUP_SIZES,

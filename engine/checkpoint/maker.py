@@ -1,4 +1,4 @@
-"""Make seeded random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3), streamed to disk."""
+"""Make seeded random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3.5), streamed to disk."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Literal
 
 import numpy as np
 
+from engine.checkpoint import qwen3_5_layout
 from engine.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 from engine.checkpoint.tokenizer import (
     BOS_TOKEN_ID,
@@ -24,10 +25,10 @@ from engine.checkpoint.tokenizer import (
     write_tokenizer,
 )
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_5"]
 DType = Literal["float32", "bfloat16", "float16"]
 
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5")
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -101,6 +102,15 @@ class CheckpointSpec:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     sliding_window: int | None = None
+    # The qwen3_5 hybrid only: its Gated DeltaNet layers, layer pattern, rotary share, layout.
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4  # every n-th layer is full attention, the rest DeltaNet
+    partial_rotary_factor: float = 0.25
+    multimodal: bool = False  # the conditional-generation layout (vision tower, MTP tensors)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -138,9 +148,32 @@ class CheckpointSpec:
                                 f"only the mistral family takes a sliding window, not {self.family}")
             if self.sliding_window < 1:
                 raise SpecError("sliding_window", self.sliding_window, "must be positive or None")
+        self._check_hybrid()
         tensor_count = len(tensor_plan(self))
         if self.shards > tensor_count:
             raise SpecError("shards", self.shards, f"more shards than tensors ({tensor_count})")
+
+
+    def _check_hybrid(self) -> None:
+        if self.family != "qwen3_5":
+            if self.multimodal:
+                raise SpecError("multimodal", self.multimodal,
+                                f"only the qwen3_5 family has that layout, not {self.family}")
+            return
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim",
+                     "full_attention_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(name, value, "must be a positive integer")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise SpecError("linear_num_value_heads", self.linear_num_value_heads,
+                            f"must be a multiple of linear_num_key_heads "
+                            f"({self.linear_num_key_heads})")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or rotary % 2:
+            raise SpecError("partial_rotary_factor", self.partial_rotary_factor,
+                            f"must rotate an even number of head_dim {self.head_dim}'s channels")
 
 
 @dataclass(frozen=True)
@@ -152,6 +185,7 @@ class TensorPlan:
     std: float
     mean: float = 0.0
     random_sign: bool = False  # multiply each value by +1 or -1 (drawn after the values)
+    offset: float = 0.0  # added last, after the sign
 
     @property
     def element_count(self) -> int:
@@ -173,6 +207,8 @@ ProgressCallback = Callable[[WriteProgress], None]
 
 def config_json(spec: CheckpointSpec) -> dict:
     """config.json as transformers writes it for the family (legacy rope keys, both dtype keys)."""
+    if spec.family == "qwen3_5":
+        return qwen3_5_layout.config_json(spec)
     config: dict = {
         "architectures": [ARCHITECTURES[spec.family]],
         "model_type": spec.family,
@@ -226,6 +262,8 @@ def tensor_plan(spec: CheckpointSpec) -> list[TensorPlan]:
     so the residual stays O(1) however deep the model. Embeddings are 1/sqrt(hidden), the same
     scale as the sublayer outputs, so the current token stays visible through the layers.
     """
+    if spec.family == "qwen3_5":
+        return qwen3_5_layout.tensor_plan(spec, TensorPlan)
     hidden, heads, kv_heads = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
     q_width, kv_width = heads * spec.head_dim, kv_heads * spec.head_dim
     residual_scale = 1.0 / math.sqrt(2 * spec.num_hidden_layers)
@@ -324,6 +362,8 @@ def tensor_blocks(spec: CheckpointSpec, tensor: TensorPlan) -> Iterator[bytes]:
         values += np.float32(tensor.mean)
         if tensor.random_sign:
             values *= rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=count)
+        if tensor.offset:
+            values += np.float32(tensor.offset)
         yield _to_dtype_bytes(values, spec.dtype)
         remaining -= count
 

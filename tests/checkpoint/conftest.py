@@ -22,6 +22,12 @@ FAMILY_SHAPES: dict[str, dict] = {
                   num_key_value_heads=2, head_dim=6, num_hidden_layers=2),
     "qwen3": dict(family="qwen3", hidden_size=20, intermediate_size=40, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=10, num_hidden_layers=2),
+    # A DeltaNet layer then a full-attention one; value heads 2:1 over key heads, and key and
+    # value head dims that differ.
+    "qwen3_5": dict(family="qwen3_5", hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+                    full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=6),
 }
 
 

@@ -168,7 +168,7 @@ def _break(model_dir: Path, how: str) -> None:
     ("not an object", r"config\.json: expected a JSON object"),
     ("no model_type", r"config\.json: field model_type is missing"),
     ("unsupported", (r"config\.json: model_type 'gpt2' is not supported "
-                     r"\(supported: llama, mistral, qwen2, qwen3\)")),
+                     r"\(supported: llama, mistral, qwen2, qwen3, qwen3_5_text, qwen3_5\)")),
     ("no tokenizer", r"tokenizer\.json: missing"),
     ("no weights", r"no model\.safetensors and no model\.safetensors\.index\.json"),
     ("missing shard", r"model-00002-of-00003\.safetensors: missing"),

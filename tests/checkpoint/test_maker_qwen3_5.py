@@ -1,0 +1,68 @@
+"""The Qwen3.5 hybrid's checkpoints: the conditional-generation layout, and what our config reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine.checkpoint.maker import CheckpointSpec, SpecError, config_json, tensor_plan
+from engine.checkpoint.reader import open_checkpoint
+from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from engine.family import end_tensor_shapes, layer_tensor_shapes
+from tests.checkpoint.conftest import family_spec
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_transformers_loads_the_conditional_generation_layout(made, tied):
+    spec = family_spec("qwen3_5", multimodal=True, tie_word_embeddings=tied)
+    model_dir = made(spec)
+    model, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        model_dir, dtype="auto", output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, "missing, unexpected or mismatched keys"
+    checkpoint = open_checkpoint(model_dir)
+    expected = checkpoint.load_tensors(checkpoint.tensor_names(), framework="pt")
+    assert any(n.startswith("model.visual.") for n in expected)
+    assert any(n.startswith("mtp.") for n in expected)
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        if not name.startswith("mtp."):  # transformers drops the MTP head by design
+            assert torch.equal(state[name], tensor), name
+    assert model.config.text_config.layer_types == [LINEAR_ATTENTION, FULL_ATTENTION]
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "conditional"])
+def test_family_tables_name_exactly_the_text_tensors(made, multimodal):
+    """Per layer type, our tables match the file: every text tensor, never the tower or MTP."""
+    spec = family_spec("qwen3_5", multimodal=multimodal)
+    checkpoint = open_checkpoint(made(spec))
+    config = ModelConfig.from_dict(checkpoint.config)
+    assert config.layer_types == (LINEAR_ATTENTION, FULL_ATTENTION)
+    assert config.weight_prefix == ("model.language_model." if multimodal else "model.")
+    named: dict[str, tuple[int, ...]] = dict(end_tensor_shapes(config))
+    for layer in range(config.num_hidden_layers):
+        named |= layer_tensor_shapes(config, layer)
+    for name, shape in named.items():
+        checkpoint.check_shape(name, shape)
+    rest = set(checkpoint.tensor_names()) - set(named)
+    assert all(n.startswith(("model.visual.", "mtp.")) for n in rest), rest
+    assert bool(rest) == multimodal
+
+
+def test_config_reads_the_nested_text_config():
+    spec = family_spec("qwen3_5", multimodal=True, tie_word_embeddings=True, dtype="bfloat16")
+    config = ModelConfig.from_dict(config_json(spec))
+    assert (config.model_type, config.dtype, config.tie_word_embeddings) == \
+        ("qwen3_5", "bfloat16", True)
+    assert config.rotary_dim == 2 and config.attn_output_gate and config.norm_adds_one
+    assert config.linear_conv_width == 2 * 2 * 8 + 4 * 6
+
+
+def test_hybrid_fields_are_refused_by_name():
+    with pytest.raises(SpecError, match="multimodal"):
+        CheckpointSpec(family="llama", multimodal=True)
+    with pytest.raises(SpecError, match="linear_num_value_heads"):
+        family_spec("qwen3_5", linear_num_value_heads=3)
+    with pytest.raises(SpecError, match="partial_rotary_factor"):
+        family_spec("qwen3_5", partial_rotary_factor=0.3)
+    assert len(tensor_plan(family_spec("qwen3_5"))) > 0
