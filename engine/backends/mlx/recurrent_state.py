@@ -1,0 +1,125 @@
+"""Per-slot recurrent state for one stage's Gated DeltaNet layers on MLX, preallocated.
+
+RFC 6.3: each stage keeps KV *and* recurrent state for its own layers, a slot. A DeltaNet
+layer keeps, per slot, the last `kernel - 1` inputs of its short causal convolution
+([slots, kernel - 1, conv_dim], the model's dtype) and the delta rule's matrix per value
+head ([slots, v_heads, v_dim, k_dim], float32 as mlx-lm keeps it, so a bfloat16 model does
+not round its memory every token). Both are allocated once at start for `FLEET_PARALLEL`
+slots, like the KV cache.
+
+Unlike KV, a recurrent state cannot be rolled back by moving an offset: it is overwritten
+every token. So a row at position 0 (a stream's first) never reads the slot: it starts
+from zeros, whatever a previous stream left there; and a keep (rollback) is refused by
+the stage before anything runs (`HybridState.refuse_rollback`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.backends.mlx.kv_cache import KVCache, RoundIndex
+from engine.link.errors import BadEntry
+from engine.rounds import Op, RoundPlan, RowLayout
+from engine.slots import SlotTable
+
+
+@dataclass
+class RecurrentIndex:
+    """Which rows of a round start a stream (read zeros, not the slot), built once a round."""
+
+    single_fresh: mx.array | None  # [n] bool per single row (RoundIndex's order), or None
+    span_fresh: list[bool]  # per span: its first position is 0
+
+    @classmethod
+    def build(cls, layout: RowLayout) -> RecurrentIndex:
+        fresh = [pos == 0 for pos in layout.single_positions]
+        return cls(mx.array(fresh) if any(fresh) else None,
+                   [span.first == 0 for span in layout.spans])
+
+
+@dataclass
+class HybridIndex:
+    """A round's rows as the attention layers (`attention`) and the DeltaNet layers see them."""
+
+    attention: RoundIndex
+    recurrent: RecurrentIndex
+
+    @classmethod
+    def build(cls, layout: RowLayout) -> HybridIndex:
+        return cls(RoundIndex.build(layout, None), RecurrentIndex.build(layout))
+
+
+class RecurrentState:
+    """Conv and delta-rule state of `layers` DeltaNet layers for `slots` slots."""
+
+    def __init__(self, layers: int, slots: int, conv_kernel: int, conv_dim: int,
+                 v_heads: int, v_dim: int, k_dim: int, dtype: mx.Dtype) -> None:
+        self.conv = [mx.zeros((slots, conv_kernel - 1, conv_dim), dtype=dtype)
+                     for _ in range(layers)]
+        self.delta = [mx.zeros((slots, v_heads, v_dim, k_dim), dtype=mx.float32)
+                      for _ in range(layers)]
+        mx.eval(self.conv, self.delta)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.conv) + sum(a.nbytes for a in self.delta)
+
+    def arrays(self) -> list[mx.array]:
+        return self.conv + self.delta
+
+    def read_singles(self, layer: int, slots: mx.array, fresh: mx.array | None,
+                     ) -> tuple[mx.array, mx.array]:
+        """The slots' (conv [n, k-1, c], delta [n, h, dv, dk]); zeros where `fresh`."""
+        conv = mx.take(self.conv[layer], slots, axis=0)
+        delta = mx.take(self.delta[layer], slots, axis=0)
+        if fresh is not None:
+            conv = mx.where(fresh[:, None, None], mx.zeros_like(conv), conv)
+            delta = mx.where(fresh[:, None, None, None], mx.zeros_like(delta), delta)
+        return conv, delta
+
+    def read_span(self, layer: int, slot: int, fresh: bool) -> tuple[mx.array, mx.array]:
+        """One slot's (conv [1, k-1, c], delta [1, h, dv, dk]); zeros for a fresh stream."""
+        conv = self.conv[layer][slot:slot + 1]
+        delta = self.delta[layer][slot:slot + 1]
+        if fresh:
+            return mx.zeros_like(conv), mx.zeros_like(delta)
+        return conv, delta
+
+    def write(self, layer: int, slots: mx.array | slice, conv: mx.array,
+              delta: mx.array) -> None:
+        self.conv[layer][slots] = conv.astype(self.conv[layer].dtype)
+        self.delta[layer][slots] = delta
+
+
+class HybridState:
+    """A hybrid stage's per-slot state: KV for its attention layers, recurrent for DeltaNet."""
+
+    def __init__(self, kv: KVCache, recurrent: RecurrentState) -> None:
+        self.kv = kv
+        self.recurrent = recurrent
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.recurrent.nbytes
+
+    def arrays(self) -> list[mx.array]:
+        return self.kv.arrays() + self.recurrent.arrays()
+
+    @staticmethod
+    def refuse_rollback(plan: RoundPlan, slots: SlotTable) -> None:
+        """A keep (fewer rows accepted than the last round ran) cannot undo a recurrent state.
+
+        Checked against the slot table before it moves, so a refused plan changes nothing.
+        """
+        held = slots.snapshot()
+        for e in plan.entries:
+            if not 0 <= e.stream_id < len(held) or e.op != Op.CONTINUE:
+                continue  # the slot table names those
+            slot = held[e.stream_id]
+            if slot.open and e.accepted < slot.last_rows:
+                raise BadEntry(
+                    f"stream {e.stream_id}: rollback to {e.accepted} of {slot.last_rows} rows: "
+                    f"a Gated DeltaNet layer's recurrent state cannot be trimmed (this family "
+                    f"keeps no earlier state to restore)")
