@@ -23,6 +23,7 @@ from engine.backends.mlx.kv_cache import KVCache, RoundIndex
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
+from engine.rounds import RowLayout
 
 
 def linear(x: mx.array, weight: Weight, bias: mx.array | None = None) -> mx.array:
@@ -39,7 +40,7 @@ class Rope:
     """Rotary embedding at per-row positions, with the frequencies of `rope_inv_freq`."""
 
     def __init__(self, config: ModelConfig) -> None:
-        self.dims = config.head_dim
+        self.dims = config.rotary_dim  # channels past it pass through (a partial rotary)
         # mx.fast.rope takes periods (1 / inverse frequency), as mlx-lm's Llama3RoPE passes.
         self.periods = mx.array([1.0 / f for f in rope_inv_freq(config)], dtype=mx.float32)
 
@@ -94,6 +95,10 @@ class LlamaRange:
         self.rope = rope
         self.layers, ends = load_range(config, layer_range, load, on_layer)
         self.embed, self.norm, self.head = ends
+
+    def round_index(self, layout: RowLayout) -> RoundIndex:
+        """Where a round's rows sit, built once a round for every layer."""
+        return RoundIndex.build(layout, self.config.sliding_window)
 
     def embed_tokens(self, token_ids: mx.array) -> mx.array:
         if isinstance(self.embed, QuantizedWeight):

@@ -10,12 +10,14 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
-from engine.backends.mlx.kv_cache import KVCache, RoundIndex
+from engine.backends.mlx.kv_cache import KVCache
 from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
+from engine.backends.mlx.qwen3_5 import Qwen35Range
+from engine.backends.mlx.recurrent_state import HybridState
 from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
-from engine.rounds import RowLayout
+from engine.rounds import RoundPlan, RowLayout
 from engine.row_format import RowFormat
 
 
@@ -62,7 +64,7 @@ def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], dtyp
 
 
 class MlxStage(Stage):
-    def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange,
+    def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange | Qwen35Range,
                  device: mx.Device) -> None:
         super().__init__(spec, config, model)
         self.device = device
@@ -88,13 +90,26 @@ class MlxStage(Stage):
         total = spec.layer_range[1] - spec.layer_range[0]
         # Streams follow the device, so two stages in one process (tests) can sit on
         # different devices without touching the process-wide default.
+        def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, Weight]:
+            return load_range_tensors(checkpoint, shapes, dtype, quant)
+
         with mx.stream(device):
-            cache = KVCache(total, spec.parallel, config.num_key_value_heads, spec.context,
-                            config.head_dim, dtype)
-            model = LlamaRange(config, spec.layer_range,
-                               lambda shapes: load_range_tensors(checkpoint, shapes, dtype, quant),
-                               cache, Rope(config), on_layer)
+            if config.is_hybrid:
+                state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel,
+                                              spec.context, dtype)
+                model = Qwen35Range(config, spec.layer_range, load, state, Rope(config),
+                                    on_layer)
+            else:
+                cache = KVCache(total, spec.parallel, config.num_key_value_heads,
+                                spec.context, config.head_dim, dtype)
+                model = LlamaRange(config, spec.layer_range, load, cache, Rope(config),
+                                   on_layer)
         return cls(spec, config, model, device)
+
+    def forward(self, plan: RoundPlan, rows: Any | None, token_ids: Sequence[int] | None) -> Any:
+        if isinstance(self.model.cache, HybridState):  # before the slot table moves
+            self.model.cache.refuse_rollback(plan, self.slots)
+        return super().forward(plan, rows, token_ids)
 
     def _computing(self) -> Any:
         return mx.stream(self.device)
@@ -103,7 +118,7 @@ class MlxStage(Stage):
         return self.model.embed_tokens(mx.array(list(token_ids), dtype=mx.int32))
 
     def _run_layers(self, rows: mx.array, layout: RowLayout) -> mx.array:
-        return self.model.run_layers(rows, RoundIndex.build(layout, self.config.sliding_window))
+        return self.model.run_layers(rows, self.model.round_index(layout))
 
     def _take_rows(self, rows: mx.array, indices: list[int]) -> mx.array:
         return rows[mx.array(indices, dtype=mx.int32)]
