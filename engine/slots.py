@@ -25,9 +25,12 @@ class Slot:
 
 
 class SlotTable:
-    def __init__(self, parallel: int, context: int) -> None:
+    def __init__(self, parallel: int, context: int, *, can_roll_back: bool = True) -> None:
         self.parallel = parallel
         self.context = context
+        # False where the state has a recurrent part (a Gated DeltaNet layer's), which is
+        # overwritten every token: a keep cannot be undone by moving the offset back.
+        self.can_roll_back = can_roll_back
         self.slots = [Slot() for _ in range(parallel)]
 
     def in_use(self) -> int:
@@ -72,6 +75,11 @@ class SlotTable:
                 raise BadEntry(
                     f"stream {e.stream_id}: accepted {e.accepted} > last round's {slot.last_rows}"
                 )
+            if e.op == Op.CONTINUE and e.accepted < slot.last_rows \
+                    and not self.can_roll_back:
+                raise BadEntry(
+                    f"stream {e.stream_id}: rollback to {e.accepted} of {slot.last_rows} rows "
+                    f"refused: this model's recurrent (Gated DeltaNet) state cannot be trimmed")
         if e.op in (Op.OPEN, Op.CONTINUE):
             kept = 0 if e.op == Op.OPEN else slot.offset - slot.last_rows + e.accepted
             if e.first != kept:

@@ -21,6 +21,12 @@ FAMILY_SPECS = {
                   num_key_value_heads=3, head_dim=8, num_hidden_layers=3),
     "qwen3": dict(family="qwen3", hidden_size=32, intermediate_size=88, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=18, num_hidden_layers=3),
+    # Layers DeltaNet, attention, DeltaNet, attention; value heads 2:1 over key heads, key and
+    # value head dims that differ, 4 of 16 channels rotated.
+    "qwen3_5": dict(family="qwen3_5", hidden_size=32, intermediate_size=72, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+                    full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=12),
 }
 
 

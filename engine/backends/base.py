@@ -103,7 +103,7 @@ class Stage(ABC):
         self.is_last = spec.layer_range[1] == config.num_hidden_layers  # returns few rows
         self.hidden_size = config.hidden_size
         self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
-        self.slots = SlotTable(spec.parallel, spec.context)
+        self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid)
 
     @classmethod
     def load(cls, spec: StageSpec, checkpoint: Checkpoint | None = None,
@@ -121,6 +121,14 @@ class Stage(ABC):
     def kv_capacity_rows(self) -> int:
         """Positions one slot can hold."""
         return self.spec.context
+
+    def recurrent_states(self) -> int:
+        """Recurrent states this stage holds (RFC 6.4's floor: at least --parallel).
+
+        A hybrid preallocates one per slot; a dense model needs none, so any stream count
+        fits and its slots are the bound.
+        """
+        return self.spec.parallel
 
     def forward(self, plan: RoundPlan, rows: Any | None, token_ids: Sequence[int] | None) -> Any:
         """Embed (first stage), run this range over the round, keep the returned rows (last).

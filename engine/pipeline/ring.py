@@ -91,7 +91,7 @@ def describe(stage: Stage, env: EngineEnv) -> Describe:
         hidden=rows.hidden, row_dtype=rows.dtype, planes=rows.planes,
         prompt_chunk=env.chunk, max_rows_per_round=env.parallel + env.chunk,
         parallel=env.parallel, context=env.context, drafter_width=0,
-        kv_rows=stage.kv_capacity_rows(), recurrent_states=env.parallel,
+        kv_rows=stage.kv_capacity_rows(), recurrent_states=stage.recurrent_states(),
     )
 
 

@@ -12,6 +12,8 @@ from engine.backends.pytorch import dequant
 from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
+from engine.backends.pytorch.qwen3_5 import Qwen35Range, layer_counts
+from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
 from engine.config import ModelConfig
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
@@ -22,13 +24,15 @@ def torch_dtype(row_format: RowFormat) -> torch.dtype:
 
 
 class TorchStage(Stage):
-    def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange,
+    def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange | Qwen35Range,
                  device: torch.device) -> None:
         super().__init__(spec, config, model)
         self.device = device
         self.dtype = torch_dtype(self.row_format)
         self.graphs = None
-        if device.type == "cuda" and spec.cuda_graphs:
+        # A captured step's warm-up runs would advance a recurrent state: the hybrid decodes
+        # eagerly until its graphs keep the state aside while they warm up.
+        if device.type == "cuda" and spec.cuda_graphs and not config.is_hybrid:
             self.graphs = DecodeGraphs(model, spec.context, config.sliding_window)
 
     @staticmethod
@@ -54,13 +58,23 @@ class TorchStage(Stage):
             tensors = checkpoint.load_tensors(list(shapes), "pt", str(device))
             return {n: t.to(dtype) for n, t in tensors.items()}
 
-        layers = spec.layer_range[1] - spec.layer_range[0]
-        cache = KVCache(layers, spec.parallel, config.num_key_value_heads, spec.context,
-                        config.head_dim, dtype, device)
+        attention_layers, deltanet_layers = layer_counts(config, spec.layer_range)
+        cache = KVCache(attention_layers, spec.parallel, config.num_key_value_heads,
+                        spec.context, config.head_dim, dtype, device)
         rope = Rope(config, spec.context, device, dtype)
         with torch.inference_mode():
-            model = LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)
+            if config.is_hybrid:
+                state = HybridState(cache, RecurrentState(config, deltanet_layers,
+                                                          spec.parallel, dtype, device))
+                model = Qwen35Range(config, spec.layer_range, load, state, rope, on_layer)
+            else:
+                model = LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)
         return cls(spec, config, model, device)
+
+    def recurrent_states(self) -> int:
+        if self.config.is_hybrid:  # what was preallocated, not what was asked for
+            return self.model.cache.recurrent.slots
+        return super().recurrent_states()
 
     def _computing(self) -> torch.inference_mode:
         return torch.inference_mode()

@@ -1,0 +1,173 @@
+"""The Qwen3.5 hybrid on PyTorch, one layer range: Gated DeltaNet and gated full attention.
+
+Layers follow `config.layer_types`. A DeltaNet layer projects q, k and v together, runs
+them through a short causal depthwise convolution (its window kept per slot), and applies
+the gated delta rule (its matrix kept per slot): one step for decode rows, the chunked form
+for a prompt chunk; one round may hold both, across slots. Its output goes through an
+RMSNorm gated by a projection of the input. A full-attention layer is the Qwen3 one plus a
+sigmoid gate per channel from q_proj, with RoPE on the first `rotary_dim` channels of
+a head. The family's RMSNorm scales by (1 + weight). Ops follow transformers' order and
+precision so that float32 logits match it closely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends.pytorch import gated_delta
+from engine.backends.pytorch.kv_cache import RoundIndex
+from engine.backends.pytorch.llama import Rope, mlp, rotate_half
+from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
+from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.family import DeltaNetWeights, LayerWeights, load_range
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The family's RMSNorm: (1 + weight), multiplied in float32 before the cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """DeltaNet's output norm: plain weight, then times silu(gate), in float32."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+def partial_rope(x: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+    """x: [rows, heads, head_dim]; the first rope.cos.shape[-1] channels rotate."""
+    width = rope.cos.shape[-1]
+    cos = rope.cos[positions][:, None, :]
+    sin = rope.sin[positions][:, None, :]
+    turned, kept = x[..., :width], x[..., width:]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
+
+
+def gated_attention(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope,
+                    state: HybridState, kv_layer: int, index: RoundIndex) -> torch.Tensor:
+    rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
+    q, gate = F.linear(x, w.q).view(rows, config.num_attention_heads, 2 * d).chunk(2, dim=-1)
+    k = F.linear(x, w.k).view(rows, config.num_key_value_heads, d)
+    v = F.linear(x, w.v).view(rows, config.num_key_value_heads, d)
+    q = partial_rope(rms_norm(q, w.q_norm, eps), rope, index.positions)
+    k = partial_rope(rms_norm(k, w.k_norm, eps), rope, index.positions)
+    state.kv.write(kv_layer, index, k, v)
+    out = state.kv.attend(kv_layer, index, q).reshape(rows, config.q_width)
+    return F.linear(out * torch.sigmoid(gate.reshape(rows, config.q_width)), w.o)
+
+
+def _conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """window [n, width, kernel - 1 + L] -> silu(causal depthwise conv) [n, width, L]."""
+    out = F.conv1d(window, weight, groups=window.shape[1])
+    return F.silu(out)
+
+
+def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
+             recurrent: RecurrentState, layer: int, index: RoundIndex) -> torch.Tensor:
+    rows = x.shape[0]
+    kernel = config.linear_conv_kernel_dim
+    mixed = F.linear(x, w.qkv)  # [rows, conv width]
+    z = F.linear(x, w.z).view(rows, config.linear_num_value_heads, config.linear_value_head_dim)
+    beta = torch.sigmoid(F.linear(x, w.b)).float()  # [rows, v_heads]
+    g = -w.a_log.float().exp() * F.softplus(F.linear(x, w.a).float() + w.dt_bias.float())
+    core = torch.empty(rows, config.linear_num_value_heads, config.linear_value_head_dim,
+                       dtype=torch.float32, device=x.device)
+
+    def split(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key_width = config.linear_key_width
+        q, k, v = m.split([key_width, key_width, config.linear_value_width], dim=-1)
+        n = m.shape[0]
+        return (q.reshape(n, config.linear_num_key_heads, config.linear_key_head_dim),
+                k.reshape(n, config.linear_num_key_heads, config.linear_key_head_dim),
+                v.reshape(n, config.linear_num_value_heads, config.linear_value_head_dim))
+
+    if index.single_rows.numel():
+        singles, slots = index.single_rows, index.single_slots
+        fresh = index.positions[singles] == 0  # a stream's first row reads no earlier state
+        conv_state, delta_state = recurrent.read(layer, slots, fresh)
+        window = torch.cat((conv_state, mixed[singles][:, :, None]), dim=-1)  # [n, width, k]
+        conv_out = _conv(window.to(w.conv.dtype), w.conv)[:, :, -1]  # [n, width]
+        q, k, v = split(conv_out)
+        q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
+        out, delta_state = gated_delta.step(q, k, v, g[singles], beta[singles], delta_state)
+        recurrent.write(layer, slots, window[:, :, 1:], delta_state)
+        core[singles] = out
+    for span in index.spans:
+        slot = torch.tensor([span.slot], device=x.device)
+        fresh = torch.tensor([span.first == 0], device=x.device)
+        conv_state, delta_state = recurrent.read(layer, slot, fresh)
+        rows_in = mixed[span.start:span.stop].transpose(0, 1)[None]  # [1, width, L]
+        window = torch.cat((conv_state, rows_in), dim=-1)  # [1, width, kernel - 1 + L]
+        conv_out = _conv(window.to(w.conv.dtype), w.conv)[0].transpose(0, 1)  # [L, width]
+        q, k, v = split(conv_out)
+        q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
+        out, final = gated_delta.chunked(q, k, v, g[span.start:span.stop],
+                                         beta[span.start:span.stop], delta_state[0])
+        recurrent.write(layer, slot, window[:, :, window.shape[-1] - (kernel - 1):],
+                        final[None])
+        core[span.start:span.stop] = out
+    out = gated_rms_norm(core.to(x.dtype), z, w.norm, config.rms_norm_eps)
+    return F.linear(out.reshape(rows, config.linear_value_width), w.out)
+
+
+class Qwen35Range:
+    """Layers [start, end) of a Qwen3.5 hybrid, plus the ends when it is the first range.
+
+    `cache` holds KV for this range's attention layers and recurrent state for its DeltaNet
+    layers, each numbered in the range's order of its own type.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int],
+                 load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
+                 cache: HybridState, rope: Rope, on_layer: Callable[[int], None] | None = None):
+        self.config = config
+        self.layer_range = layer_range
+        self.cache = cache
+        self.rope = rope
+        self.layers, ends = load_range(config, layer_range, load, on_layer)
+        self.embed, self.norm, self.head = ends
+        self.state_index = state_indices(config, layer_range)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed)  # [rows, hidden]
+
+    def run_layers(self, x: torch.Tensor, index: RoundIndex) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        for w, slot in zip(self.layers, self.state_index, strict=True):
+            h = rms_norm(x, w.input_norm, eps)
+            if isinstance(w, DeltaNetWeights):
+                h = deltanet(h, w, self.config, self.cache.recurrent, slot, index)
+            else:
+                h = gated_attention(h, w, self.config, self.rope, self.cache, slot, index)
+            x = x + h
+            x = x + mlp(rms_norm(x, w.post_norm, eps), w)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.head).float()  # [rows, vocab]
+
+
+def state_indices(config: ModelConfig, layer_range: tuple[int, int]) -> list[int]:
+    """Each layer's index among the range's layers of its own type (its KV or recurrent slot)."""
+    counts: dict[str, int] = {}
+    out = []
+    for layer in range(*layer_range):
+        kind = config.layer_type(layer)
+        out.append(counts.get(kind, 0))
+        counts[kind] = out[-1] + 1
+    return out
+
+
+def layer_counts(config: ModelConfig, layer_range: tuple[int, int]) -> tuple[int, int]:
+    """(full-attention layers, DeltaNet layers) in the range."""
+    types = [config.layer_type(layer) for layer in range(*layer_range)]
+    linear = types.count(LINEAR_ATTENTION)
+    return len(types) - linear, linear

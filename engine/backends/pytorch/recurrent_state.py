@@ -1,0 +1,64 @@
+"""Per-slot recurrent state for one stage's Gated DeltaNet layers on PyTorch, preallocated.
+
+RFC 6.3: each stage keeps KV *and* recurrent state for its own layers, a slot. A DeltaNet
+layer keeps, per slot, the last `kernel - 1` inputs of its short causal convolution
+([slots, conv width, kernel - 1], the model's dtype, as transformers keeps it) and the
+delta rule's matrix per value head ([slots, v_heads, k_dim, v_dim], float32 so that a
+bfloat16 model does not round it every token). Both are allocated once for
+`FLEET_PARALLEL` slots, so shapes never change.
+
+A recurrent state cannot be rolled back by moving an offset (it is overwritten every
+token), so the slot table refuses a keep for this family. A stream's first row (position
+0) never reads its slot: it starts from zeros, whatever a previous stream left there, so a
+reused slot starts clean without a separate clearing step. The choice is made on the
+device (`torch.where`), with no host value, so a decode step can still be captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.backends.pytorch.kv_cache import KVCache
+from engine.config import ModelConfig
+
+
+class RecurrentState:
+    def __init__(self, config: ModelConfig, layers: int, slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        kernel = config.linear_conv_kernel_dim
+        self.conv = torch.zeros((layers, slots, config.linear_conv_width, max(kernel - 1, 0)),
+                                dtype=dtype, device=device)
+        self.delta = torch.zeros((layers, slots, config.linear_num_value_heads,
+                                  config.linear_key_head_dim, config.linear_value_head_dim),
+                                 dtype=torch.float32, device=device)
+        self.slots = slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.delta.nbytes
+
+    def read(self, layer: int, slots: torch.Tensor, fresh: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [n, width, kernel - 1], delta [n, heads, k_dim, v_dim]) of `slots` [n];
+        zeros where `fresh` [n] (a stream's first row)."""
+        conv, delta = self.conv[layer, slots], self.delta[layer, slots]
+        conv = torch.where(fresh[:, None, None], torch.zeros_like(conv), conv)
+        delta = torch.where(fresh[:, None, None, None], torch.zeros_like(delta), delta)
+        return conv, delta
+
+    def write(self, layer: int, slots: torch.Tensor, conv: torch.Tensor,
+              delta: torch.Tensor) -> None:
+        self.conv[layer, slots] = conv.to(self.conv.dtype)
+        self.delta[layer, slots] = delta
+
+
+class HybridState:
+    """A hybrid stage's per-slot state: KV for its attention layers, recurrent for DeltaNet."""
+
+    def __init__(self, kv: KVCache, recurrent: RecurrentState) -> None:
+        self.kv = kv
+        self.recurrent = recurrent
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.recurrent.nbytes
