@@ -10,7 +10,7 @@ slots, like the KV cache.
 Unlike KV, a recurrent state cannot be rolled back by moving an offset: it is overwritten
 every token. So a row at position 0 (a stream's first) never reads the slot: it starts
 from zeros, whatever a previous stream left there; and a keep (rollback) is refused by
-the stage before anything runs (`HybridState.refuse_rollback`).
+the slot table (`engine.slots`) before anything runs.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
-from engine.link.errors import BadEntry
-from engine.rounds import Op, RoundPlan, RowLayout
-from engine.slots import SlotTable
+from engine.rounds import RowLayout
 
 
 @dataclass
@@ -106,20 +104,3 @@ class HybridState:
 
     def arrays(self) -> list[mx.array]:
         return self.kv.arrays() + self.recurrent.arrays()
-
-    @staticmethod
-    def refuse_rollback(plan: RoundPlan, slots: SlotTable) -> None:
-        """A keep (fewer rows accepted than the last round ran) cannot undo a recurrent state.
-
-        Checked against the slot table before it moves, so a refused plan changes nothing.
-        """
-        held = slots.snapshot()
-        for e in plan.entries:
-            if not 0 <= e.stream_id < len(held) or e.op != Op.CONTINUE:
-                continue  # the slot table names those
-            slot = held[e.stream_id]
-            if slot.open and e.accepted < slot.last_rows:
-                raise BadEntry(
-                    f"stream {e.stream_id}: rollback to {e.accepted} of {slot.last_rows} rows: "
-                    f"a Gated DeltaNet layer's recurrent state cannot be trimmed (this family "
-                    f"keeps no earlier state to restore)")

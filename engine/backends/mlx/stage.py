@@ -14,10 +14,9 @@ from engine.backends.mlx.kv_cache import KVCache
 from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.backends.mlx.qwen3_5 import Qwen35Range
-from engine.backends.mlx.recurrent_state import HybridState
 from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
-from engine.rounds import RoundPlan, RowLayout
+from engine.rounds import RowLayout
 from engine.row_format import RowFormat
 
 
@@ -105,11 +104,6 @@ class MlxStage(Stage):
                 model = LlamaRange(config, spec.layer_range, load, cache, Rope(config),
                                    on_layer)
         return cls(spec, config, model, device)
-
-    def forward(self, plan: RoundPlan, rows: Any | None, token_ids: Sequence[int] | None) -> Any:
-        if isinstance(self.model.cache, HybridState):  # before the slot table moves
-            self.model.cache.refuse_rollback(plan, self.slots)
-        return super().forward(plan, rows, token_ids)
 
     def _computing(self) -> Any:
         return mx.stream(self.device)
