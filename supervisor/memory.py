@@ -1,20 +1,29 @@
-"""The memory model of a stage: a model's byte counts, and what one layer range costs a node.
+"""The memory model of a stage: a model's byte counts per layer type, and what one layer range
+costs a node.
 
-A dense decoder's layers all have the same shape, so a stage's memory is a count of layers
-times one layer's weights and KV, plus what the stage holds besides its layers: every stage
-keeps a receive and a send buffer of rows, and rank 0 also holds the embeddings, the final
-norm, the head and the logits it samples from. Compute workspace (attention scores, MLP
-activations) is not modelled: it must fit in the margin the agent keeps out of "usable".
+A stage's memory is the sum over its layers of each layer's weights and per-stream state,
+plus what the stage holds besides its layers: every stage keeps a receive and a send buffer
+of rows, and rank 0 also holds the embeddings, the final norm, the head and the logits it
+samples from. Layers differ by type: a full-attention layer keeps K and V for every cached
+position of every stream; a Gated DeltaNet layer (the Qwen3.5 hybrid's linear attention)
+keeps a fixed recurrent state per stream, whatever the context. A dense family has one type.
+Compute workspace (attention scores, MLP activations) is not modelled: it must fit in the
+margin the agent keeps out of "usable".
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
 
 LOGIT_BYTES = 4  # rank 0 samples from float32 logits, whatever the weights' dtype
+# The delta-rule state is float32 whatever the weights' dtype, as both backends keep it (it
+# accumulates over the whole stream); the conv window is in the weights' dtype.
+RECURRENT_STATE_ITEM_BYTES = 4
 GB = 1e9
 
 
@@ -22,13 +31,38 @@ class ShapeError(ValueError):
     """A model shape with a byte count that cannot be right (negative, or zero where it matters)."""
 
 
+def _check_counts(owner: object, names: tuple[str, ...], positive: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ShapeError(f"{type(owner).__name__}.{name} = {value!r}: "
+                             "expected an integer >= 0")
+    for name in positive:
+        if getattr(owner, name) == 0:
+            raise ShapeError(f"{type(owner).__name__}.{name} = 0: expected a positive integer")
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """The bytes of one type of decoder layer (config.json's `layer_types` names it)."""
+
+    name: str
+    weight_bytes: int
+    kv_bytes_per_position: int = 0  # K and V of one cached position (attention layers)
+    state_bytes_per_slot: int = 0  # a fixed recurrent state per stream (DeltaNet layers)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ShapeError("LayerType.name is empty")
+        _check_counts(self, ("weight_bytes", "kv_bytes_per_position", "state_bytes_per_slot"),
+                      ("weight_bytes",))
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What placement needs to know about a model: its layer count and its bytes."""
+    """What placement needs to know about a model: its layers, in order, and its bytes."""
 
-    n_layers: int
-    layer_weight_bytes: int  # one decoder layer's weights (every layer has the same shape)
-    kv_bytes_per_position_per_layer: int  # K and V of one cached position in one layer
+    layers: tuple[LayerType, ...]  # one per decoder layer, global index order
     embedding_bytes: int
     final_norm_bytes: int
     head_bytes: int  # 0 when the head is tied to the embeddings (rank 0 holds those anyway)
@@ -37,17 +71,61 @@ class ModelShape:
     vocab_size: int
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ShapeError(f"ModelShape.{f.name} = {value!r}: expected an integer >= 0")
-        for name in ("n_layers", "layer_weight_bytes", "hidden_size", "row_bytes", "vocab_size"):
-            if getattr(self, name) == 0:
-                raise ShapeError(f"ModelShape.{name} = 0: expected a positive integer")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise ShapeError("ModelShape.layers is empty: expected at least one layer")
+        _check_counts(self, tuple(f.name for f in fields(self) if f.name != "layers"),
+                      ("hidden_size", "row_bytes", "vocab_size"))
+        by_name: dict[str, LayerType] = {}
+        for i, layer in enumerate(self.layers):
+            if by_name.setdefault(layer.name, layer) != layer:
+                raise ShapeError(f"ModelShape.layers[{i}]: type {layer.name!r} has two byte "
+                                 f"counts ({by_name[layer.name]} and {layer})")
+
+    @classmethod
+    def uniform(cls, n_layers: int, layer_weight_bytes: int,
+                kv_bytes_per_position_per_layer: int, **rest: int) -> ModelShape:
+        """A dense decoder: `n_layers` full-attention layers of one shape."""
+        if not isinstance(n_layers, int) or n_layers < 1:
+            raise ShapeError(f"ModelShape.n_layers = {n_layers!r}: expected a positive integer")
+        layer = LayerType(FULL_ATTENTION, layer_weight_bytes, kv_bytes_per_position_per_layer)
+        return cls(layers=(layer,) * n_layers, **rest)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def types(self) -> tuple[LayerType, ...]:
+        """Each layer type once, in the order the layers first use them."""
+        return tuple({layer.name: layer for layer in self.layers}.values())
+
+    @property
+    def is_uniform(self) -> bool:
+        """Every layer the same type: a stage's cost then depends only on its layer count."""
+        return len(self.types) == 1
+
+    def type_counts(self, layer_range: tuple[int, int]) -> dict[str, int]:
+        """How many layers of each type (all of them named, zeros too) lie in `layer_range`."""
+        counts = dict.fromkeys((t.name for t in self.types), 0)
+        for layer in self.layers[layer_range[0]:layer_range[1]]:
+            counts[layer.name] += 1
+        return counts
+
+    @cached_property
+    def _prefix(self) -> dict[str, tuple[int, ...]]:
+        """Running sums over the layers: weights, KV per position, state per slot."""
+        return {name: (0, *itertools.accumulate(getattr(layer, name) for layer in self.layers))
+                for name in ("weight_bytes", "kv_bytes_per_position", "state_bytes_per_slot")}
+
+    def range_sum(self, what: str, layer_range: tuple[int, int]) -> int:
+        """The sum of LayerType field `what` over the layers of `layer_range`."""
+        prefix = self._prefix[what]
+        return prefix[layer_range[1]] - prefix[layer_range[0]]
 
     @property
     def total_weight_bytes(self) -> int:
-        return (self.n_layers * self.layer_weight_bytes + self.embedding_bytes
+        return (self.range_sum("weight_bytes", (0, self.n_layers)) + self.embedding_bytes
                 + self.final_norm_bytes + self.head_bytes)
 
 
@@ -61,6 +139,7 @@ class StageMemory:
     embedding_bytes: int = 0
     final_norm_bytes: int = 0
     head_bytes: int = 0
+    state_bytes: int = 0  # recurrent states of its DeltaNet layers, one per stream
 
     @property
     def rank0_extras_bytes(self) -> int:
@@ -68,7 +147,8 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.staging_bytes + self.rank0_extras_bytes
+        return (self.weights_bytes + self.kv_bytes + self.state_bytes + self.staging_bytes
+                + self.rank0_extras_bytes)
 
 
 @dataclass(frozen=True)
@@ -80,14 +160,15 @@ class ExecutionShape:
     chunk: int  # prompt rows per round
 
 
-def layer_bytes(shape: ModelShape, execution: ExecutionShape) -> int:
-    """One layer's weights plus its KV for `context` positions of `parallel` streams."""
-    kv = shape.kv_bytes_per_position_per_layer * execution.context * execution.parallel
-    return shape.layer_weight_bytes + kv
+def layer_bytes(layer: LayerType, execution: ExecutionShape) -> int:
+    """One layer's weights plus its KV for `context` positions and its recurrent state, for
+    `parallel` streams."""
+    kv = layer.kv_bytes_per_position * execution.context * execution.parallel
+    return layer.weight_bytes + kv + layer.state_bytes_per_slot * execution.parallel
 
 
 def fixed_bytes(shape: ModelShape, execution: ExecutionShape, is_rank0: bool) -> StageMemory:
-    """What a stage holds whatever its layer count (layers themselves left at zero)."""
+    """What a stage holds whatever its layers (layers themselves left at zero)."""
     rows = max(execution.chunk, execution.parallel)
     staging = 2 * rows * shape.row_bytes  # receive and send buffers of one round
     if not is_rank0:
@@ -98,22 +179,28 @@ def fixed_bytes(shape: ModelShape, execution: ExecutionShape, is_rank0: bool) ->
                        final_norm_bytes=shape.final_norm_bytes, head_bytes=shape.head_bytes)
 
 
-def stage_memory(shape: ModelShape, execution: ExecutionShape, layer_count: int,
+def stage_memory(shape: ModelShape, execution: ExecutionShape, layer_range: tuple[int, int],
                  is_rank0: bool) -> StageMemory:
-    """Memory of a stage holding `layer_count` layers (and rank 0's extras when it is rank 0)."""
+    """Memory of a stage holding the layers of `layer_range` (and rank 0's extras on rank 0)."""
     fixed = fixed_bytes(shape, execution, is_rank0)
-    kv = shape.kv_bytes_per_position_per_layer * execution.context * execution.parallel
-    return StageMemory(weights_bytes=layer_count * shape.layer_weight_bytes,
-                       kv_bytes=layer_count * kv, staging_bytes=fixed.staging_bytes,
-                       embedding_bytes=fixed.embedding_bytes,
-                       final_norm_bytes=fixed.final_norm_bytes, head_bytes=fixed.head_bytes)
+    streams_positions = execution.context * execution.parallel
+    return StageMemory(
+        weights_bytes=shape.range_sum("weight_bytes", layer_range),
+        kv_bytes=shape.range_sum("kv_bytes_per_position", layer_range) * streams_positions,
+        state_bytes=shape.range_sum("state_bytes_per_slot", layer_range) * execution.parallel,
+        staging_bytes=fixed.staging_bytes, embedding_bytes=fixed.embedding_bytes,
+        final_norm_bytes=fixed.final_norm_bytes, head_bytes=fixed.head_bytes)
 
 
 def layers_that_fit(shape: ModelShape, execution: ExecutionShape, usable_memory_bytes: int,
                     is_rank0: bool) -> int:
-    """The most layers a node can hold as a stage; 0 when not even its fixed bytes fit."""
+    """The most layers of a uniform model a node can hold as a stage; 0 when not even its
+    fixed bytes fit. (A hybrid's answer depends on where the range starts.)"""
+    if not shape.is_uniform:
+        raise ShapeError("layers_that_fit: the layers differ by type; ask stage_memory "
+                         "about a layer range instead")
     room = usable_memory_bytes - fixed_bytes(shape, execution, is_rank0).total_bytes
-    return max(0, room // layer_bytes(shape, execution))
+    return max(0, room // layer_bytes(shape.layers[0], execution))
 
 
 def format_bytes(count: float) -> str:
@@ -124,12 +211,16 @@ def format_bytes(count: float) -> str:
 
 
 def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int) -> ModelShape:
-    """Byte counts of a Llama-style dense decoder from its Hugging Face `config.json`.
+    """Byte counts of a decoder from its Hugging Face `config.json`, per layer type.
 
-    Counts q/k/v/o, gate/up/down, the two norms per layer, q/k/v biases (Qwen2, or any family
-    with `attention_bias`, which for Llama and Qwen3 also biases o_proj), MLP biases
-    (`mlp_bias`), Qwen3's per-head q/k norms, the embeddings, the final norm, and the head
-    unless `tie_word_embeddings`. Every tensor is taken to be `dtype_bytes` per element.
+    Full-attention layers: q/k/v/o, gate/up/down, the two norms, q/k/v biases (Qwen2, or any
+    family with `attention_bias`, which for Llama and Qwen3 also biases o_proj), MLP biases
+    (`mlp_bias`), per-head q/k norms (Qwen3, Qwen3.5), and Qwen3.5's output gate (q_proj twice
+    as wide). Qwen3.5's DeltaNet layers: the fused q/k/v, z, a and b projections, the short
+    convolution, dt bias, A, the gated norm and out_proj, with the MLP and two norms; their
+    state per stream is the conv window and the delta-rule state. Also the embeddings, the
+    final norm, and the head unless `tie_word_embeddings`. Every weight is taken to be
+    `dtype_bytes` per element.
     """
     if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
         raise ShapeError(f"dtype_bytes = {dtype_bytes!r}: expected a positive integer")
@@ -138,23 +229,19 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int) -> Mo
     except (ConfigError, TypeError) as exc:
         raise ShapeError(str(exc)) from exc
     hidden, inter = config.hidden_size, config.intermediate_size
-    q_width, kv_width = config.q_width, config.kv_width
-    elements = (hidden * q_width + 2 * hidden * kv_width + q_width * hidden  # q, k, v, o
-                + 3 * hidden * inter  # gate, up, down
-                + 2 * hidden)  # input and post-attention norms
-    if config.attention_bias:
-        elements += q_width + 2 * kv_width
-        if config.model_type != "qwen2":  # Qwen2 never biases o_proj; the others follow the flag
-            elements += hidden
+    around = 3 * hidden * inter + 2 * hidden  # the MLP and the two norms every layer has
     if config_json.get("mlp_bias"):
-        elements += 2 * inter + hidden
-    if config.qk_norm:
-        elements += 2 * config.head_dim
+        around += 2 * inter + hidden
+    types = {FULL_ATTENTION: LayerType(
+        FULL_ATTENTION, (around + _attention_elements(config)) * dtype_bytes,
+        config.kv_bytes_per_position(dtype_bytes))}
+    if LINEAR_ATTENTION in config.layer_types:
+        types[LINEAR_ATTENTION] = LayerType(
+            LINEAR_ATTENTION, (around + _deltanet_elements(config)) * dtype_bytes,
+            state_bytes_per_slot=_deltanet_state_bytes(config, dtype_bytes))
     embedding = config.vocab_size * hidden * dtype_bytes
     return ModelShape(
-        n_layers=config.num_hidden_layers,
-        layer_weight_bytes=elements * dtype_bytes,
-        kv_bytes_per_position_per_layer=config.kv_bytes_per_position(dtype_bytes),
+        layers=tuple(types[name] for name in config.layer_types),
         embedding_bytes=embedding,
         final_norm_bytes=hidden * dtype_bytes,
         head_bytes=0 if config.tie_word_embeddings else embedding,
@@ -163,3 +250,32 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int) -> Mo
         vocab_size=config.vocab_size,
     )
 
+
+def _attention_elements(config: ModelConfig) -> int:
+    hidden, q_width, kv_width = config.hidden_size, config.q_width, config.kv_width
+    q_out = 2 * q_width if config.attn_output_gate else q_width  # the gate rides on q_proj
+    elements = hidden * q_out + 2 * hidden * kv_width + q_width * hidden  # q, k, v, o
+    if config.attention_bias:
+        elements += q_out + 2 * kv_width
+        if config.model_type != "qwen2":  # Qwen2 never biases o_proj; the others follow the flag
+            elements += hidden
+    if config.qk_norm:
+        elements += 2 * config.head_dim
+    return elements
+
+
+def _deltanet_elements(config: ModelConfig) -> int:
+    hidden, heads = config.hidden_size, config.linear_num_value_heads
+    conv, value = config.linear_conv_width, config.linear_value_width
+    return (hidden * conv + hidden * value + 2 * hidden * heads  # in_proj qkv, z, b, a
+            + conv * config.linear_conv_kernel_dim  # depthwise conv1d, no bias
+            + 2 * heads  # dt_bias, A_log
+            + config.linear_value_head_dim  # the gated RMSNorm, shared by the heads
+            + value * hidden)  # out_proj
+
+
+def _deltanet_state_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    conv_window = config.linear_conv_width * (config.linear_conv_kernel_dim - 1) * dtype_bytes
+    delta = (config.linear_num_value_heads * config.linear_key_head_dim
+             * config.linear_value_head_dim * RECURRENT_STATE_ITEM_BYTES)
+    return conv_window + delta

@@ -1,10 +1,12 @@
 """Placement: which nodes, in which ring order, hold which contiguous layer range of a model.
 
 A pure function of frozen snapshots (model spec, model shape, and per node its usable
-memory, backend, calibrated ms per layer and measured links). The search is exhaustive and
-exact: every ring order of up to six candidate nodes (rank 0 first), and for each the best
-layer counts, solved in closed form because a dense family's layers all cost the same on a
-node. docs/placement.md explains the cost model and why the fills below are optimal;
+memory, backend, calibrated ms per layer of each layer type and measured links). The search
+is exhaustive and exact: every ring order of up to six candidate nodes (rank 0 first), and
+for each the best layer ranges: in closed form when every layer has one type (a dense
+family's layers all cost the same on a node), by a dynamic program over layer prefixes when
+they differ (a hybrid's DeltaNet and full-attention layers: `supervisor/boundaries.py`).
+docs/placement.md explains the cost model and why both are optimal;
 tests/supervisor/test_placement.py checks them against a brute force over every boundary.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from supervisor.boundaries import TIME_TOLERANCE, min_prompt_ms, min_total_ms, stage_times
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
     ExecutionShape,
@@ -30,7 +33,10 @@ from supervisor.memory import (
 )
 
 MAX_SEARCH_NODES = 6  # 1,956 ring orders at six nodes; seven would be 13,699
-TIME_TOLERANCE = 1e-9  # ms: a stage time equal to a bottleneck candidate is within it
+# A NodeSnapshot's ms per layer by what is timed: "decode" is picked per spec (one row or a
+# round of `parallel` rows), "single" is one row, "prefill" one prompt chunk.
+TIMED = {"single": "decode_ms_per_layer", "batch": "decode_batch_ms_per_layer",
+         "prefill": "prefill_ms_per_layer"}
 
 
 class PlacementError(ValueError):
@@ -56,6 +62,16 @@ class LinkSnapshot:
 
 
 @dataclass(frozen=True)
+class LayerTypeMs:
+    """A node's calibrated ms for one layer of one type (config.json's `layer_types` name)."""
+
+    layer_type: str
+    decode_ms_per_layer: float  # one row
+    decode_batch_ms_per_layer: float  # one round of `parallel` rows
+    prefill_ms_per_layer: float  # one prompt chunk of `chunk` rows
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     """What placement knows of one live node, for one model (calibrated on its shape)."""
 
@@ -66,16 +82,26 @@ class NodeSnapshot:
     decode_batch_ms_per_layer: float  # one round of `parallel` rows
     prefill_ms_per_layer: float  # one prompt chunk of `chunk` rows
     links: tuple[LinkSnapshot, ...] = ()
+    # Per layer type, where calibrated so; a type not listed costs the three numbers above.
+    layer_type_ms: tuple[LayerTypeMs, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("decode_ms_per_layer", "decode_batch_ms_per_layer", "prefill_ms_per_layer"):
-            if not getattr(self, name) > 0:
-                raise PlacementError(f"node {self.name}: {name} = {getattr(self, name)!r}: "
-                                     "expected a positive number of ms")
+        for timed in (self, *self.layer_type_ms):
+            for name in TIMED.values():
+                if not getattr(timed, name) > 0:
+                    what = f" {timed.layer_type}" if timed is not self else ""
+                    raise PlacementError(f"node {self.name}:{what} {name} = "
+                                         f"{getattr(timed, name)!r}: expected a positive "
+                                         "number of ms")
         for link in self.links:
             if not (link.rtt_ms >= 0 and link.bandwidth_bytes_per_s > 0):
                 raise PlacementError(f"node {self.name}: link to {link.peer}: rtt {link.rtt_ms} "
                                      f"ms, {link.bandwidth_bytes_per_s} bytes/s: not a link")
+
+    def ms_per_layer(self, layer_type: str, timed: str) -> float:
+        """ms for one layer of `layer_type`; `timed` is "single", "batch" or "prefill"."""
+        found = next((t for t in self.layer_type_ms if t.layer_type == layer_type), self)
+        return getattr(found, TIMED[timed])
 
 
 @dataclass(frozen=True)
@@ -90,6 +116,8 @@ class Stage:
     prefill_chunk_ms: float  # this stage's layers on one prompt chunk
     hop_decode_ms: float  # to the next stage (the last one: back to rank 0); 0 alone
     hop_chunk_ms: float
+    layer_type_counts: tuple[tuple[str, int], ...] = ()  # its layers by type
+    layer_type_ms: tuple[LayerTypeMs, ...] = ()  # the node's ms per layer of each type
 
 
 @dataclass(frozen=True)
@@ -154,21 +182,57 @@ class _Problem:
         self.prompt_tokens = prompt_tokens
         self.nodes = {n.name: n for n in nodes}
         self.order = {n.name: i for i, n in enumerate(nodes)}
+        self.uniform = shape.is_uniform
         self.cap0 = {n.name: self.fit(n, True) for n in nodes}
         self.cap = {n.name: self.fit(n, False) for n in nodes}
         self._decode_fills: dict[tuple, dict[str, int] | None] = {}
         self._tables: dict[tuple, tuple] = {}  # (rank 0, node set) -> bottleneck table
         self._hops: dict[int, dict[tuple[str, str], float]] = {}  # rows -> (a, b) -> ms
         self._links = {(n.name, link.peer): link for n in nodes for link in n.links}
-        batch = "decode_batch_ms_per_layer" if spec.parallel > 1 else "decode_ms_per_layer"
-        self._layer_ms = {
-            "decode": {n.name: getattr(n, batch) for n in nodes},
-            "single": {n.name: n.decode_ms_per_layer for n in nodes},
-            "prefill": {n.name: n.prefill_ms_per_layer for n in nodes}}
+        timed = {"decode": "batch" if spec.parallel > 1 else "single", "single": "single",
+                 "prefill": "prefill"}
+        # kind -> node -> layer type -> ms per layer
+        self._type_ms = {kind: {n.name: {t.name: n.ms_per_layer(t.name, what)
+                                         for t in shape.types} for n in nodes}
+                         for kind, what in timed.items()}
+        self._layer_ms = {kind: {name: next(iter(by_type.values()))
+                                 for name, by_type in per_node.items()}
+                          for kind, per_node in self._type_ms.items()}  # uniform shapes only
+        self._type_prefix = {t.name: list(itertools.accumulate(
+            (int(layer.name == t.name) for layer in shape.layers), initial=0))
+            for t in shape.types}
+        self.bytes_prefix = list(itertools.accumulate(
+            (layer_bytes(layer, self.execution) for layer in shape.layers), initial=0))
+        self._time_prefix: dict[tuple[str, str], list[float]] = {}
+        self._stage_times: dict[str, list[float]] = {}
 
     def fit(self, node: NodeSnapshot, is_rank0: bool) -> int:
+        """The most layers of a uniform model the node holds; a hybrid's: 0 or 1 (no range
+        can hold any layer, or one may: the search checks each range)."""
+        room = self.room(node.name, is_rank0)
+        if not self.uniform:
+            smallest = min(layer_bytes(t, self.execution) for t in self.shape.types)
+            return int(room >= smallest)
         return min(self.shape.n_layers,
                    layers_that_fit(self.shape, self.execution, node.usable_memory_bytes, is_rank0))
+
+    def room(self, name: str, is_rank0: bool) -> int:
+        """Bytes left for layers on `name` once its fixed bytes are held."""
+        fixed = fixed_bytes(self.shape, self.execution, is_rank0).total_bytes
+        return self.nodes[name].usable_memory_bytes - fixed
+
+    def stage_ms(self, name: str, kind: str, layer_range: tuple[int, int]) -> float:
+        """ms of `name` running the layers of `layer_range` (kind as for `layer_ms`)."""
+        a, b = layer_range
+        return sum((prefix[b] - prefix[a]) * self._type_ms[kind][name][t]
+                   for t, prefix in self._type_prefix.items())
+
+    def time_prefix(self, name: str, kind: str) -> list[float]:
+        if (name, kind) not in self._time_prefix:
+            ms = self._type_ms[kind][name]
+            self._time_prefix[(name, kind)] = list(itertools.accumulate(
+                (ms[layer.name] for layer in self.shape.layers), initial=0.0))
+        return self._time_prefix[(name, kind)]
 
     def caps(self, ring: tuple[str, ...]) -> list[int]:
         return [self.cap0[ring[0]]] + [self.cap[n] for n in ring[1:]]
@@ -202,15 +266,17 @@ class _Problem:
     def decode_ms(self, ring: tuple[str, ...], counts: Sequence[int], rows: int) -> float:
         kind = "decode" if rows == self.spec.parallel else "single"
         hops = self.hops_ms(ring, rows) or []
-        return sum(c * self.layer_ms(n, kind) for n, c in zip(ring, counts)) + sum(hops)
+        return sum(self.stage_ms(n, kind, r) for n, r in zip(ring, _ranges(counts))) + sum(hops)
 
     def prompt_ms(self, ring: tuple[str, ...], counts: Sequence[int]) -> float:
-        stages = [c * self.layer_ms(n, "prefill") for n, c in zip(ring, counts)]
+        stages = [self.stage_ms(n, "prefill", r) for n, r in zip(ring, _ranges(counts))]
         hops = self.hops_ms(ring, self.spec.chunk) or []
         return sum(stages) + sum(hops) + (self.chunks - 1) * max(stages + hops)
 
     def best_counts(self, ring: tuple[str, ...]) -> tuple[int, ...] | None:
         """The best layer counts for this ring under the objective; None when it cannot fit."""
+        if not self.uniform:
+            return self._searched_counts(ring)
         caps = dict(zip(ring, self.caps(ring)))
         if min(caps.values()) < 1 or sum(caps.values()) < self.shape.n_layers:
             return None
@@ -223,6 +289,27 @@ class _Problem:
             hops = self.hops_ms(ring, self.spec.chunk)
             counts = None if hops is None else self._prompt_counts(ring, caps, max(hops, default=0))
         return None if counts is None else tuple(counts[n] for n in ring)
+
+    def rooms(self, ring: Sequence[str]) -> list[int]:
+        return [self.room(n, i == 0) for i, n in enumerate(ring)]
+
+    def _searched_counts(self, ring: tuple[str, ...]) -> tuple[int, ...] | None:
+        """A hybrid's best ranges for this ring order, by the dynamic program."""
+        rooms = self.rooms(ring)
+        if self.spec.objective == "decode":
+            found = min_total_ms([self.time_prefix(n, "decode") for n in ring], rooms,
+                                 self.bytes_prefix)
+        else:
+            hops = self.hops_ms(ring, self.spec.chunk)
+            if hops is None:
+                return None
+            for name in ring:
+                if name not in self._stage_times:
+                    self._stage_times[name] = stage_times(self.time_prefix(name, "prefill"))
+            found = min_prompt_ms([self.time_prefix(n, "prefill") for n in ring], rooms,
+                                  self.bytes_prefix, [self._stage_times[n] for n in ring],
+                                  self.chunks, hops)
+        return None if found is None else found[1]
 
     def _by_speed(self, names: Sequence[str], kind: str) -> list[str]:
         return sorted(names, key=lambda n: (self.layer_ms(n, kind), self.order[n]))
@@ -392,6 +479,8 @@ def _runner_up(problem: _Problem, best: _Ring, results: list[_Ring],
         return Alternative(alt.nodes, _ranges(alt.counts), alt.objective_ms,
                            f"{_ring_text(alt.nodes, alt.counts)} is {_slower(alt, best)}")
     others = [r for r in _rings(rank0s, candidates) if (r[0], frozenset(r)) != same]
+    if not problem.uniform:  # a search per ring and node: one order per node set is enough
+        others = list({(r[0], frozenset(r)): r for r in reversed(others)}.values())
     if not others:
         return Alternative((), (), None, "none: no other node set to try")
     ring = min(others, key=lambda r: _shortfall(problem, r)[0])
@@ -408,8 +497,10 @@ def _runner_up(problem: _Problem, best: _Ring, results: list[_Ring],
 def _shortfall(problem: _Problem, ring: tuple[str, ...]) -> tuple[int, str]:
     """The fewest bytes that, added to one node of `ring`, let it hold the model (dropping
     any other follower too small for a layer); and that node."""
+    if not problem.uniform:
+        return _searched_shortfall(problem, ring)
     caps = problem.caps(ring)
-    per_layer = layer_bytes(problem.shape, problem.execution)
+    per_layer = layer_bytes(problem.shape.layers[0], problem.execution)
     options = []
     for j, name in enumerate(ring):
         if j > 0 and caps[0] < 1:
@@ -423,6 +514,47 @@ def _shortfall(problem: _Problem, ring: tuple[str, ...]) -> tuple[int, str]:
     return max(0, missing), name
 
 
+def _searched_shortfall(problem: _Problem, ring: tuple[str, ...]) -> tuple[int, str]:
+    """`_shortfall` for a hybrid: for each node, the least bytes its range can take while
+    the others hold the rest within their rooms (a search with that node's bytes as its
+    cost and no room limit)."""
+    rooms = problem.rooms(ring)
+    can_hold = [problem.fit(problem.nodes[n], i == 0) for i, n in enumerate(ring)]
+    bytes_prefix = [float(b) for b in problem.bytes_prefix]
+    zero = [0.0] * len(bytes_prefix)
+    options = []
+    for j, name in enumerate(ring):
+        if j > 0 and not can_hold[0]:
+            continue  # rank 0 cannot be dropped: it is the one that must grow
+        kept = [i for i in range(len(ring)) if i == j or i == 0 or can_hold[i]]
+        found = min_total_ms([bytes_prefix if i == j else zero for i in kept],
+                             [2**62 if i == j else rooms[i] for i in kept],
+                             problem.bytes_prefix)
+        if found is not None:
+            options.append((int(found[0]) - rooms[j], name))
+    if not options:
+        return 0, ring[0]  # more stages than layers: no bytes help
+    missing, name = min(options)
+    return max(0, missing), name
+
+
+def _layers_text(problem: _Problem) -> str:
+    """Each layer type's bytes, for a DoesNotFit message."""
+    execution, counts = problem.execution, problem.shape.type_counts((0, problem.shape.n_layers))
+    parts = []
+    for t in problem.shape.types:
+        text = f"{t.name} x{counts[t.name]}: weights {format_bytes(t.weight_bytes)}"
+        if t.kv_bytes_per_position or not t.state_bytes_per_slot:
+            kv = t.kv_bytes_per_position * execution.context * execution.parallel
+            text += (f" + KV {format_bytes(kv)} for {execution.context} x "
+                     f"{execution.parallel} positions")
+        if t.state_bytes_per_slot:
+            text += (f" + recurrent state {format_bytes(t.state_bytes_per_slot * execution.parallel)}"
+                     f" for {execution.parallel} stream(s)")
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def _does_not_fit(problem: _Problem, candidates: Sequence[str],
                   rank0s: Sequence[str]) -> DoesNotFit:
     spec, shape, execution = problem.spec, problem.shape, problem.execution
@@ -433,21 +565,22 @@ def _does_not_fit(problem: _Problem, candidates: Sequence[str],
         return DoesNotFit(f"{spec.id}: every ring that fits in memory lacks a measured link "
                           f"between two neighbours, or has more stages than layers "
                           f"({', '.join(candidates)})", spec.id)
-    extras, per_layer = fixed_bytes(shape, execution, True), layer_bytes(shape, execution)
-    need = shape.n_layers * per_layer + sum(fixed_bytes(shape, execution, i == 0).total_bytes
-                                            for i in range(len(ring)))
+    extras = fixed_bytes(shape, execution, True)
+    need = problem.bytes_prefix[-1] + sum(fixed_bytes(shape, execution, i == 0).total_bytes
+                                           for i in range(len(ring)))
     usable = sum(problem.nodes[n].usable_memory_bytes for n in ring)
-    placed = min(sum(problem.caps(ring)), shape.n_layers)  # with rank 0 holding what it can
+    placed = ""
+    if problem.uniform:  # with rank 0 holding what it can
+        placed = f"places {min(sum(problem.caps(ring)), shape.n_layers)} of {shape.n_layers} " \
+                 "layers and "
+    states = "" if problem.uniform else ", recurrent states"
     return DoesNotFit(
-        f"{spec.id} needs {format_bytes(need)} for weights, KV and rank 0's extras across "
-        f"{len(ring)} node(s), which have {format_bytes(usable)}; the largest fit, rank 0 on "
-        f"{ring[0]}, places "
-        f"{placed} of {shape.n_layers} layers and leaves {format_bytes(missing)} short on "
+        f"{spec.id} needs {format_bytes(need)} for weights, KV{states} and rank 0's extras "
+        f"across {len(ring)} node(s), which have {format_bytes(usable)}; the largest fit, "
+        f"rank 0 on {ring[0]}, {placed}leaves {format_bytes(missing)} short on "
         f"{short_node} (rank 0 extras: embeddings {format_bytes(extras.embedding_bytes)}, "
         f"head {format_bytes(extras.head_bytes)}, staging {format_bytes(extras.staging_bytes)};"
-        f" each layer: weights {format_bytes(shape.layer_weight_bytes)} + KV "
-        f"{format_bytes(per_layer - shape.layer_weight_bytes)} for "
-        f"{execution.context} x {execution.parallel} positions)",
+        f" each layer: {_layers_text(problem)})",
         spec.id, shortfall_bytes=missing, node=short_node)
 
 
@@ -472,18 +605,17 @@ def _explicit(problem: _Problem) -> Placement:
         raise PlacementError(f"{spec.id}: no measured link between two neighbouring stages "
                              f"of {' -> '.join(ring)}")
     counts = tuple(b - a for a, b in (s.layer_range for s in spec.placement))
-    caps = problem.caps(ring)
-    short = [(n, c, cap) for n, c, cap in zip(ring, counts, caps) if c > cap]
+    short = []
+    for i, stage in enumerate(spec.placement):
+        memory = stage_memory(shape, problem.execution, stage.layer_range, i == 0)
+        usable = problem.nodes[stage.node].usable_memory_bytes
+        if memory.total_bytes > usable:
+            short.append((stage.node, stage.layer_range, memory.total_bytes - usable, memory))
     if short:
-        parts = []
-        for name, count, _ in short:
-            memory = stage_memory(shape, problem.execution, count, name == ring[0])
-            usable = problem.nodes[name].usable_memory_bytes
-            parts.append(f"{name} ({count} layers) needs {format_bytes(memory.total_bytes)}, "
-                         f"has {format_bytes(usable)}: "
-                         f"{format_bytes(memory.total_bytes - usable)} short")
-        missing = sum(stage_memory(shape, problem.execution, c, n == ring[0]).total_bytes
-                      - problem.nodes[n].usable_memory_bytes for n, c, _ in short)
+        parts = [f"{name} ({b - a} layers) needs {format_bytes(memory.total_bytes)}, "
+                 f"has {format_bytes(memory.total_bytes - lack)}: {format_bytes(lack)} short"
+                 for name, (a, b), lack, memory in short]
+        missing = sum(lack for _, _, lack, _ in short)
         raise DoesNotFit(f"{spec.id}: the explicit placement does not fit: " + "; ".join(parts),
                          spec.id, shortfall_bytes=missing, node=short[0][0])
     why = ["explicit placement from fleet.yaml (not searched)"]
@@ -511,13 +643,17 @@ def _build(problem: _Problem, ring: tuple[str, ...], counts: Sequence[int], expl
     hops_chunk = problem.hops_ms(ring, spec.chunk) or [0.0]
     stages = tuple(
         Stage(rank=i, node=name, backend=problem.nodes[name].backend, layer_range=rng,
-              memory=stage_memory(problem.shape, problem.execution, count, i == 0),
+              memory=stage_memory(problem.shape, problem.execution, rng, i == 0),
               usable_memory_bytes=problem.nodes[name].usable_memory_bytes,
-              decode_ms=count * problem.layer_ms(name, "decode"),
-              prefill_chunk_ms=count * problem.layer_ms(name, "prefill"),
+              decode_ms=problem.stage_ms(name, "decode", rng),
+              prefill_chunk_ms=problem.stage_ms(name, "prefill", rng),
               hop_decode_ms=hops_decode[i % len(hops_decode)],
-              hop_chunk_ms=hops_chunk[i % len(hops_chunk)])
-        for i, (name, count, rng) in enumerate(zip(ring, counts, _ranges(counts))))
+              hop_chunk_ms=hops_chunk[i % len(hops_chunk)],
+              layer_type_counts=tuple(problem.shape.type_counts(rng).items()),
+              layer_type_ms=tuple(
+                  LayerTypeMs(t.name, *(problem.nodes[name].ms_per_layer(t.name, what)
+                                        for what in TIMED)) for t in problem.shape.types))
+        for i, (name, rng) in enumerate(zip(ring, _ranges(counts))))
     return Placement(model_id=spec.id, objective=spec.objective, parallel=spec.parallel,
                      prompt_tokens=problem.prompt_tokens, stages=stages,
                      decode_ms_per_token=problem.decode_ms(ring, counts, spec.parallel),

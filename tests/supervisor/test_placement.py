@@ -31,9 +31,15 @@ from supervisor.placement import (
 )
 
 MB = 1_000_000
-SHAPE = ModelShape(n_layers=8, layer_weight_bytes=10 * MB, kv_bytes_per_position_per_layer=100,
-                   embedding_bytes=20 * MB, final_norm_bytes=1000, head_bytes=20 * MB,
-                   hidden_size=500, row_bytes=1000, vocab_size=1000)
+SHAPE = ModelShape.uniform(n_layers=8, layer_weight_bytes=10 * MB,
+                           kv_bytes_per_position_per_layer=100, embedding_bytes=20 * MB,
+                           final_norm_bytes=1000, head_bytes=20 * MB, hidden_size=500,
+                           row_bytes=1000, vocab_size=1000)
+
+
+def with_layers(shape: ModelShape, n_layers: int, **changes) -> ModelShape:
+    """`shape` with `n_layers` layers of its first layer's type."""
+    return dataclasses.replace(shape, layers=shape.layers[:1] * n_layers, **changes)
 
 
 def spec(**overrides) -> ModelSpec:
@@ -59,6 +65,13 @@ def mesh(nodes: list[NodeSnapshot], rtt_ms: float = 0.2, bandwidth: float = 1e9)
 
 
 # --- brute force: every rank 0, subset, order and boundary, costed straight from the design
+
+
+def ms(node: NodeSnapshot, shape: ModelShape, layer_range: tuple[int, int], what: str) -> float:
+    """A stage's time, layer by layer: the node's time for each layer's type, else its own."""
+    by_type = {t.layer_type: t for t in node.layer_type_ms}
+    return sum(getattr(by_type.get(layer.name, node), what)
+               for layer in shape.layers[layer_range[0]:layer_range[1]])
 
 
 def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
@@ -98,15 +111,17 @@ def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
                     continue
                 for cuts in itertools.combinations(range(1, shape.n_layers), len(ring) - 1):
                     bounds = (0, *cuts, shape.n_layers)
-                    counts = [b - a for a, b in itertools.pairwise(bounds)]
-                    if any(stage_memory(shape, execution, c, i == 0).total_bytes
+                    ranges = list(itertools.pairwise(bounds))
+                    if any(stage_memory(shape, execution, r, i == 0).total_bytes
                            > by_name[n].usable_memory_bytes
-                           for i, (n, c) in enumerate(zip(ring, counts))):
+                           for i, (n, r) in enumerate(zip(ring, ranges))):
                         continue
-                    per_layer = [by_name[n].decode_batch_ms_per_layer if s.parallel > 1
-                                 else by_name[n].decode_ms_per_layer for n in ring]
-                    decode = sum(c * t for c, t in zip(counts, per_layer)) + sum(hops_decode)
-                    stages = [c * by_name[n].prefill_ms_per_layer for n, c in zip(ring, counts)]
+                    batch = "decode_batch_ms_per_layer" if s.parallel > 1 \
+                        else "decode_ms_per_layer"
+                    decode = (sum(ms(by_name[n], shape, r, batch) for n, r in zip(ring, ranges))
+                              + sum(hops_decode))
+                    stages = [ms(by_name[n], shape, r, "prefill_ms_per_layer")
+                              for n, r in zip(ring, ranges)]
                     prompt = (sum(stages) + sum(hops_chunk)
                               + (chunks - 1) * max(stages + hops_chunk))
                     cost = decode if s.objective == "decode" else prompt
@@ -116,9 +131,9 @@ def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
 
 def random_case(rng: random.Random):
     n_layers = rng.randint(1, 9)
-    shape = dataclasses.replace(SHAPE, n_layers=n_layers,
-                                embedding_bytes=rng.choice([0, 5, 20]) * MB,
-                                head_bytes=rng.choice([0, 20]) * MB)
+    shape = with_layers(SHAPE, n_layers,
+                        embedding_bytes=rng.choice([0, 5, 20]) * MB,
+                        head_bytes=rng.choice([0, 20]) * MB)
     names = [f"n{i}" for i in range(rng.randint(1, 4))]
     most_mb = rng.choice([70, 140])  # tight fleets need more stages
     nodes = []
@@ -201,7 +216,7 @@ def test_rank0_extras_are_charged_to_rank0_only():
     # "big" holds all 8 layers but not with the embeddings and head as well, so rank 0 must
     # be "small", which then holds as few layers as it can.
     execution = ExecutionShape(1000, 2, 100)
-    layers = stage_memory(SHAPE, execution, 8, is_rank0=False).total_bytes
+    layers = stage_memory(SHAPE, execution, (0, 8), is_rank0=False).total_bytes
     big = node("big", memory_mb=layers / MB + 1, decode=0.5)
     small = node("small", memory_mb=100, decode=2.0)
     p = place(spec(), SHAPE, mesh([big, small]))
@@ -312,7 +327,7 @@ def test_explicit_placement_is_validated_not_searched():
     with pytest.raises(DoesNotFit, match=r"b \(6 layers\) needs .* short"):
         place(spec(placement=stages), SHAPE, mesh([node("a", 500), node("b", 30)]))
     with pytest.raises(PlacementError, match="ends at layer 8, but the model has 9"):
-        place(spec(placement=stages), dataclasses.replace(SHAPE, n_layers=9), nodes)
+        place(spec(placement=stages), with_layers(SHAPE, 9), nodes)
     with pytest.raises(DoesNotFit, match="not among the live nodes"):
         place(spec(placement=stages), SHAPE, nodes[:1])
     with pytest.raises(PlacementError, match="asks backend mlx-cpu"):
@@ -321,7 +336,8 @@ def test_explicit_placement_is_validated_not_searched():
 
 def test_six_nodes_sixty_four_layers_runs():
     rng = random.Random(64)
-    shape = dataclasses.replace(SHAPE, n_layers=64, layer_weight_bytes=2 * MB)
+    shape = dataclasses.replace(SHAPE, layers=(dataclasses.replace(SHAPE.layers[0],
+                                                                   weight_bytes=2 * MB),) * 64)
     nodes = mesh([node(f"n{i}", rng.uniform(40, 120), decode=rng.uniform(0.2, 2.0),
                        prefill=rng.uniform(2.0, 20.0)) for i in range(6)])
     for objective in ("decode", "prompt"):
@@ -342,21 +358,21 @@ def test_model_shape_matches_the_checkpoint_makers_tensors(family, tie, dtype, d
     for t in tensor_plan(cs):
         part = t.name.split(".")[2] if t.name.startswith("model.layers.") else t.name
         sizes[part] = sizes.get(part, 0) + t.element_count * dtype_bytes
-    assert all(sizes[str(i)] == shape.layer_weight_bytes for i in range(3))
+    assert [sizes[str(i)] for i in range(3)] == [layer.weight_bytes for layer in shape.layers]
     assert shape.embedding_bytes == sizes["model.embed_tokens.weight"]
     assert shape.final_norm_bytes == sizes["model.norm.weight"]
     assert shape.head_bytes == sizes.get("lm_head.weight", 0)
-    assert shape.kv_bytes_per_position_per_layer == 2 * 2 * 10 * dtype_bytes
+    assert {layer.kv_bytes_per_position for layer in shape.layers} == {2 * 2 * 10 * dtype_bytes}
     assert shape.row_bytes == 48 * dtype_bytes and shape.n_layers == 3
 
 
 def test_stage_memory_by_hand():
     execution = ExecutionShape(context=1000, parallel=2, chunk=100)
-    follower = stage_memory(SHAPE, execution, 3, is_rank0=False)
+    follower = stage_memory(SHAPE, execution, (0, 3), is_rank0=False)
     assert follower.weights_bytes == 3 * 10 * MB
     assert follower.kv_bytes == 3 * 100 * 1000 * 2
     assert follower.staging_bytes == 2 * 100 * 1000  # a chunk of rows in, one out
-    rank0 = stage_memory(SHAPE, execution, 3, is_rank0=True)
+    rank0 = stage_memory(SHAPE, execution, (0, 3), is_rank0=True)
     assert rank0.staging_bytes == follower.staging_bytes + 2 * 1000 * 4  # float32 logits
     assert rank0.total_bytes - follower.total_bytes == 40 * MB + 1000 + 2 * 1000 * 4
     assert layers_that_fit(SHAPE, execution, rank0.total_bytes, True) == 3
@@ -369,7 +385,7 @@ def test_model_shape_of_qwen3_8b():
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         tie_word_embeddings=False), 2)
     assert shape.total_weight_bytes == 8_190_735_360 * 2  # Qwen3-8B's published parameter count
-    assert shape.kv_bytes_per_position_per_layer == 4096
+    assert shape.layers[0].kv_bytes_per_position == 4096 and shape.is_uniform
 
 
 def test_model_shape_refuses_bad_input():

@@ -1,0 +1,123 @@
+"""The best contiguous layer ranges for one ring order when a stage's cost depends on which
+layers it holds, not only how many (a hybrid's DeltaNet and full-attention layers differ).
+
+Pure arithmetic over running sums: stage j holding layers [s, e) takes
+`time_prefix[j][e] - time_prefix[j][s]` ms and `bytes_prefix[e] - bytes_prefix[s]` bytes,
+which must fit its `room`. A dynamic program over layer prefixes, one stage at a time; the
+ranges a stage may take for a given end are a window whose both ends only move forward (more
+layers never cost fewer bytes or ms), so a monotone queue finds each window's best start and
+one stage costs O(layers). `supervisor/placement.py` uses it; docs/placement.md says why the
+prompt search below is exact.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+
+TIME_TOLERANCE = 1e-9  # ms: a stage time equal to a bottleneck candidate is within it
+
+
+def min_total_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
+                 bytes_prefix: Sequence[int],
+                 time_cap_ms: float = math.inf) -> tuple[float, tuple[int, ...]] | None:
+    """The least sum of stage times over every cut of the layers into `len(rooms)` non-empty
+    contiguous ranges, in order, each within its room and within `time_cap_ms`; with the layer
+    counts that reach it. None when no cut fits."""
+    n_layers, stages = len(bytes_prefix) - 1, len(rooms)
+    if stages < 1 or stages > n_layers:
+        return None
+    best = [0.0] + [math.inf] * n_layers  # best[e]: layers [0, e) on the stages so far
+    starts: list[list[int]] = []
+    for j, (prefix, room) in enumerate(zip(time_prefix, rooms, strict=True)):
+        here, start = [math.inf] * (n_layers + 1), [-1] * (n_layers + 1)
+        window: deque[int] = deque()  # starts s, their best[s] - prefix[s] increasing
+        low, added = 0, j  # every stage before this one holds a layer: s >= j
+        last = n_layers - (stages - 1 - j)  # and every one after it will
+        for e in range(j + 1, last + 1):
+            while added < e:  # s = e - 1 joins the window
+                if best[added] < math.inf:
+                    value = best[added] - prefix[added]
+                    while window and best[window[-1]] - prefix[window[-1]] >= value:
+                        window.pop()
+                    window.append(added)
+                added += 1
+            while low < e and (bytes_prefix[e] - bytes_prefix[low] > room
+                               or prefix[e] - prefix[low] > time_cap_ms + TIME_TOLERANCE):
+                low += 1
+            while window and window[0] < low:
+                window.popleft()
+            if window:
+                s = window[0]
+                here[e], start[e] = best[s] - prefix[s] + prefix[e], s
+        best = here
+        starts.append(start)
+    if best[n_layers] == math.inf:
+        return None
+    ends = [n_layers]
+    for start in reversed(starts[1:]):
+        ends.append(start[ends[-1]])
+    bounds = [0, *reversed(ends)]
+    return best[n_layers], tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+def stage_times(prefix: Sequence[float]) -> list[float]:
+    """Every time a stage on this node can take: one per layer range, ascending, distinct."""
+    n = len(prefix) - 1
+    return sorted({prefix[e] - prefix[s] for s in range(n) for e in range(s + 1, n + 1)})
+
+
+def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
+                  bytes_prefix: Sequence[int], candidate_times: Sequence[Sequence[float]],
+                  chunks: int, hop_ms: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+    """The cut minimising sum(stage times) + sum(hops) + (chunks - 1) x max(stage times and
+    hops), with its counts; None when none fits. `candidate_times[j]` is `stage_times` of
+    stage j's node.
+
+    The least sum with every stage within a cap T, f(T), only grows as T falls. The search
+    starts with no cap and, each time, lowers the cap to the largest stage time below the
+    slowest stage just found (caps between give the same cut), stopping when no cut fits or
+    a cap is too low to pay. Exact: take the best cut's own bottleneck T* (its slowest
+    stage). The last cap tried that is at least T* gives a cut whose sum is at most the best
+    cut's, and whose slowest stage is at most T* (or the next cap would be at least T*); so it
+    costs no more than the best cut. A cap below the floor (the slowest hop, or the mean
+    stage time of the cut with no cap) gains nothing, and above `limit` cannot pay.
+    """
+    loose = min_total_ms(time_prefix, rooms, bytes_prefix)
+    if loose is None:
+        return None
+    hop_max, hop_sum = max(hop_ms, default=0.0), sum(hop_ms)
+
+    def stage_ms(counts: tuple[int, ...]) -> list[float]:
+        times, s = [], 0
+        for prefix, count in zip(time_prefix, counts, strict=True):
+            times.append(prefix[s + count] - prefix[s])
+            s += count
+        return times
+
+    def cost(times: list[float]) -> float:
+        return sum(times) + hop_sum + (chunks - 1) * max(times + list(hop_ms))
+
+    times = stage_ms(loose[1])
+    best = (cost(times), loose[1])
+    if chunks == 1:
+        return best
+    floor = max(hop_max, loose[0] / len(rooms))
+    caps = sorted({floor, *(t for ts in candidate_times for t in ts if t > floor)})
+    cap = math.inf
+    while True:
+        limit = (best[0] - loose[0] - hop_sum) / (chunks - 1) + TIME_TOLERANCE
+        below = bisect.bisect_left(caps, min(max(times), cap)) - 1
+        if below < 0 or limit < floor:
+            break
+        cap = min(caps[below], limit)
+        found = min_total_ms(time_prefix, rooms, bytes_prefix, cap)
+        if found is None:
+            break
+        times = stage_ms(found[1])
+        if (c := cost(times)) < best[0]:
+            best = (c, found[1])
+    return best
