@@ -14,6 +14,10 @@ each (there can be parallel x (parallel + 1) / 2 of them). Sharing is safe in an
 order because graphs replay one at a time on one stream, each writes its intermediates
 before reading them, static inputs and the KV cache live outside the pool, and a
 replay's output is cloned at once, before another graph may reuse its memory.
+
+A hybrid's recurrent state, unlike KV, is changed by running a step again (each step
+decays and writes it), so the warm-up steps run on a copy's behalf: the run's slots are
+kept aside before them and put back after, and the round's own step is the replay.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from engine.backends.pytorch.kv_cache import decode_index
 from engine.backends.pytorch.llama import LlamaRange
+from engine.backends.pytorch.recurrent_state import RecurrentState
 
 WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
 
@@ -37,8 +42,10 @@ class Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaRange, context: int, window: int | None) -> None:
+    def __init__(self, model: LlamaRange, context: int, window: int | None,
+                 recurrent: RecurrentState | None = None) -> None:
         self.model = model
+        self.recurrent = recurrent
         self.context = context
         self.window = window
         self.captured: dict[tuple[int, int], Captured] = {}
@@ -66,12 +73,15 @@ class DecodeGraphs:
         # Static inputs hold this round's values, so the warm-up steps write the same K and V
         # the captured step will: running them changes no slot's state.
         static_inputs, static_positions = inputs.clone(), positions.clone()
+        kept = self.recurrent.keep_aside(run) if self.recurrent is not None else None
         side = self.warmup_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
                 self._step(run, static_inputs, static_positions)
         torch.cuda.current_stream().wait_stream(side)
+        if kept is not None:
+            self.recurrent.put_back(run, kept)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = self._step(run, static_inputs, static_positions)

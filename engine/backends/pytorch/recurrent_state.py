@@ -46,6 +46,16 @@ class RecurrentState:
         delta = torch.where(fresh[:, None, None, None], torch.zeros_like(delta), delta)
         return conv, delta
 
+    def keep_aside(self, run: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of slots [a, b) of every layer, for `put_back`."""
+        a, b = run
+        return self.conv[:, a:b].clone(), self.delta[:, a:b].clone()
+
+    def put_back(self, run: tuple[int, int], kept: tuple[torch.Tensor, torch.Tensor]) -> None:
+        a, b = run
+        self.conv[:, a:b] = kept[0]
+        self.delta[:, a:b] = kept[1]
+
     def write(self, layer: int, slots: torch.Tensor, conv: torch.Tensor,
               delta: torch.Tensor) -> None:
         self.conv[layer, slots] = conv.to(self.conv.dtype)

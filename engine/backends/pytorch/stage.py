@@ -30,10 +30,9 @@ class TorchStage(Stage):
         self.device = device
         self.dtype = torch_dtype(self.row_format)
         self.graphs = None
-        # A captured step's warm-up runs would advance a recurrent state: the hybrid decodes
-        # eagerly until its graphs keep the state aside while they warm up.
-        if device.type == "cuda" and spec.cuda_graphs and not config.is_hybrid:
-            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window)
+        if device.type == "cuda" and spec.cuda_graphs:
+            recurrent = model.cache.recurrent if config.is_hybrid else None
+            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, recurrent)
 
     @staticmethod
     def _device(backend: str) -> torch.device:
