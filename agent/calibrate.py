@@ -4,6 +4,8 @@ For each (family shape, dtype, backend, engine version) the agent times the engi
 layer code — decode at 1 row and at B rows for each given context, and one prompt chunk of
 `chunk_rows` rows — with random weights of that shape (no checkpoint needed), warmed up,
 taking the median of several runs inside a time budget, and caches the numbers on disk.
+Each layer type is timed on its own (a hybrid's DeltaNet and full-attention layers cost
+differently, and the gap moves with context and rows): a range of layers all of that type.
 Numbers are reported as measured: no smoothing, so the supervisor plans with what it got.
 
 Run as a child (`python -m agent.calibrate REQUEST.json CACHE_DIR`) it reports progress and
@@ -22,10 +24,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine.config import FULL_ATTENTION
+
 PROGRESS_EVENT = "calibration_progress"
 RESULT_EVENT = "calibration_done"
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "attention_bias", "qk_norm", "sliding_window")
+HYBRID_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                       "linear_value_head_dim", "linear_conv_kernel_dim",
+                       "partial_rotary_factor")
 WEIGHT_STD = 0.02
 
 Progress = Callable[[int, int, str], None]
@@ -93,7 +100,11 @@ class CalibrationRequest:
 
     def shape(self) -> dict[str, Any]:
         config = self.model_config()
-        return {name: getattr(config, name) for name in SHAPE_FIELDS}
+        shape = {name: getattr(config, name) for name in SHAPE_FIELDS}
+        if config.is_hybrid:  # a dense shape's key stays what it was
+            shape.update({name: getattr(config, name) for name in HYBRID_SHAPE_FIELDS},
+                         layer_types=layer_types(config))
+        return shape
 
     def key(self, engine_version: str) -> str:
         """Cache key: the family shape, dtype, backend, engine version and what is measured."""
@@ -105,6 +116,11 @@ class CalibrationRequest:
         return f"{config.model_type}-{config.dtype}-{self.backend}-{digest}"
 
 
+def layer_types(config) -> list[str]:
+    """The model's layer types, each once, in the order its layers first use them."""
+    return list(dict.fromkeys(config.layer_types))
+
+
 @dataclass(frozen=True)
 class Timing:
     kind: str  # "decode" or "prefill"
@@ -113,6 +129,7 @@ class Timing:
     ms_per_layer: float  # median over `runs`
     runs: int
     spread_ms: float  # max - min over the runs, per layer
+    layer_type: str = FULL_ATTENTION  # config.json's name; a dense family's layers all are
 
 
 @dataclass(frozen=True)
@@ -131,9 +148,12 @@ class Calibration:
     budget_exhausted: bool = False
     cached: bool = field(default=False, compare=False)
 
-    def decode_ms(self, context: int, rows: int) -> float:
+    def decode_ms(self, context: int, rows: int, layer_type: str | None = None) -> float:
+        """ms per layer of `layer_type` (None: the first type timed) at one decode point."""
+        layer_type = layer_type or self.timings[0].layer_type
         return next(t.ms_per_layer for t in self.timings
-                    if t.kind == "decode" and t.context == context and t.rows == rows)
+                    if t.kind == "decode" and t.context == context and t.rows == rows
+                    and t.layer_type == layer_type)
 
     @property
     def prefill_ms(self) -> float:
@@ -155,11 +175,14 @@ class TorchTimer:
     """The engine's PyTorch layers, built from random weights, timed one round at a time."""
 
     def __init__(self, config, backend: str, layers: int, slots: int, context: int,
-                 threads: int = 0) -> None:
+                 threads: int = 0, layer_type: str = FULL_ATTENTION) -> None:
         import torch
 
         from engine.backends.pytorch.kv_cache import KVCache
         from engine.backends.pytorch.llama import LlamaRange, Rope
+        from engine.backends.pytorch.qwen3_5 import Qwen35Range
+        from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
+        config = one_type(config, layer_type, layers)
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         kind = backend.removeprefix("torch-")
         if (kind == "cuda" and not torch.cuda.is_available()) or (
@@ -186,11 +209,17 @@ class TorchTimer:
             return out
 
         # Layer indices from 1 so the range is not the first: no embeddings or head to build.
-        cache = KVCache(layers, slots, config.num_key_value_heads, context, config.head_dim,
+        attention = layers if layer_type == FULL_ATTENTION else 0
+        cache = KVCache(attention, slots, config.num_key_value_heads, context, config.head_dim,
                         self.dtype, self.device)
         rope = Rope(config, context, self.device, self.dtype)
         with torch.inference_mode():
-            self.model = LlamaRange(config, (1, 1 + layers), load, cache, rope)
+            if config.is_hybrid:
+                state = HybridState(cache, RecurrentState(config, layers - attention, slots,
+                                                          self.dtype, self.device))
+                self.model = Qwen35Range(config, (1, 1 + layers), load, state, rope)
+            else:
+                self.model = LlamaRange(config, (1, 1 + layers), load, cache, rope)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -217,12 +246,15 @@ class TorchTimer:
 class MlxTimer:
     """The engine's MLX layers (the PyTorch family's twin), timed the same way."""
 
-    def __init__(self, config, backend: str, layers: int, slots: int, context: int) -> None:
+    def __init__(self, config, backend: str, layers: int, slots: int, context: int,
+                 layer_type: str = FULL_ATTENTION) -> None:
+        config = one_type(config, layer_type, layers)
         try:
             import mlx.core as mx
 
             from engine.backends.mlx.kv_cache import KVCache
             from engine.backends.mlx.llama import LlamaRange, Rope
+            from engine.backends.mlx.qwen3_5 import Qwen35Range
         except ImportError as exc:
             raise CalibrationError(f"{backend}: MLX or the engine's MLX backend is not "
                                    f"importable ({exc})") from exc
@@ -250,15 +282,22 @@ class MlxTimer:
             mx.eval(list(out.values()))
             return out
 
-        self.cache = KVCache(layers, slots, config.num_key_value_heads, context,
-                             config.head_dim, self.dtype)
-        self.model = LlamaRange(config, (1, 1 + layers), load, self.cache, Rope(config))
+        if config.is_hybrid:
+            self.cache = Qwen35Range.state_for(config, (1, 1 + layers), slots, context,
+                                               self.dtype)
+            self.model = Qwen35Range(config, (1, 1 + layers), load, self.cache, Rope(config))
+        else:
+            self.cache = KVCache(layers, slots, config.num_key_value_heads, context,
+                                 config.head_dim, self.dtype)
+            self.model = LlamaRange(config, (1, 1 + layers), load, self.cache, Rope(config))
 
     def make_round(self, kind: str, context: int, rows: int) -> Callable[[], None]:
         from engine.backends.mlx.kv_cache import RoundIndex
 
         mx = self.mx
-        index = RoundIndex.build(_round_layout(kind, context, rows), self.config.sliding_window)
+        layout = _round_layout(kind, context, rows)
+        index = (self.model.round_index(layout) if self.config.is_hybrid
+                 else RoundIndex.build(layout, self.config.sliding_window))
         x = (mx.random.normal((rows, self.config.hidden_size)) * 0.5).astype(self.dtype)
         mx.eval(x)
 
@@ -282,11 +321,21 @@ def _round_layout(kind: str, context: int, rows: int):
     return RowLayout.of(RoundPlan(1, entries))
 
 
-def make_timer(config, backend: str, layers: int, slots: int, context: int, threads: int = 0):
+def one_type(config, layer_type: str, layers: int):
+    """`config` cut to 2 + `layers` layers all of `layer_type`: the timed range is [1, 1 +
+    layers), neither the first nor the last, so it builds no embeddings, norm or head."""
+    if layer_type not in config.layer_types:
+        raise CalibrationError(f"layer type {layer_type!r} is not among the model's "
+                               f"({', '.join(layer_types(config))})")
+    return replace(config, num_hidden_layers=2 + layers, layer_types=(layer_type,) * (2 + layers))
+
+
+def make_timer(config, backend: str, layers: int, slots: int, context: int, threads: int = 0,
+               layer_type: str = FULL_ATTENTION):
     if backend.startswith("torch-"):
-        return TorchTimer(config, backend, layers, slots, context, threads)
+        return TorchTimer(config, backend, layers, slots, context, threads, layer_type)
     if backend.startswith("mlx-"):
-        return MlxTimer(config, backend, layers, slots, context)
+        return MlxTimer(config, backend, layers, slots, context, layer_type)
     raise CalibrationError(f"unknown backend {backend!r}")
 
 
@@ -332,21 +381,24 @@ def calibrate(request: CalibrationRequest, engine_version: str,
     total = request.runs + 2  # building, each timed round, done
     if progress:
         progress(0, total, "building synthetic layers")
-    timer = make_timer(config, request.backend, request.layers, request.batch_rows,
-                       context_needed, request.threads)
+    timers = {layer_type: make_timer(config, request.backend, request.layers,
+                                     request.batch_rows, context_needed, request.threads,
+                                     layer_type) for layer_type in layer_types(config)}
     if progress:
         progress(1, total, "built synthetic layers")
     def on_round(done: int) -> None:
         if progress:
             progress(1 + done, total, f"timed round {done} of {request.runs}")
 
-    samples, exhausted = measure([timer.make_round(*point) for point in points],
+    # Every type's points in one measurement, so a burst of load lands on all of them alike.
+    typed = [(layer_type, point) for layer_type in timers for point in points]
+    samples, exhausted = measure([timers[t].make_round(*point) for t, point in typed],
                                  request.warmup, request.runs, request.budget_s, on_round)
     timings = []
-    for (kind, context, rows), seconds in zip(points, samples, strict=True):
+    for (layer_type, (kind, context, rows)), seconds in zip(typed, samples, strict=True):
         per_layer = [x * 1000.0 / request.layers for x in seconds]
         timings.append(Timing(kind, context, rows, statistics.median(per_layer), len(seconds),
-                              max(per_layer) - min(per_layer)))
+                              max(per_layer) - min(per_layer), layer_type))
     if progress:
         progress(total, total, "done")
     return Calibration(

@@ -127,3 +127,28 @@ def test_the_agent_calibrates_in_a_child_and_serves_the_cache(fleet, tmp_path):
             assert bad["state"] == "failed" and "sees no" in bad["error"]
 
     asyncio.run(scenario())
+
+
+HYBRID = dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention"] * 3 + ["full_attention"])
+
+
+@pytest.mark.parametrize("backend", ["torch-cpu", "mlx-cpu"])
+def test_a_hybrid_is_calibrated_per_layer_type(backend):
+    result = calibrate(request(backend, config=HYBRID, contexts=(64,), batch_rows=4,
+                               chunk_rows=32, runs=2, budget_s=6.0), "0.1.0")
+    points = {(t.layer_type, t.kind, t.rows) for t in result.timings}
+    assert points == {(layer_type, kind, rows) for layer_type in ("linear_attention",
+                                                                  "full_attention")
+                      for kind, rows in (("decode", 1), ("decode", 4), ("prefill", 32))}
+    assert all(t.ms_per_layer > 0 for t in result.timings)
+    assert result.decode_ms(64, 1, "full_attention") != result.decode_ms(64, 1,
+                                                                         "linear_attention")
+    assert result.shape["layer_types"] == ["linear_attention", "full_attention"]
+    # The hybrid's own fields are part of its key; a dense shape's key does not carry them.
+    assert request(config=dict(HYBRID, linear_key_head_dim=32)).key("0.1.0") != \
+        request(config=HYBRID).key("0.1.0")
+    assert "layer_types" not in request().shape()
