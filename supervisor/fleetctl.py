@@ -147,18 +147,27 @@ def show_status(data: dict[str, Any]) -> None:
 def render_plan(p: dict[str, Any]) -> Table:
     """A placement (`Placement.to_dict`) as `fleetctl plan` shows it: one row per stage,
     predictions, and why. "extras" are the row buffers, plus on rank 0 the embeddings, final
-    norm, head and logits."""
+    norm, head and logits. A model whose layers differ by type (a hybrid) also shows each
+    stage's layers by type, the recurrent state its DeltaNet layers keep, and each node's
+    calibrated ms per layer of each type."""
     ring = [s["node"] for s in p["stages"]]
+    typed = any(len(s.get("layer_type_counts") or ()) > 1 for s in p["stages"])
     table = Table(title=f"{p['model_id']}: {' -> '.join(ring)} -> {ring[0]}"
                   + (" (explicit)" if p["explicit"] else ""), title_justify="left")
-    for name in ("rank", "node", "backend", "layers", "weights", "KV", "extras", "total",
-                 "usable", "decode ms", "hop ms", "chunk ms", "chunk hop ms"):
-        table.add_column(name, justify="left" if name in ("node", "backend") else "right")
+    columns = ["rank", "node", "backend", "layers", *(["by type"] if typed else []),
+               "weights", "KV", *(["state"] if typed else []), "extras", "total", "usable",
+               "decode ms", "hop ms", "chunk ms", "chunk hop ms"]
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("node", "backend", "by type")
+                         else "right")
     for s in p["stages"]:
         m = s["memory"]
+        by_type = [", ".join(f"{count} {name}" for name, count in s["layer_type_counts"])]
         table.add_row(str(s["rank"]), s["node"], s["backend"],
                       f"{s['layer_range'][0]}:{s['layer_range'][1]}",
+                      *(by_type if typed else []),
                       format_bytes(m["weights_bytes"]), format_bytes(m["kv_bytes"]),
+                      *([format_bytes(m.get("state_bytes", 0))] if typed else []),
                       format_bytes(m["rank0_extras_bytes"] + m["staging_bytes"]),
                       format_bytes(m["total_bytes"]), format_bytes(s["usable_memory_bytes"]),
                       f"{s['decode_ms']:.2f}", f"{s['hop_decode_ms']:.2f}",
@@ -167,7 +176,12 @@ def render_plan(p: dict[str, Any]) -> Table:
                f"stream(s), {p['decode_ms_per_token_single']:.2f} ms alone; prompt of "
                f"{p['prompt_tokens']} tokens: {p['prompt_ms']:.0f} ms; objective: "
                f"{p['objective']}")
-    table.caption = "\n".join([summary, *p["why"]])
+    per_type = [f"{s['node']} ms per layer (decode 1 row / {p['parallel']} rows / chunk): "
+                + "; ".join(f"{t['layer_type']} {t['decode_ms_per_layer']:.3g} / "
+                            f"{t['decode_batch_ms_per_layer']:.3g} / "
+                            f"{t['prefill_ms_per_layer']:.3g}" for t in s["layer_type_ms"])
+                for s in p["stages"]] if typed else []
+    table.caption = "\n".join([summary, *per_type, *p["why"]])
     table.caption_justify = "left"
     return table
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from supervisor.agents import AgentClient, AgentError
 from supervisor.fleet_config import ModelSpec
-from supervisor.placement import LinkSnapshot
+from supervisor.placement import LayerTypeMs, LinkSnapshot
 
 POLL_S = 0.5
 PROBE_BYTES = 8 << 20
@@ -31,6 +31,8 @@ class NodeTiming:
     decode_ms_per_layer: float  # one row
     decode_batch_ms_per_layer: float  # `parallel` rows
     prefill_ms_per_layer: float  # one chunk of `chunk` rows
+    # Each layer type's, when the model has more than one (the three above: the slowest's).
+    by_type: tuple[LayerTypeMs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,21 +70,35 @@ def calibration_body(config_json: dict[str, Any], spec: ModelSpec, backend: str,
 
 def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming:
     """The decode times at the spec's context (1 row and `parallel` rows) and the prefill
-    chunk's; ValueError when the result lacks a point."""
+    chunk's, per layer type; ValueError when the result lacks a point."""
     timings = result.get("timings") or []
+    # A calibration from before layer types were timed apart has one, unnamed: a dense one.
+    types = list(dict.fromkeys(t.get("layer_type", "full_attention") for t in timings))
+    by_type = tuple(_type_timing(timings, layer_type, spec) for layer_type in types)
+    if not by_type:
+        raise ValueError("the calibration has no timings")
+    slowest = max(by_type, key=lambda t: t.decode_batch_ms_per_layer)
+    return NodeTiming(slowest.decode_ms_per_layer, slowest.decode_batch_ms_per_layer,
+                      slowest.prefill_ms_per_layer, by_type if len(by_type) > 1 else ())
+
+
+def _type_timing(timings: list[dict[str, Any]], layer_type: str,
+                 spec: ModelSpec) -> LayerTypeMs:
+    mine = [t for t in timings if t.get("layer_type", "full_attention") == layer_type]
 
     def decode(rows: int) -> float:
-        points = [t for t in timings if t["kind"] == "decode" and t["rows"] == rows]
+        points = [t for t in mine if t["kind"] == "decode" and t["rows"] == rows]
         if not points:
-            raise ValueError(f"the calibration has no decode point at {rows} row(s)")
+            raise ValueError(f"the calibration has no {layer_type} decode point at "
+                             f"{rows} row(s)")
         return min(points, key=lambda t: abs(t["context"] - spec.context))["ms_per_layer"]
 
-    prefill = [t["ms_per_layer"] for t in timings if t["kind"] == "prefill"]
+    prefill = [t["ms_per_layer"] for t in mine if t["kind"] == "prefill"]
     if not prefill:
-        raise ValueError("the calibration has no prompt-chunk point")
+        raise ValueError(f"the calibration has no {layer_type} prompt-chunk point")
     one = decode(1)
     batch = decode(spec.parallel) if spec.parallel > 1 else one
-    return NodeTiming(one, batch, prefill[0])
+    return LayerTypeMs(layer_type, one, batch, prefill[0])
 
 
 async def calibrate(agents: AgentClient, node: str, url: str, body: dict[str, Any],

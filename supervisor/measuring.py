@@ -5,6 +5,7 @@ back at once), and handed to the pure decisions as a frozen `Measured`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import asdict
 from typing import Any
 
 import structlog
@@ -70,7 +71,7 @@ class Measurer:
         try:
             result = await calibrate(self.agents, member.node, member.url, body, self.timeout_s)
             self.timings[key] = timing_from_result(result, spec)
-            log.info("calibrated", node=member.node, key=key, ms_per_layer=vars(self.timings[key]))
+            log.info("calibrated", node=member.node, key=key, ms_per_layer=asdict(self.timings[key]))
         except MEASURE_ERRORS as exc:
             self.timings[key] = f"calibration failed: {exc}"
             failure = f"{member.node}: calibration failed, placing with nominal numbers: {exc}"
@@ -95,7 +96,7 @@ class Measurer:
         self.links = {k: v for k, v in self.links.items() if not isinstance(v, str)}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"calibrations": {k: v if isinstance(v, str) else vars(v)
+        return {"calibrations": {k: v if isinstance(v, str) else asdict(v)
                                  for k, v in self.timings.items()},
                 "links": {f"{a} -> {b}": v if isinstance(v, str) else vars(v)
                           for (a, b), v in self.links.items()},

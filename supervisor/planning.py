@@ -91,7 +91,8 @@ def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, M
         snapshots.append(NodeSnapshot(member.node, member.usable_memory_bytes(backend), backend,
                                       timing.decode_ms_per_layer,
                                       timing.decode_batch_ms_per_layer,
-                                      timing.prefill_ms_per_layer, tuple(links)))
+                                      timing.prefill_ms_per_layer, tuple(links),
+                                      timing.by_type))
     notes = []
     if nominal_nodes:
         notes.append("not calibrated, nominal ms per layer: " + ", ".join(nominal_nodes))

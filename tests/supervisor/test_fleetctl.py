@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from rich.console import Console
@@ -23,3 +24,19 @@ def test_render_plan_shows_stages_predictions_and_why():
         assert fragment in text
     rank0 = p.stages[0].memory
     assert sent["stages"][0]["memory"]["total_bytes"] == rank0.total_bytes > 0
+
+
+def test_render_plan_shows_a_hybrids_costs_by_layer_type():
+    from supervisor.placement import LayerTypeMs
+    from tests.supervisor.test_placement_by_layer_type import hybrid
+
+    a = dataclasses.replace(node("a", 500, decode=1.0), layer_type_ms=(
+        LayerTypeMs("full_attention", 0.25, 0.5, 7.0),))
+    p = place(spec(), hybrid(8), mesh([a]))
+    console = Console(record=True, width=250)
+    console.print(render_plan(json.loads(json.dumps(p.to_dict()))))
+    text = console.export_text()
+    assert "6 linear_attention, 2 full_attention" in text
+    assert "a ms per layer (decode 1 row / 2 rows / chunk): linear_attention 1 / 1.5 / 10; " \
+           "full_attention 0.25 / 0.5 / 7" in text
+    assert "state" in text and f"{p.stages[0].memory.state_bytes / 1e6:.1f} MB" in text

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.checkpoint.maker import PRESETS, config_json
+from engine.checkpoint.maker import PRESETS, CheckpointSpec, config_json
 from supervisor.fleet_config import parse_fleet_config
 from supervisor.measurements import Measured, NodeTiming, timing_from_result, timing_key
 from supervisor.membership import ALIVE, Member
 from supervisor.memory import model_shape_from_config
-from supervisor.placement import LinkSnapshot
+from supervisor.placement import LayerTypeMs, LinkSnapshot
 from supervisor.planning import plan_model
 
 FLEET = parse_fleet_config("""
@@ -65,3 +65,31 @@ def test_measured_numbers_drive_the_placement_and_guesses_are_named():
     failed = Measured(timings={timing_key(SPEC, "a", "torch-cpu"): "calibration failed: x"})
     assert any("a (calibration failed: x)" in w
                for w in plan_model(SPEC, SHAPE, FLEET, members, failed).placement.why)
+
+
+def test_a_hybrid_calibration_is_planned_per_layer_type():
+    def typed(layer_type: str, scale: float) -> list[dict]:
+        return [dict(point(kind, 1024, rows, ms * scale), layer_type=layer_type)
+                for kind, rows, ms in (("decode", 1, 1.0), ("decode", 4, 2.0),
+                                       ("prefill", 64, 10.0))]
+
+    result = {"timings": typed("linear_attention", 1.0) + typed("full_attention", 3.0)}
+    timing = timing_from_result(result, SPEC)
+    assert timing.by_type == (LayerTypeMs("linear_attention", 1.0, 2.0, 10.0),
+                              LayerTypeMs("full_attention", 3.0, 6.0, 30.0))
+    assert (timing.decode_ms_per_layer, timing.prefill_ms_per_layer) == (3.0, 30.0)
+    with pytest.raises(ValueError, match="full_attention decode point at 4 row"):
+        timing_from_result({"timings": typed("linear_attention", 1.0)
+                            + [t for t in typed("full_attention", 1.0) if t["rows"] != 4]}, SPEC)
+    cs = CheckpointSpec(family="qwen3_5", hidden_size=64, intermediate_size=96,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        num_hidden_layers=8, vocab_size=300)
+    shape = model_shape_from_config(config_json(cs), 2)
+    members = {"a": member("a", "torch-cpu")}
+    plan = plan_model(SPEC, shape, FLEET, members,
+                      Measured(timings={timing_key(SPEC, "a", "torch-cpu"): timing}))
+    (stage,) = plan.placement.stages
+    assert dict(stage.layer_type_counts) == {"linear_attention": 6, "full_attention": 2}
+    assert stage.decode_ms == pytest.approx(6 * 2.0 + 2 * 6.0)  # 4 streams: the batch times
+    assert stage.prefill_chunk_ms == pytest.approx(6 * 10.0 + 2 * 30.0)
+    assert stage.memory.state_bytes > 0
