@@ -1,0 +1,103 @@
+"""Decode and prompt speed of the Qwen3.5 hybrid on one CUDA device, at a 27B-like shape.
+
+A random bfloat16 checkpoint with hidden 5120 and the 27B's head shapes, but only the
+first `--layers` layers (the repeating pattern is three DeltaNet layers then one attention
+layer), so it fits a small disk; figures are per round and per layer. Rounds go through
+the stage as a server's would (layers, head, logits to the host), decode replayed as CUDA
+graphs and eagerly. The floor is the weight bytes read once per step at the device's
+nominal memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.common import ROOT
+from engine.backends.base import StageSpec, load_stage
+from engine.checkpoint.maker import CheckpointSpec, make_checkpoint
+from engine.checkpoint.reader import open_checkpoint
+from engine.harness.driver import RoundDriver
+from engine.pipeline.runner import LocalRunner
+
+SHAPE = dict(family="qwen3_5", hidden_size=5120, intermediate_size=17408,
+             num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+             linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+             dtype="bfloat16", rope_theta=10_000_000.0, max_position_embeddings=32768)
+H200_BYTES_PER_S = 4.8e12  # nominal HBM3e bandwidth
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes a decode step reads: every weight but the embedding table (rows are gathered)."""
+    checkpoint = open_checkpoint(model_dir)
+    return sum(int(np.prod(checkpoint.tensor_shape(n))) * 2 for n in checkpoint.tensor_names()
+               if not n.endswith("embed_tokens.weight"))
+
+
+def decode_ms(driver: RoundDriver, streams: int, steps: int, vocab: int) -> float:
+    rng = np.random.default_rng(streams)
+    prompts = {s: rng.integers(3, vocab, 64).tolist() for s in range(streams)}
+    driver.round(prompts)
+    feeds = {s: [int(rng.integers(3, vocab))] for s in range(streams)}
+    for _ in range(3):  # captures, warm-up
+        driver.round(feeds)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        driver.round(feeds)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    driver.close(list(prompts))
+    return elapsed / steps * 1e3
+
+
+def prompt_tokens_per_s(driver: RoundDriver, tokens: int, chunk: int, vocab: int) -> float:
+    ids = np.random.default_rng(0).integers(3, vocab, tokens).tolist()
+    driver.round({0: ids[:chunk]})  # warm-up
+    driver.close([0])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for first in range(0, tokens, chunk):
+        driver.round({0: ids[first:first + chunk]})
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    driver.close([0])
+    return tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = args.out or ROOT / "build" / f"bench-qwen3_5-27b-like-{args.layers}"
+    spec = CheckpointSpec(**SHAPE, num_hidden_layers=args.layers)
+    if not (out / "config.json").exists():
+        print(f"# making {out}", flush=True)
+        make_checkpoint(out, spec, overwrite=True)
+    size = weight_bytes(out)
+    print(f"# {args.layers} layers, {size / 2**30:.2f} GiB of bf16 weights read a step; floor "
+          f"{size / H200_BYTES_PER_S * 1e3:.3f} ms a step at {H200_BYTES_PER_S / 1e12} TB/s")
+    print("| decode | streams | ms a round | ms a layer a round (ends included) |")
+    for graphs in (True, False):
+        stage = load_stage(StageSpec(out, (0, args.layers), "torch-cuda", 8, 4096, 512, graphs))
+        driver = RoundDriver(LocalRunner(stage))
+        for streams in (1, 8):
+            ms = decode_ms(driver, streams, args.steps, spec.vocab_size)
+            label = "CUDA graphs" if graphs else "eager"
+            print(f"| {label} | {streams} | {ms:.2f} | {ms / args.layers:.3f} |", flush=True)
+        if graphs:
+            rate = prompt_tokens_per_s(driver, 2048, 512, spec.vocab_size)
+            print(f"# prompt: 2048 tokens in chunks of 512: {rate:,.0f} tokens/s", flush=True)
+        del driver, stage
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
