@@ -107,6 +107,18 @@ def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
         return best
     floor = max(hop_max, loose[0] / len(rooms))
     caps = sorted({floor, *(t for ts in candidate_times for t in ts if t > floor)})
+    # The cut with the least bottleneck (feasibility only grows with the cap: a bisection)
+    # starts the search with a cost near the best when chunks are many.
+    low, high = 0, bisect.bisect_left(caps, max(times))
+    while low < high:
+        middle = (low + high) // 2
+        found = min_total_ms(time_prefix, rooms, bytes_prefix, caps[middle])
+        if found is None:
+            low = middle + 1
+        else:
+            high = middle
+            if (c := cost(stage_ms(found[1]))) < best[0]:
+                best = (c, found[1])
     cap = math.inf
     while True:
         limit = (best[0] - loose[0] - hop_sum) / (chunks - 1) + TIME_TOLERANCE

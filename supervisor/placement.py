@@ -372,6 +372,19 @@ class _Problem:
             suffix_best[i] = best
         return fastest_first, thresholds, suffix_best
 
+    def prompt_lower_bound(self, ring: tuple[str, ...]) -> float | None:
+        """A hybrid's prompt ms on this ring is at least this (the least sum of stage times,
+        the hops, and (chunks - 1) x the slowest hop or the mean stage); None: it cannot fit."""
+        hops = self.hops_ms(ring, self.spec.chunk)
+        if hops is None or self.hops_ms(ring, 1) is None:
+            return None
+        loose = min_total_ms([self.time_prefix(n, "prefill") for n in ring], self.rooms(ring),
+                             self.bytes_prefix)
+        if loose is None:
+            return None
+        return (loose[0] + sum(hops)
+                + (self.chunks - 1) * max(max(hops, default=0.0), loose[0] / len(ring)))
+
     def ring_result(self, ring: tuple[str, ...]) -> _Ring | None:
         counts = self.best_counts(ring)
         if counts is None or self.hops_ms(ring, 1) is None:
@@ -415,14 +428,13 @@ def place(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
                    + ", ".join(n for n in candidates if n not in keep))
         candidates = [n for n in candidates if n in keep]
     rank0s = [spec.rank0] if spec.rank0 else candidates
-    results = [r for ring in _rings(rank0s, candidates)
-               if (r := problem.ring_result(ring)) is not None]
+    results, fitting = _search(problem, list(_rings(rank0s, candidates)))
     if not results:
         raise _does_not_fit(problem, candidates, rank0s)
     results.sort(key=lambda r: r.rank)
     best = results[0]
     why.insert(0, f"searched {sum(1 for _ in _rings(rank0s, candidates))} ring orders over "
-               f"{len(candidates)} node(s); {len(results)} fit")
+               f"{len(candidates)} node(s); {fitting} fit")
     if spec.rank0:
         why.append(f"rank 0 is {spec.rank0}, as rank0 asks")
     runner_up = _runner_up(problem, best, results, candidates, rank0s)
@@ -435,6 +447,54 @@ def place(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
                 else "no ring with it fits"))
     return _build(problem, best.nodes, best.counts, explicit=False, runner_up=runner_up,
                   why=tuple(why))
+
+
+def _search(problem: _Problem, rings: list[tuple[str, ...]]) -> tuple[list[_Ring], int]:
+    """The rings' results, and how many fit. Every ring's, except for a hybrid's prompt
+    objective, whose search per ring is costly: there, rings are taken by a lower bound on
+    their cost, and a ring is searched only while it could still be the best, the runner-up
+    (best with another node set or rank 0) or the best ring with a node the best leaves out,
+    which are all that `place` reports."""
+    if problem.uniform or problem.spec.objective == "decode":
+        results = [r for ring in rings if (r := problem.ring_result(ring)) is not None]
+        return results, len(results)
+    bounded = sorted((bound, i, ring) for i, ring in enumerate(rings)
+                     if (bound := problem.prompt_lower_bound(ring)) is not None)
+    results: list[_Ring] = []
+    best: _Ring | None = None
+    settled = False
+    runner_ms, with_node_ms = math.inf, dict[str, float]()
+
+    def same_set(ring: tuple[str, ...]) -> bool:
+        return best is not None and (ring[0], frozenset(ring)) == (best.nodes[0],
+                                                                    frozenset(best.nodes))
+
+    def note(r: _Ring) -> None:
+        nonlocal runner_ms
+        if not same_set(r.nodes):
+            runner_ms = min(runner_ms, r.objective_ms)
+        for n in r.nodes:
+            with_node_ms[n] = min(with_node_ms.get(n, math.inf), r.objective_ms)
+
+    for bound, _, ring in bounded:
+        if best is not None and bound > best.objective_ms + TIME_TOLERANCE and not settled:
+            settled = True  # no ring left can beat or tie the best: what it leaves out is fixed
+            for r in results:
+                note(r)
+        if settled and not (
+                (not same_set(ring) and bound <= runner_ms + TIME_TOLERANCE)
+                or any(n not in best.nodes and bound <= with_node_ms.get(n, math.inf)
+                       + TIME_TOLERANCE for n in ring)):
+            continue
+        found = problem.ring_result(ring)
+        if found is None:
+            continue
+        results.append(found)
+        if settled:
+            note(found)
+        elif best is None or found.rank < best.rank:
+            best = found
+    return results, len(bounded)
 
 
 def _excluded(spec: ModelSpec, node: NodeSnapshot) -> str | None:

@@ -180,3 +180,19 @@ def test_hybrid_byte_counts_match_transformers(tie: bool, conditional: bool):
     # delta-rule state value heads x key dim x value dim, counted in float32
     assert linear.kv_bytes_per_position == 0
     assert linear.state_bytes_per_slot == 3 * (2 * 16 + 48) * 2 + 4 * 8 * 12 * 4
+
+
+def test_sixty_four_hybrid_layers_on_many_nodes_runs():
+    # Qwen3.5-27B's pattern (every 4th layer full attention) over 64 layers.
+    rng = random.Random(64)
+    shape = dataclasses.replace(hybrid(64), layers=tuple(
+        dataclasses.replace(layer, weight_bytes=layer.weight_bytes // 3)
+        for layer in hybrid(64).layers))
+    nodes = mesh([typed(node(f"n{i}", rng.uniform(80, 240), decode=rng.uniform(0.2, 2.0),
+                             prefill=rng.uniform(2.0, 20.0)), rng) for i in range(6)])
+    p = place(spec(objective="decode"), shape, nodes)
+    check_valid(p, spec(objective="decode"), shape, nodes)
+    assert p.why[0].startswith("searched 1956 ring orders over 6 node(s)")
+    s = spec(objective="prompt", context=4000)
+    p = place(s, shape, nodes[:4])
+    check_valid(p, s, shape, nodes[:4])
