@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.checkpoint.maker import PRESETS, make_checkpoint
+from engine.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,9 @@ def checkpoint(model: Path | None, preset: str) -> Path:
 
 
 def n_layers(model_dir: Path) -> int:
-    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    # Through ModelConfig: a conditional-generation checkpoint nests it in text_config.
+    raw = json.loads((model_dir / "config.json").read_text())
+    return ModelConfig.from_dict(raw).num_hidden_layers
 
 
 def median_s(action: Callable[[], object], *, repeats: int, warmup: int = 1,

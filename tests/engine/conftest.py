@@ -11,9 +11,9 @@ from engine.pipeline.runner import LocalRunner
 
 def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk: int = 64,
                 layers: tuple[int, int] | None = None):
-    import json
+    from engine.harness.local_pipeline import model_config
 
-    n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    n_layers = model_config(model_dir).num_hidden_layers  # text_config's, where it is nested
     spec = StageSpec(model_dir, layers or (0, n_layers), "torch-cpu", parallel, context, chunk)
     return load_stage(spec)
 
