@@ -178,8 +178,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     origin = "cached" if result.cached else f"measured in {result.elapsed_s:.1f} s"
     print(f"{result.family} {result.dtype} on {result.backend}, engine {result.engine_version} "
           f"({origin}); key {result.key}")
+    typed = len({t.layer_type for t in result.timings}) > 1  # a hybrid: say which type
     for t in result.timings:
-        print(f"  {t.kind:7} context {t.context:6} rows {t.rows:5}: {t.ms_per_layer:9.3f} "
+        kind = f"{t.layer_type} {t.kind:7}" if typed else f"{t.kind:7}"
+        print(f"  {kind} context {t.context:6} rows {t.rows:5}: {t.ms_per_layer:9.3f} "
               f"ms/layer  (median of {t.runs})")
     return 0
 
