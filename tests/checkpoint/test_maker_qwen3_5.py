@@ -66,3 +66,17 @@ def test_hybrid_fields_are_refused_by_name():
     with pytest.raises(SpecError, match="partial_rotary_factor"):
         family_spec("qwen3_5", partial_rotary_factor=0.3)
     assert len(tensor_plan(family_spec("qwen3_5"))) > 0
+
+
+def test_config_refuses_a_bad_layer_pattern_by_name():
+    from engine.config import ConfigError
+
+    raw = config_json(family_spec("qwen3_5"))
+    with pytest.raises(ConfigError, match="layer_types names 1 layers"):
+        ModelConfig.from_dict(dict(raw, layer_types=[LINEAR_ATTENTION]))
+    with pytest.raises(ConfigError, match="'sliding_attention'"):
+        ModelConfig.from_dict(dict(raw, layer_types=["sliding_attention", FULL_ATTENTION]))
+    with pytest.raises(ConfigError, match="linear_num_key_heads must be positive"):
+        ModelConfig.from_dict(dict(raw, linear_num_key_heads=0))
+    older = {k: v for k, v in raw.items() if k != "layer_types"} | {"full_attention_interval": 2}
+    assert ModelConfig.from_dict(older).layer_types == (LINEAR_ATTENTION, FULL_ATTENTION)
