@@ -196,3 +196,39 @@ def test_sixty_four_hybrid_layers_on_many_nodes_runs():
     s = spec(objective="prompt", context=4000)
     p = place(s, shape, nodes[:4])
     check_valid(p, s, shape, nodes[:4])
+
+
+def test_the_pruned_prompt_search_reports_what_searching_every_ring_would():
+    from supervisor.placement import _rings
+    from supervisor.ring_cost import RingCosts, search_rings
+
+    def answers(results):
+        results = sorted(results, key=lambda r: r.rank)
+        best = results[0]
+        same = (best.nodes[0], frozenset(best.nodes))
+        runner = next((r.objective_ms for r in results
+                       if (r.nodes[0], frozenset(r.nodes)) != same), None)
+        names = {n for r in results for n in r.nodes} - set(best.nodes)
+        left_out = {n: next(r.objective_ms for r in results if n in r.nodes) for n in names}
+        return best.objective_ms, runner, left_out
+
+    rng = random.Random(77)
+    compared = 0
+    for _ in range(40):
+        s, shape, nodes = random_hybrid_case(rng)
+        s = dataclasses.replace(s, objective="prompt", rank0=None)
+        problem = RingCosts(s, shape, nodes, s.context)
+        rings = list(_rings([n.name for n in nodes], [n.name for n in nodes]))
+        every = [r for ring in rings if (r := problem.ring_result(ring)) is not None]
+        pruned, fitting = search_rings(problem, rings)
+        assert fitting == len(every)
+        if not every:
+            continue
+        compared += 1
+        best, runner, left_out = answers(every)
+        got = answers(pruned)
+        assert got[0] == pytest.approx(best) and got[2].keys() == left_out.keys()
+        assert (got[1] is None) == (runner is None) and (runner is None
+                                                         or got[1] == pytest.approx(runner))
+        assert all(got[2][n] == pytest.approx(ms) for n, ms in left_out.items())
+    assert compared >= 10
