@@ -157,3 +157,18 @@ def test_a_range_reads_only_its_own_tensors(make_model, monkeypatch):
     assert stage.model.cache.kv.k.shape[0] == 1
     assert stage.model.cache.recurrent.delta.shape[:2] == (1, 4)
     assert stage.recurrent_states() == 4
+
+
+def test_bfloat16_follows_transformers_in_bfloat16(make_model):
+    """bfloat16 weights and rows, the recurrent matrix kept in float32 as transformers keeps
+    it: logits within a few bfloat16 steps, the same next token."""
+    model_dir = hybrid(make_model, dtype="bfloat16")
+    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ids = batch(7)[1][:120]
+    with torch.no_grad():
+        expected = ref.eval()(torch.tensor([ids])).logits[0].float().numpy()[59:]
+    driver = RoundDriver(LocalRunner(stage_of(model_dir)))
+    got = np.stack([driver.round({0: ids[:60]})[0]] +
+                   [driver.round({0: [t]})[0] for t in ids[60:]])  # [61, vocab]
+    np.testing.assert_allclose(got, expected, atol=0.05, rtol=0)
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.95
