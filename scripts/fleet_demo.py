@@ -61,6 +61,9 @@ def main() -> int:
                        help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     which.add_argument("--random", action="store_true",
                        help="serve a generated checkpoint with random weights (works offline)")
+    parser.add_argument("--family", default="llama",
+                        help="with --random: the family of the generated checkpoint "
+                             "(qwen3_5: the Gated DeltaNet hybrid)")
     parser.add_argument("--root", type=Path, default=ROOT / "build" / "fleet-demo",
                         help="where the fleet's state and logs go (emptied first)")
     parser.add_argument("--no-wait", action="store_true", help="stop after the status")
@@ -71,12 +74,16 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     model_dir = args.model
     if args.random:
+        import dataclasses
+
         from engine.checkpoint.maker import PRESETS, make_checkpoint
 
-        model_dir = ROOT / "build" / "demo-model"
+        suffix = "" if args.family == "llama" else f"-{args.family}"
+        model_dir = ROOT / "build" / f"demo-model{suffix}"
         if not (model_dir / "config.json").exists():
             console.print(f"[bold]making a checkpoint[/] with random weights in {model_dir}")
-            make_checkpoint(model_dir, PRESETS["demo"], overwrite=True)
+            spec = dataclasses.replace(PRESETS["demo"], family=args.family)
+            make_checkpoint(model_dir, spec, overwrite=True)
     elif model_dir is None:
         from scripts.real_model import RealModelError, ensure_real_model
 
@@ -86,7 +93,10 @@ def main() -> int:
             console.print(f"[red]no real model:[/] {exc}\n`--random` serves random weights "
                           "without a download")
             return 1
-    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    from engine.config import ModelConfig
+
+    layers = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text())
+                                   ).num_hidden_layers
     shutil.rmtree(args.root, ignore_errors=True)
     fleet = LocalFleet(args.root, ("torch-node", "mlx-node"),
                        supervisor_flags=("--calibration-budget-s", "5"))
