@@ -17,6 +17,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 TIME_TOLERANCE = 1e-9  # ms: a stage time equal to a bottleneck candidate is within it
 
@@ -70,12 +71,75 @@ def stage_times(prefix: Sequence[float]) -> list[float]:
     return sorted({prefix[e] - prefix[s] for s in range(n) for e in range(s + 1, n + 1)})
 
 
+@dataclass(frozen=True)
+class PromptStart:
+    """What a ring's prompt search starts from, and a lower bound on its cost."""
+
+    loose: tuple[float, tuple[int, ...]]  # the cut of least sum, no cap
+    best: tuple[float, tuple[int, ...]]  # the cheaper of that and the least-bottleneck cut
+    caps: list[float]  # the stage times a cap may take, the floor first, ascending
+    floor: float  # the slowest hop, or the mean stage of the loose cut: no cap pays below
+    lower_bound_ms: float  # no cut of this ring costs less
+
+
+class PromptCost:
+    """The prompt cost of a cut: sum(stage times) + sum(hops) + (chunks - 1) x max(stage
+    times and hops)."""
+
+    def __init__(self, time_prefix: Sequence[Sequence[float]], chunks: int,
+                 hop_ms: Sequence[float]) -> None:
+        self.time_prefix, self.chunks, self.hop_ms = time_prefix, chunks, list(hop_ms)
+        self.hop_sum = sum(hop_ms)
+
+    def stage_ms(self, counts: tuple[int, ...]) -> list[float]:
+        times, s = [], 0
+        for prefix, count in zip(self.time_prefix, counts, strict=True):
+            times.append(prefix[s + count] - prefix[s])
+            s += count
+        return times
+
+    def __call__(self, counts: tuple[int, ...]) -> float:
+        times = self.stage_ms(counts)
+        return sum(times) + self.hop_sum + (self.chunks - 1) * max(times + self.hop_ms)
+
+
+def prompt_start(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
+                 bytes_prefix: Sequence[int], candidate_times: Sequence[Sequence[float]],
+                 chunks: int, hop_ms: Sequence[float]) -> PromptStart | None:
+    """The cut of least sum, the cut of least bottleneck (a bisection over the caps:
+    feasibility only grows with the cap), and from them a lower bound: the least sum, the
+    hops, and (chunks - 1) x the least bottleneck or the slowest hop. None: no cut fits.
+    `candidate_times[j]` is `stage_times` of stage j's node."""
+    loose = min_total_ms(time_prefix, rooms, bytes_prefix)
+    if loose is None:
+        return None
+    cost = PromptCost(time_prefix, chunks, hop_ms)
+    best = (cost(loose[1]), loose[1])
+    floor = max(max(hop_ms, default=0.0), loose[0] / len(rooms))
+    if chunks == 1:
+        return PromptStart(loose, best, [floor], floor, best[0])
+    caps = sorted({floor, *(t for ts in candidate_times for t in ts if t > floor)})
+    low, high = 0, bisect.bisect_left(caps, max(cost.stage_ms(loose[1])))
+    while low < high:
+        middle = (low + high) // 2
+        found = min_total_ms(time_prefix, rooms, bytes_prefix, caps[middle])
+        if found is None:
+            low = middle + 1
+        else:
+            high = middle
+            if (c := cost(found[1])) < best[0]:
+                best = (c, found[1])
+    # caps[low] is the least bottleneck if above the floor; else every cut's bottleneck
+    # (with the slowest hop) is at least the floor.
+    bound = loose[0] + cost.hop_sum + (chunks - 1) * max(caps[min(low, len(caps) - 1)], floor)
+    return PromptStart(loose, best, caps, floor, min(bound, best[0]))
+
+
 def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
-                  bytes_prefix: Sequence[int], candidate_times: Sequence[Sequence[float]],
-                  chunks: int, hop_ms: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+                  bytes_prefix: Sequence[int], chunks: int, hop_ms: Sequence[float],
+                  start: PromptStart) -> tuple[float, tuple[int, ...]]:
     """The cut minimising sum(stage times) + sum(hops) + (chunks - 1) x max(stage times and
-    hops), with its counts; None when none fits. `candidate_times[j]` is `stage_times` of
-    stage j's node.
+    hops), with its counts, from `prompt_start`'s answer for the same ring.
 
     The least sum with every stage within a cap T, f(T), only grows as T falls. The search
     starts with no cap and, each time, lowers the cap to the largest stage time below the
@@ -86,42 +150,14 @@ def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
     costs no more than the best cut. A cap below the floor (the slowest hop, or the mean
     stage time of the cut with no cap) gains nothing, and above `limit` cannot pay.
     """
-    loose = min_total_ms(time_prefix, rooms, bytes_prefix)
-    if loose is None:
-        return None
-    hop_max, hop_sum = max(hop_ms, default=0.0), sum(hop_ms)
-
-    def stage_ms(counts: tuple[int, ...]) -> list[float]:
-        times, s = [], 0
-        for prefix, count in zip(time_prefix, counts, strict=True):
-            times.append(prefix[s + count] - prefix[s])
-            s += count
-        return times
-
-    def cost(times: list[float]) -> float:
-        return sum(times) + hop_sum + (chunks - 1) * max(times + list(hop_ms))
-
-    times = stage_ms(loose[1])
-    best = (cost(times), loose[1])
+    best, loose, caps, floor = start.best, start.loose, start.caps, start.floor
     if chunks == 1:
         return best
-    floor = max(hop_max, loose[0] / len(rooms))
-    caps = sorted({floor, *(t for ts in candidate_times for t in ts if t > floor)})
-    # The cut with the least bottleneck (feasibility only grows with the cap: a bisection)
-    # starts the search with a cost near the best when chunks are many.
-    low, high = 0, bisect.bisect_left(caps, max(times))
-    while low < high:
-        middle = (low + high) // 2
-        found = min_total_ms(time_prefix, rooms, bytes_prefix, caps[middle])
-        if found is None:
-            low = middle + 1
-        else:
-            high = middle
-            if (c := cost(stage_ms(found[1]))) < best[0]:
-                best = (c, found[1])
+    cost = PromptCost(time_prefix, chunks, hop_ms)
+    times = cost.stage_ms(loose[1])
     cap = math.inf
     while True:
-        limit = (best[0] - loose[0] - hop_sum) / (chunks - 1) + TIME_TOLERANCE
+        limit = (best[0] - loose[0] - cost.hop_sum) / (chunks - 1) + TIME_TOLERANCE
         below = bisect.bisect_left(caps, min(max(times), cap)) - 1
         if below < 0 or limit < floor:
             break
@@ -129,7 +165,7 @@ def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
         found = min_total_ms(time_prefix, rooms, bytes_prefix, cap)
         if found is None:
             break
-        times = stage_ms(found[1])
-        if (c := cost(times)) < best[0]:
+        times = cost.stage_ms(found[1])
+        if (c := cost(found[1])) < best[0]:
             best = (c, found[1])
     return best

@@ -15,7 +15,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from supervisor.boundaries import TIME_TOLERANCE, min_prompt_ms, min_total_ms, stage_times
+from supervisor.boundaries import (
+    TIME_TOLERANCE,
+    PromptStart,
+    min_prompt_ms,
+    min_total_ms,
+    prompt_start,
+    stage_times,
+)
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
     ExecutionShape,
@@ -131,6 +138,7 @@ class RingCosts:
             (layer_bytes(layer, self.execution) for layer in shape.layers), initial=0))
         self._time_prefix: dict[tuple[str, str], list[float]] = {}
         self._stage_times: dict[str, list[float]] = {}
+        self._prompt_starts: dict[tuple[str, ...], PromptStart | None] = {}
 
     def fit(self, node: NodeSnapshot, is_rank0: bool) -> int:
         """The most layers of a uniform model the node holds; a hybrid's: 0 or 1 (no range
@@ -226,16 +234,26 @@ class RingCosts:
             found = min_total_ms([self.time_prefix(n, "decode") for n in ring], rooms,
                                  self.bytes_prefix)
         else:
+            start = self.prompt_start(ring)
             hops = self.hops_ms(ring, self.spec.chunk)
-            if hops is None:
+            if start is None or hops is None:
                 return None
+            found = min_prompt_ms([self.time_prefix(n, "prefill") for n in ring], rooms,
+                                  self.bytes_prefix, self.chunks, hops, start)
+        return None if found is None else found[1]
+
+    def prompt_start(self, ring: tuple[str, ...]) -> PromptStart | None:
+        """Where a hybrid's prompt search on this ring starts, with a lower bound on its
+        cost; None: it cannot fit. Kept, as the search of rings asks for it twice."""
+        if ring not in self._prompt_starts:
+            hops = self.hops_ms(ring, self.spec.chunk)
             for name in ring:
                 if name not in self._stage_times:
                     self._stage_times[name] = stage_times(self.time_prefix(name, "prefill"))
-            found = min_prompt_ms([self.time_prefix(n, "prefill") for n in ring], rooms,
-                                  self.bytes_prefix, [self._stage_times[n] for n in ring],
-                                  self.chunks, hops)
-        return None if found is None else found[1]
+            self._prompt_starts[ring] = None if hops is None else prompt_start(
+                [self.time_prefix(n, "prefill") for n in ring], self.rooms(ring),
+                self.bytes_prefix, [self._stage_times[n] for n in ring], self.chunks, hops)
+        return self._prompt_starts[ring]
 
     def _by_speed(self, names: Sequence[str], kind: str) -> list[str]:
         return sorted(names, key=lambda n: (self.layer_ms(n, kind), self.order[n]))
@@ -300,16 +318,12 @@ class RingCosts:
 
     def prompt_lower_bound(self, ring: tuple[str, ...]) -> float | None:
         """A hybrid's prompt ms on this ring is at least this (the least sum of stage times,
-        the hops, and (chunks - 1) x the slowest hop or the mean stage); None: it cannot fit."""
-        hops = self.hops_ms(ring, self.spec.chunk)
-        if hops is None or self.hops_ms(ring, 1) is None:
+        the hops, and (chunks - 1) x the least bottleneck or the slowest hop); None: it
+        cannot fit."""
+        if self.hops_ms(ring, 1) is None:
             return None
-        loose = min_total_ms([self.time_prefix(n, "prefill") for n in ring], self.rooms(ring),
-                             self.bytes_prefix)
-        if loose is None:
-            return None
-        return (loose[0] + sum(hops)
-                + (self.chunks - 1) * max(max(hops, default=0.0), loose[0] / len(ring)))
+        start = self.prompt_start(ring)
+        return None if start is None else start.lower_bound_ms
 
     def ring_result(self, ring: tuple[str, ...]) -> RingResult | None:
         counts = self.best_counts(ring)
