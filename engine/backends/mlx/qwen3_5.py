@@ -178,6 +178,10 @@ class Qwen35Range:
         embed, norm, head = ends
         self.embed, self.head = embed, head
         self.norm = None if norm is None else one_plus(norm)
+        # Evaluated here: a lazy op keeps the stream of the thread that made it, and rounds
+        # run on another thread (the lane host's), which has no such stream.
+        mx.eval([a for w in self.layers for a in vars(w).values() if isinstance(a, mx.array)],
+                [] if self.norm is None else self.norm)
         # Each layer's index into the state of its type: KV for attention, recurrent for DeltaNet.
         self.state_slots, counts = [], {True: 0, False: 0}
         for layer in range(*layer_range):
