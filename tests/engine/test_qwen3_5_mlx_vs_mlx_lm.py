@@ -211,3 +211,29 @@ def test_state_counts_both_layer_types(hybrid_model):
     kv = 3 * 256 * 2 * c.kv_width * 4  # one attention layer (3) in 2:5, float32
     recurrent = 2 * 3 * c.recurrent_state_elements() * 4  # two DeltaNet layers (2, 4)
     assert stage.state_nbytes == kv + recurrent
+
+
+@pytest.mark.parametrize("layers", [(0, 2), (2, 5), (4, 8)])
+def test_a_range_reads_only_its_own_text_tensors(hybrid_model, monkeypatch, layers):
+    """Range-only loading holds for the hybrid: never the vision tower, MTP or other layers."""
+    from engine.backends.mlx import stage as mlx_stage_module
+
+    model_dir = hybrid_model("maker", "conditional")
+    read: list[str] = []
+    real = mlx_stage_module.load_range_tensors
+
+    def spy(checkpoint, shapes, dtype, quant=None):
+        read.extend(shapes)
+        return real(checkpoint, shapes, dtype, quant)
+
+    monkeypatch.setattr(mlx_stage_module, "load_range_tensors", spy)
+    stage = mlx_stage(model_dir, layers)
+    prefix = "model.language_model."
+    assert all(n.startswith(prefix) or n == "lm_head.weight" for n in read), read
+    read_layers = {int(n.removeprefix(prefix + "layers.").split(".")[0]) for n in read
+                   if n.startswith(prefix + "layers.")}
+    assert read_layers == set(range(*layers))
+    assert (prefix + "embed_tokens.weight" in read) == (layers[0] == 0) == stage.is_first
+    deltanet = [LAYER_TYPES[i] for i in range(*layers)].count(LINEAR_ATTENTION)
+    assert len(stage.model.cache.recurrent.delta) == deltanet
+    assert len(stage.model.cache.kv.k) == layers[1] - layers[0] - deltanet
