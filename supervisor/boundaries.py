@@ -137,7 +137,8 @@ def prompt_start(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
 
 def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
                   bytes_prefix: Sequence[int], chunks: int, hop_ms: Sequence[float],
-                  start: PromptStart) -> tuple[float, tuple[int, ...]]:
+                  start: PromptStart,
+                  give_up_ms: float = math.inf) -> tuple[float, tuple[int, ...]]:
     """The cut minimising sum(stage times) + sum(hops) + (chunks - 1) x max(stage times and
     hops), with its counts, from `prompt_start`'s answer for the same ring.
 
@@ -149,6 +150,9 @@ def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
     cut's, and whose slowest stage is at most T* (or the next cap would be at least T*); so it
     costs no more than the best cut. A cap below the floor (the slowest hop, or the mean
     stage time of the cut with no cap) gains nothing, and above `limit` cannot pay.
+
+    With `give_up_ms`, a cut is sought only below it: when the best costs at least that, a
+    cut that does (not the best) may be returned.
     """
     best, loose, caps, floor = start.best, start.loose, start.caps, start.floor
     if chunks == 1:
@@ -157,7 +161,8 @@ def min_prompt_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
     times = cost.stage_ms(loose[1])
     cap = math.inf
     while True:
-        limit = (best[0] - loose[0] - cost.hop_sum) / (chunks - 1) + TIME_TOLERANCE
+        limit = ((min(best[0], give_up_ms) - loose[0] - cost.hop_sum) / (chunks - 1)
+                 + TIME_TOLERANCE)
         below = bisect.bisect_left(caps, min(max(times), cap)) - 1
         if below < 0 or limit < floor:
             break

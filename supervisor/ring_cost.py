@@ -10,6 +10,7 @@ chooses among the rings and explains the choice; docs/placement.md gives the cos
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 from collections.abc import Sequence
@@ -207,10 +208,11 @@ class RingCosts:
         hops = self.hops_ms(ring, self.spec.chunk) or []
         return sum(stages) + sum(hops) + (self.chunks - 1) * max(stages + hops)
 
-    def best_counts(self, ring: tuple[str, ...]) -> tuple[int, ...] | None:
+    def best_counts(self, ring: tuple[str, ...],
+                    give_up_ms: float = math.inf) -> tuple[int, ...] | None:
         """The best layer counts for this ring under the objective; None when it cannot fit."""
         if not self.uniform:
-            return self._searched_counts(ring)
+            return self._searched_counts(ring, give_up_ms)
         caps = dict(zip(ring, self.caps(ring)))
         if min(caps.values()) < 1 or sum(caps.values()) < self.shape.n_layers:
             return None
@@ -227,8 +229,10 @@ class RingCosts:
     def rooms(self, ring: Sequence[str]) -> list[int]:
         return [self.room(n, i == 0) for i, n in enumerate(ring)]
 
-    def _searched_counts(self, ring: tuple[str, ...]) -> tuple[int, ...] | None:
-        """A hybrid's best ranges for this ring order, by the dynamic program."""
+    def _searched_counts(self, ring: tuple[str, ...],
+                         give_up_ms: float) -> tuple[int, ...] | None:
+        """A hybrid's best ranges for this ring order, by the dynamic program (for the prompt
+        objective, only sought below `give_up_ms`: see `min_prompt_ms`)."""
         rooms = self.rooms(ring)
         if self.spec.objective == "decode":
             found = min_total_ms([self.time_prefix(n, "decode") for n in ring], rooms,
@@ -239,7 +243,7 @@ class RingCosts:
             if start is None or hops is None:
                 return None
             found = min_prompt_ms([self.time_prefix(n, "prefill") for n in ring], rooms,
-                                  self.bytes_prefix, self.chunks, hops, start)
+                                  self.bytes_prefix, self.chunks, hops, start, give_up_ms)
         return None if found is None else found[1]
 
     def prompt_start(self, ring: tuple[str, ...]) -> PromptStart | None:
@@ -325,8 +329,10 @@ class RingCosts:
         start = self.prompt_start(ring)
         return None if start is None else start.lower_bound_ms
 
-    def ring_result(self, ring: tuple[str, ...]) -> RingResult | None:
-        counts = self.best_counts(ring)
+    def ring_result(self, ring: tuple[str, ...],
+                    give_up_ms: float = math.inf) -> RingResult | None:
+        """The ring's best ranges and times; with `give_up_ms`, exact only below it."""
+        counts = self.best_counts(ring, give_up_ms)
         if counts is None or self.hops_ms(ring, 1) is None:
             return None
         decode = self.decode_ms(ring, counts, self.spec.parallel)
@@ -363,18 +369,36 @@ def search_rings(problem: RingCosts, rings: list[tuple[str, ...]]) -> tuple[list
         for n in r.nodes:
             with_node_ms[n] = min(with_node_ms.get(n, math.inf), r.objective_ms)
 
-    for bound, _, ring in bounded:
-        if best is not None and bound > best.objective_ms + TIME_TOLERANCE and not settled:
+    pending = collections.deque(bounded)
+    deferred: list[tuple[float, int, tuple[str, ...]]] = []  # sought only below the best
+    while pending or (deferred and not settled):
+        if not settled and (not pending or (best is not None and pending[0][0]
+                                            > best.objective_ms + TIME_TOLERANCE)):
             settled = True  # no ring left can beat or tie the best: what it leaves out is fixed
             for r in results:
                 note(r)
+            pending.extendleft(reversed(deferred))  # their bounds are the lowest left
+            continue
+        bound, _, ring = pending.popleft()
         if settled and not (
                 (not same_set(ring) and bound <= runner_ms + TIME_TOLERANCE)
                 or any(n not in best.nodes and bound <= with_node_ms.get(n, math.inf)
                        + TIME_TOLERANCE for n in ring)):
             continue
-        found = problem.ring_result(ring)
+        # A ring is sought exactly only below the answers it could change: the best so far,
+        # and once settled, the runner-up's and those of the nodes the best leaves out.
+        if not settled:
+            give_up = math.inf if best is None else best.objective_ms + TIME_TOLERANCE
+        else:
+            give_up = max([runner_ms] * (not same_set(ring))
+                          + [with_node_ms.get(n, math.inf) for n in ring if n not in best.nodes],
+                          default=-math.inf) + TIME_TOLERANCE
+        found = problem.ring_result(ring, give_up)
         if found is None:
+            continue
+        if found.objective_ms >= give_up:  # not the ring's best: it cannot change an answer
+            if not settled:
+                deferred.append((bound, _, ring))  # it may, once the answers are known
             continue
         results.append(found)
         if settled:
