@@ -1,5 +1,5 @@
-"""Qwen3.5 hybrid rings with MLX stages: an MLX pipeline gives one MLX process's bits, and
-a mixed PyTorch + MLX ring stays within float32 noise of a whole PyTorch process.
+"""Qwen3.5 hybrid rings of MLX stages give one MLX process's bits (mixed PyTorch + MLX
+rings of the hybrid: tests/pipeline/test_qwen3_5_mixed_rings.py).
 
 Followers are `fleet-engine` processes on loopback; rank 0 runs in the test. The checkpoint's
 layers are DeltaNet, attention, DeltaNet, attention, DeltaNet: a cut at 1 follows a DeltaNet
@@ -14,10 +14,8 @@ import pytest
 
 pytest.importorskip("mlx.core")
 
-from engine.harness.driver import RoundDriver
 from engine.harness.local_pipeline import whole_runner
 from tests.pipeline.conftest import greedy_trace, pipeline
-from tests.pipeline.test_mixed_rings import FLOAT32, ONE_THREAD, divergence, report
 
 LAYERS = 5
 CHUNK = 48  # a 150-token prompt spans four chunks, each starting from the last one's state
@@ -47,34 +45,3 @@ def test_mlx_pipeline_logits_equal_one_mlx_process(make_model, tmp_path, cut, dt
             for (plan, logits), (_, want) in zip(got, expected[n], strict=True):
                 assert logits == want, f"round {plan.round_no} differs ({n} streams)"
             assert len(got) >= STEPS + 150 // CHUNK
-
-
-def teacher_forced(driver: RoundDriver, seqs: list[list[int]], prompt: int) -> np.ndarray:
-    """Logits [streams, positions, vocab] from position prompt - 1 on, fed the sequences."""
-    streams = range(len(seqs))
-    rounds = [driver.round({s: seqs[s][:prompt] for s in streams})]
-    for pos in range(prompt, len(seqs[0])):
-        rounds.append(driver.round({s: [seqs[s][pos]] for s in streams}))
-    driver.close(list(streams))
-    return np.stack([np.stack([r[s] for r in rounds]) for s in streams])
-
-
-@pytest.mark.parametrize(("backends", "cut"), [(("torch-cpu", "mlx-cpu"), 1),
-                                               (("mlx-cpu", "torch-cpu"), 2)],
-                         ids=["torch>mlx-after-deltanet", "mlx>torch-after-attention"])
-def test_mixed_ring_is_deterministic_and_close_to_one_torch_process(make_model, tmp_path,
-                                                                    backends, cut):
-    model_dir = make_model("qwen3_5", **SHAPE)
-    rng = np.random.default_rng(5)
-    seqs = [rng.integers(0, 300, 72).tolist() for _ in range(2)]
-    want = teacher_forced(RoundDriver(whole_runner(model_dir, chunk=CHUNK)), seqs, prompt=24)
-    with pipeline(model_dir, [(0, cut), (cut, LAYERS)], tmp_path, chunk=CHUNK,
-                  backends=list(backends), extra_env=ONE_THREAD) as runner:
-        driver = RoundDriver(runner)
-        runs = [teacher_forced(driver, seqs, prompt=24) for _ in range(2)]
-    assert runs[0].tobytes() == runs[1].tobytes(), "a placement must give the same bits twice"
-    figures = divergence(runs[0], want)
-    report(f"qwen3_5 {'>'.join(backends)} cut {cut}", figures)
-    kl_mean, kl_max, max_abs, top1 = FLOAT32
-    assert figures["kl_mean"] <= kl_mean and figures["kl_max"] <= kl_max
-    assert figures["max_abs"] <= max_abs and figures["top1"] >= top1
