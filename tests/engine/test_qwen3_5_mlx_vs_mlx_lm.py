@@ -239,3 +239,32 @@ def test_a_range_reads_only_its_own_text_tensors(hybrid_model, monkeypatch, laye
     deltanet = [LAYER_TYPES[i] for i in range(*layers)].count(LINEAR_ATTENTION)
     assert len(stage.model.cache.recurrent.delta) == deltanet
     assert len(stage.model.cache.kv.k) == layers[1] - layers[0] - deltanet
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_logits_and_greedy_match_mlx_lm(hybrid_model, tmp_path, bits):
+    """mlx-lm's affine format (our writer): MLX computes with the packed weights, as mlx-lm."""
+    from mlx import nn
+
+    from engine.checkpoint.quantize import quantize_checkpoint
+
+    model_dir = quantize_checkpoint(hybrid_model("maker", "conditional"), tmp_path / "q",
+                                    bits, 32)
+    config = json.loads((model_dir / "config.json").read_text())
+    ref = mlx_lm_qwen3_5.Model(mlx_lm_qwen3_5.ModelArgs.from_dict(config))
+    weights = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        weights.update(mx.load(str(path)))
+    weights = ref.sanitize(weights)
+    nn.quantize(ref, group_size=32, bits=bits,
+                class_predicate=lambda path, _module: f"{path}.scales" in weights)
+    ref.load_weights(list(weights.items()))
+    batch = prompt_batch(6)
+    expected = [whole_prompt_logits(ref, ids) for ids in batch]
+    stage = mlx_stage(model_dir)
+    assert type(stage.model.layers[0].qkv).__name__ == "QuantizedWeight"
+    driver = stage_driver(stage)
+    check_logits_at_every_position(driver, batch, expected)
+    driver.close(list(range(len(batch))))
+    want = [int(t) for t, _ in generate_step(mx.array(batch[1]), ref, max_tokens=16)]
+    assert driver.greedy({0: batch[1]}, 16)[0] == want
