@@ -35,6 +35,7 @@ from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.backends.mlx.recurrent_state import HybridIndex, HybridState, RecurrentState
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.family import DeltaNetWeights, LayerWeights, load_range
+from engine.rounds import RowLayout
 
 L2_EPS = 1e-6  # transformers' and fla's l2norm epsilon, added to the sum of squares
 # Tokens a prompt chunk's delta rule solves at once. The chunked form takes differences of
@@ -244,7 +245,8 @@ class Qwen35Range:
                                    dtype)
         return HybridState(kv, recurrent)
 
-    def round_index(self, layout) -> HybridIndex:
+    def round_index(self, layout: RowLayout) -> HybridIndex:
+        """Where a round's rows sit, for both layer types, built once a round."""
         return HybridIndex.build(layout)
 
     def embed_tokens(self, token_ids: mx.array) -> mx.array:
