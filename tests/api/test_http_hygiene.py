@@ -22,6 +22,8 @@ HEADER_S = 1.5
 IDLE_S = 3.0
 BODY_S = 2.0
 CAP = 48
+DRIP_INTERVAL_S = 0.1  # a slowloris client sends a header line this often
+PROBE_INTERVAL_S = 0.02  # /health sampled this often while a big prompt is read
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def test_slowloris_connections_are_closed_while_health_answers(guarded):
             except OSError:
                 pass
         latencies.append(health_latency_s(guarded))
-        time.sleep(0.1)
+        time.sleep(DRIP_INTERVAL_S)  # the attack's own pace, not a wait for anything
     held_s = time.monotonic() - opened
     for s in slow:
         s.close()
@@ -150,7 +152,7 @@ def test_a_megabyte_prompt_does_not_stall_health(guarded):
     latencies = []
     while big.is_alive():
         latencies.append(health_latency_s(guarded))
-        time.sleep(0.02)
+        time.sleep(PROBE_INTERVAL_S)  # how often /health is sampled while the prompt is read
     big.join()
     assert reply["status"] == 400  # it was read and tokenized: too long for the context
     assert json.loads(reply["text"])["error"]["code"] == "context_length_exceeded"

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import socket
-import time
 import urllib.request
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from engine.harness.launch import LocalFleet, launch
 from engine.link import errors
 from engine.link.hello import Handshake
 from engine.link.transport import connect, handshake
-from tests.waiting import connect_once_listening
+from tests.waiting import connect_once_listening, wait_until
 
 STAGES = [(0, 2), (2, 4)]
 ENV = {
@@ -87,16 +86,11 @@ def refusals(fleet: LocalFleet, rank: int) -> dict[str, str]:
 
 
 def wait_refused(fleet: LocalFleet, rank: int, addresses: list[str]) -> dict[str, str]:
-    """The rank's logged refusals, once every address in `addresses` is among them."""
-    until = time.monotonic() + WAIT_S
-    while True:
-        found = refusals(fleet, rank)
-        if all(a in found for a in addresses):
-            return found
-        assert time.monotonic() < until, (f"not refused by name: "
-                                          f"{[a for a in addresses if a not in found]}\n"
-                                          f"{fleet.log_tail(rank, 40)}")
-        time.sleep(0.2)  # the rank's log file is the only signal there is
+    """The rank's logged refusals, once every address in `addresses` is among them (its log
+    file is the only signal there is, so the wait polls it)."""
+    wait_until(lambda: all(a in refusals(fleet, rank) for a in addresses), within_s=WAIT_S,
+               what=f"rank {rank} refusing {addresses} by name", poll_s=0.2)
+    return refusals(fleet, rank)
 
 
 def complete(fleet: LocalFleet) -> str:

@@ -91,7 +91,7 @@ async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamRespo
     if mode == "hang":
         await forever()
     if mode == "slow-whole":  # thinks for longer than the silence bound, alive throughout
-        await asyncio.sleep(4 * QUICK_SILENCE.limit_s)
+        await asyncio.sleep(4 * QUICK_SILENCE.limit_s)  # behaviour: a long, live silence
     if not body.get("stream"):
         return web.json_response({"choices": [{"message": {"content": "hi"},
                                                "finish_reason": "stop"}]})
@@ -102,7 +102,7 @@ async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamRespo
     if mode == "cut":  # lost after tokens were sent
         await asyncio.sleep(0.05)  # behaviour, not synchronisation: a loss after a pause
         request.transport.abort()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # behaviour: the handler returns late, after the loss
         return response
     if mode == "stall":  # tokens, then nothing more
         await forever()
@@ -408,23 +408,22 @@ def test_connections_beyond_the_cap_get_a_503_and_a_close():
 
     async def check(door: Door) -> None:
         held = [await asyncio.open_connection("127.0.0.1", door.port) for _ in range(8)]
-        deadline = time.monotonic() + 5
-        while True:  # every held one is in; the next is one too many
+
+        async def one_too_many() -> bytes | None:  # once every held one is in
             reply = await raw_exchange(door.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 5)
-            if status_of(reply) == 503:
-                break
-            assert time.monotonic() < deadline
+            return reply if status_of(reply) == 503 else None
+
+        reply = await wait_until_async(one_too_many, within_s=5, what="a 503 past the cap")
         assert b"Retry-After: " in reply and b"too many connections" in reply
         for _, writer in held:
             writer.close()
-        deadline = time.monotonic() + 5
-        while True:
+
+        async def health_answers() -> bool:
             reply = await raw_exchange(door.port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
                                        b"Connection: close\r\n\r\n", 5)
-            if status_of(reply) == 200:
-                break
-            assert time.monotonic() < deadline, "the cap was not given back"
-            await asyncio.sleep(0.05)
+            return status_of(reply) == 200
+
+        await wait_until_async(health_answers, within_s=5, what="the cap given back")
     run(check, limits=limits)
 
 
