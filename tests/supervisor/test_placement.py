@@ -169,12 +169,11 @@ def check_valid(p: Placement, s: ModelSpec, shape: ModelShape, nodes: list[NodeS
         assert p.stages[0].node == s.rank0
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_search_equals_brute_force_on_random_fleets(seed: int):
-    rng = random.Random(seed)
+def assert_search_equals_brute_force(cases) -> None:
+    """`place` finds brute force's best objective on every (spec, shape, nodes) case, or
+    refuses exactly where brute force finds nothing."""
     fits = 0
-    for _ in range(60):
-        s, shape, nodes = random_case(rng)
+    for s, shape, nodes in cases:
         expected = brute_force(s, shape, nodes)
         try:
             p = place(s, shape, nodes)
@@ -186,6 +185,12 @@ def test_search_equals_brute_force_on_random_fleets(seed: int):
         assert p.objective_ms == pytest.approx(expected, rel=1e-9, abs=1e-9), (s, shape, nodes)
         check_valid(p, s, shape, nodes)
     assert fits >= 10  # the generator must exercise the search, not only the refusals
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_search_equals_brute_force_on_random_fleets(seed: int):
+    rng = random.Random(seed)
+    assert_search_equals_brute_force(random_case(rng) for _ in range(60))
 
 
 def test_search_equals_brute_force_with_a_long_prompt():
