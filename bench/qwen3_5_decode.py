@@ -74,6 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--context", type=int, default=4096,
+                        help="positions per slot, as FLEET_CONTEXT configures a stage")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or ROOT / "build" / f"bench-qwen3_5-27b-like-{args.layers}"
@@ -84,9 +86,11 @@ def main() -> None:
     size = weight_bytes(out)
     print(f"# {args.layers} layers, {size / 2**30:.2f} GiB of bf16 weights read a step; floor "
           f"{size / H200_BYTES_PER_S * 1e3:.3f} ms a step at {H200_BYTES_PER_S / 1e12} TB/s")
+    print(f"# context {args.context} positions a slot, 8 slots")
     print("| decode | streams | ms a round | ms a layer a round (ends included) |")
     for graphs in (True, False):
-        stage = load_stage(StageSpec(out, (0, args.layers), "torch-cuda", 8, 4096, 512, graphs))
+        stage = load_stage(StageSpec(out, (0, args.layers), "torch-cuda", 8, args.context, 512,
+                                     graphs))
         driver = RoundDriver(LocalRunner(stage))
         for streams in (1, 8):
             ms = decode_ms(driver, streams, args.steps, spec.vocab_size)
