@@ -26,6 +26,8 @@ from typing import Any
 import psutil
 import structlog
 
+from agent.oom_kills import oom_counter_path, read_oom_kills
+
 log = structlog.get_logger()
 
 EXIT_EVENT = "exiting"  # a child's last JSON log line: {"event": "exiting", "code": N, "reason": …}
@@ -63,28 +65,37 @@ class ChildExit:
 
 
 def explain_exit(returncode: int | None, stopped_by: str, child_word: dict | None,
-                 grace: GracePeriods | None,
-                 last_line: str = "") -> tuple[int | None, str | None, str]:
-    """(code, signal name, reason) from what is known about a child's end. Pure."""
+                 grace: GracePeriods | None, last_line: str = "",
+                 oom_kills: int | None = None) -> tuple[int | None, str | None, str]:
+    """(code, signal name, reason) from what is known about a child's end, and nothing
+    more. Pure. `oom_kills`: how far its cgroup's OOM-kill count rose while it ran (None:
+    unknown)."""
     said = (child_word or {}).get("reason")
+    word_code = (child_word or {}).get("code")
     if returncode is None:  # adopted: not our child, so no exit status but its own word
-        code = (child_word or {}).get("code")
         if said:
-            return code, None, said
+            return word_code, None, said
         if stopped_by != "itself":
-            return code, None, (f"gone after the agent's {stopped_by} (an adopted process "
-                                "that left no exit reason)")
-        return code, None, "an adopted process exited and left no exit reason"
+            return word_code, None, (f"gone after the agent's {stopped_by} (an adopted "
+                                     "process that left no exit reason)")
+        return word_code, None, "an adopted process exited and left no exit reason"
     if returncode < 0:
         name = signal.Signals(-returncode).name
-        if name == "SIGKILL" and stopped_by == "SIGKILL":
+        from_agent = stopped_by == name
+        if said and word_code == 0:
+            # It had logged its clean exit (a drain done) and the signal ended its teardown:
+            # its work was over, so its own word is the truth about how it ended.
+            return 0, None, said if from_agent else (
+                f"{said}; then {name} from outside the agent ended its teardown")
+        if name == "SIGKILL" and from_agent:
             waited = f" within {grace.term_s:g} s" if grace else ""
             return None, name, f"killed with SIGKILL: it did not exit{waited} after SIGTERM"
-        if name == "SIGTERM" and stopped_by == "SIGTERM":
+        if name == "SIGTERM" and from_agent:
             return None, name, "ended by the agent's SIGTERM"
-        sender = "the agent" if stopped_by == name else "something other than the agent"
-        extra = " (the kernel's out-of-memory killer?)" if name == "SIGKILL" else ""
-        return None, name, f"killed by {name}, sent by {sender}{extra}"
+        if name == "SIGKILL" and oom_kills:
+            return None, name, (f"killed by SIGKILL: the kernel's out-of-memory killer (its "
+                                f"cgroup counted {oom_kills} OOM kill(s) while it ran)")
+        return None, name, f"killed by {name} from outside the agent"
     if said:
         return returncode, None, said
     if returncode == 0:
@@ -205,6 +216,9 @@ class ChildProcess:
         self.grace: GracePeriods | None = None
         self.exit: ChildExit | None = None
         self.log = log.bind(child=name, pid=pid, **log_keys)
+        # The cgroup's OOM-kill count now, to compare at exit (None where it cannot be read).
+        self.oom_counter = oom_counter_path(pid)
+        self.oom_kills_at_start = read_oom_kills(self.oom_counter)
         self._exited = asyncio.Event()
         self._monitor: asyncio.Task | None = None
         self._stop_task: asyncio.Task | None = None
@@ -286,8 +300,11 @@ class ChildProcess:
     def _finish(self, returncode: int | None) -> None:
         self._kill_stragglers()
         last = self.last_lines[-1] if self.last_lines else ""
+        now_kills = read_oom_kills(self.oom_counter)
+        oom_kills = (None if now_kills is None or self.oom_kills_at_start is None
+                     else now_kills - self.oom_kills_at_start)
         code, sig, reason = explain_exit(returncode, self.stopped_by, self.child_word, self.grace,
-                                         last)
+                                         last, oom_kills)
         self.exit = ChildExit(code, sig, reason, self.stopped_by, tuple(self.last_lines),
                               time.time())
         self.log.info("child exited", code=code, signal=sig, reason=reason,

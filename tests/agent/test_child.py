@@ -26,7 +26,22 @@ def test_explain_exit_names_who_ended_the_child():
     grace = GracePeriods(term_s=3)
     assert explain_exit(-9, "SIGKILL", None, grace)[2] == (
         "killed with SIGKILL: it did not exit within 3 s after SIGTERM")
-    assert "out-of-memory" in explain_exit(-9, "itself", None, grace)[2]
+    # A SIGKILL the agent did not send: who sent it is not known, and nothing is guessed.
+    assert explain_exit(-9, "itself", None, grace) == (
+        None, "SIGKILL", "killed by SIGKILL from outside the agent")
+    assert explain_exit(-9, "SIGTERM", None, grace, oom_kills=0)[2] == (
+        "killed by SIGKILL from outside the agent")
+    # Only the cgroup's own count names the out-of-memory killer.
+    assert "out-of-memory killer (its cgroup counted 1 OOM kill(s)" in explain_exit(
+        -9, "itself", None, grace, oom_kills=1)[2]
+    # A drain done and logged (code 0), then the agent's SIGTERM ended the teardown: drained.
+    assert explain_exit(-15, "SIGTERM", {"code": 0, "reason": "drained"}, grace) == (
+        0, None, "drained")
+    assert explain_exit(-9, "itself", {"code": 0, "reason": "drained"}, grace) == (
+        0, None, "drained; then SIGKILL from outside the agent ended its teardown")
+    # A last word that was not clean does not hide the signal.
+    assert explain_exit(-15, "SIGTERM", {"code": 1, "reason": "ring dead"}, grace) == (
+        None, "SIGTERM", "ended by the agent's SIGTERM")
     assert explain_exit(2, "itself", {"code": 2, "reason": "bad checkpoint"}, None) == (
         2, None, "bad checkpoint")
     assert explain_exit(0, "SIGTERM", None, grace) == (0, None, "exited normally")
@@ -112,3 +127,23 @@ def test_log_tail_follows_copy_truncate_rotation(tmp_path):
         assert tail.read_lines() == ["four"]
         log.rotate()
         assert (tmp_path / "r.log.2").exists()
+
+
+def test_oom_kill_counts_are_read_from_the_cgroup_files(tmp_path):
+    from agent.oom_kills import oom_counter_path, read_oom_kills
+
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("0::/fleet/agent.service\n")
+    events = root / "fleet" / "agent.service" / "memory.events"
+    events.parent.mkdir(parents=True)
+    events.write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n")
+    assert oom_counter_path(7, proc, root) == events and read_oom_kills(events) == 2
+    (proc / "8").mkdir()  # cgroup v1, namespaced: the memory tree's root is its own cgroup
+    (proc / "8" / "cgroup").write_text("4:memory:/elsewhere/abc\n0::/\n")
+    v1 = root / "memory" / "memory.oom_control"
+    v1.parent.mkdir()
+    v1.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert oom_counter_path(8, proc, root) == v1 and read_oom_kills(v1) == 5
+    assert oom_counter_path(9, proc, root) is None  # no such process: nothing claimed
+    assert read_oom_kills(None) is None and read_oom_kills(tmp_path / "absent") is None
