@@ -4,8 +4,10 @@ A random bfloat16 checkpoint with hidden 5120 and the 27B's head shapes, but onl
 first `--layers` layers (the repeating pattern is three DeltaNet layers then one attention
 layer), so it fits a small disk; figures are per round and per layer. Rounds go through
 the stage as a server's would (layers, head, logits to the host), decode replayed as CUDA
-graphs and eagerly. The floor is the weight bytes read once per step at the device's
-nominal memory bandwidth.
+graphs and eagerly, with each kernel set for the gated delta rule asked for (ours, and
+fla-core's where installed). The anchors, in the same run: the weight bytes read once per
+step at the device's nominal memory bandwidth, and transformers' `generate` on the same
+checkpoint (`--no-transformers` skips it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from bench.common import ROOT
 from engine.backends.base import StageSpec, load_stage
+from engine.backends.pytorch.delta_kernels import fla_unavailable
 from engine.checkpoint.maker import CheckpointSpec, make_checkpoint
 from engine.checkpoint.reader import open_checkpoint
 from engine.harness.driver import RoundDriver
@@ -70,12 +73,57 @@ def prompt_tokens_per_s(driver: RoundDriver, tokens: int, chunk: int, vocab: int
     return tokens / elapsed
 
 
+def transformers_decode_ms(model_dir: Path, streams: int, steps: int, vocab: int) -> float:
+    """transformers' `generate`, greedy, from 64-token prompts: decode ms a step, the time
+    of `steps` + 1 new tokens less the time of 1 (the prompt and the first token)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    ids = torch.tensor(np.random.default_rng(streams).integers(3, vocab, (streams, 64)),
+                       device="cuda")
+
+    def timed(new: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(4)  # warm-up
+    first, whole = timed(1), timed(steps + 1)
+    return (whole - first) / steps * 1e3
+
+
+def profile_eager_decode(driver: RoundDriver, vocab: int) -> None:
+    """Where an eager decode round's time goes: the ten costliest ops by their own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    feeds = {s: [int(t)] for s, t in enumerate(np.random.default_rng(1).integers(3, vocab, 8))}
+    driver.round({s: [t[0]] * 8 for s, t in feeds.items()})
+    driver.round(feeds)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            driver.round(feeds)
+        torch.cuda.synchronize()
+    driver.close(list(feeds))
+    print("# eager decode rounds, 8 streams, 3 rounds: the ten costliest ops by self CPU time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096,
                         help="positions per slot, as FLEET_CONTEXT configures a stage")
+    parser.add_argument("--kernels", default="torch,fla",
+                        help="gated delta rule kernels to compare (FLEET_DELTA_KERNEL values)")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile eager decode rounds (where their fixed cost goes)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or ROOT / "build" / f"bench-qwen3_5-27b-like-{args.layers}"
@@ -87,20 +135,35 @@ def main() -> None:
     print(f"# {args.layers} layers, {size / 2**30:.2f} GiB of bf16 weights read a step; floor "
           f"{size / H200_BYTES_PER_S * 1e3:.3f} ms a step at {H200_BYTES_PER_S / 1e12} TB/s")
     print(f"# context {args.context} positions a slot, 8 slots")
-    print("| decode | streams | ms a round | ms a layer a round (ends included) |")
-    for graphs in (True, False):
-        stage = load_stage(StageSpec(out, (0, args.layers), "torch-cuda", 8, args.context, 512,
-                                     graphs))
-        driver = RoundDriver(LocalRunner(stage))
+    print("| kernels | decode | streams | ms a round | ms a layer a round (ends included) |")
+    print("|---|---|---|---|---|")
+    for kernels in args.kernels.split(","):
+        if kernels == "fla" and (why := fla_unavailable(torch.device("cuda"))):
+            print(f"# fla: skipped: {why}")
+            continue
+        for graphs in (True, False):
+            stage = load_stage(StageSpec(out, (0, args.layers), "torch-cuda", 8, args.context,
+                                         512, graphs, delta_kernel=kernels))
+            driver = RoundDriver(LocalRunner(stage))
+            for streams in (1, 8):
+                ms = decode_ms(driver, streams, args.steps, spec.vocab_size)
+                label = "CUDA graphs" if graphs else "eager"
+                print(f"| {kernels} | {label} | {streams} | {ms:.2f} | {ms / args.layers:.3f} |",
+                      flush=True)
+            if graphs:
+                rate = prompt_tokens_per_s(driver, 2048, 512, spec.vocab_size)
+                print(f"# {kernels}: prompt: 2048 tokens in chunks of 512: {rate:,.0f} tokens/s",
+                      flush=True)
+            elif args.profile:
+                profile_eager_decode(driver, spec.vocab_size)
+            del driver, stage
+            torch.cuda.empty_cache()
+    if not args.no_transformers:
         for streams in (1, 8):
-            ms = decode_ms(driver, streams, args.steps, spec.vocab_size)
-            label = "CUDA graphs" if graphs else "eager"
-            print(f"| {label} | {streams} | {ms:.2f} | {ms / args.layers:.3f} |", flush=True)
-        if graphs:
-            rate = prompt_tokens_per_s(driver, 2048, 512, spec.vocab_size)
-            print(f"# prompt: 2048 tokens in chunks of 512: {rate:,.0f} tokens/s", flush=True)
-        del driver, stage
-        torch.cuda.empty_cache()
+            ms = transformers_decode_ms(out, streams, args.steps, spec.vocab_size)
+            print(f"| transformers generate | eager | {streams} | {ms:.2f} | "
+                  f"{ms / args.layers:.3f} |", flush=True)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

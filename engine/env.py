@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
-from engine.backends.base import StageSpec
+from engine.backends.base import DELTA_KERNELS, QUANT_MODES, StageSpec
 from engine.link.accept_loop import HANDSHAKE_DEADLINE_S
 from engine.link.messages import BACKENDS
 
@@ -26,7 +26,8 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_CPU_THREADS": "cpu_threads", "FLEET_LOG_LEVEL": "log_level",
           "FLEET_CUDA_GRAPHS": "cuda_graphs", "FLEET_HTTP_MAX_CONNECTIONS": "http_max_connections",
           "FLEET_HTTP_HEADER_S": "http_header_s", "FLEET_HTTP_IDLE_S": "http_idle_s",
-          "FLEET_HTTP_BODY_S": "http_body_s"}
+          "FLEET_HTTP_BODY_S": "http_body_s", "FLEET_DELTA_KERNEL": "delta_kernel",
+          "FLEET_QUANT": "quant"}
 
 
 class EnvError(ValueError):
@@ -96,6 +97,8 @@ class EngineEnv:
     cpu_threads: int = 0  # 0: the framework's default; stages sharing a CPU should split it
     log_level: str = "info"  # debug adds each round's timing per stage
     cuda_graphs: bool = True  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
+    delta_kernel: str = "auto"  # a hybrid's gated delta rule on PyTorch: auto, torch or fla
+    quant: str = "packed"  # a PyTorch stage's mlx-lm packed weights: packed or dense
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -151,6 +154,14 @@ class EngineEnv:
         if backend not in BACKENDS:
             raise EnvError("FLEET_BACKEND", f"FLEET_BACKEND={backend!r}: expected one of "
                            f"{', '.join(BACKENDS)}")
+        delta_kernel = env.get("FLEET_DELTA_KERNEL", default["delta_kernel"])
+        if delta_kernel not in DELTA_KERNELS:
+            raise EnvError("FLEET_DELTA_KERNEL", f"FLEET_DELTA_KERNEL={delta_kernel!r}: expected "
+                           f"one of {', '.join(DELTA_KERNELS)}")
+        quant = env.get("FLEET_QUANT", default["quant"])
+        if quant not in QUANT_MODES:
+            raise EnvError("FLEET_QUANT", f"FLEET_QUANT={quant!r}: expected one of "
+                           f"{', '.join(QUANT_MODES)}")
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:
@@ -196,6 +207,7 @@ class EngineEnv:
             cpu_threads=integer("FLEET_CPU_THREADS", "cpu_threads", 0),
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
+            delta_kernel=delta_kernel, quant=quant,
             api_secret_file=api_secret_file, api_secret=api_secret,
             http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
             http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),
@@ -236,4 +248,5 @@ class EngineEnv:
 
     def stage_spec(self, n_layers: int) -> StageSpec:
         return StageSpec(self.model_dir, self.layer_range or (0, n_layers), self.backend,
-                         self.parallel, self.context, self.chunk, self.cuda_graphs)
+                         self.parallel, self.context, self.chunk, self.cuda_graphs,
+                         delta_kernel=self.delta_kernel, quant=self.quant)

@@ -33,6 +33,13 @@ class BackendError(RuntimeError):
     """A backend that is not installed, or a device it cannot use."""
 
 
+# Who runs a hybrid's gated delta rule on PyTorch (engine.backends.pytorch.delta_kernels).
+DELTA_KERNELS = ("auto", "torch", "fla")
+# How a PyTorch stage holds mlx-lm's packed weights: packed (int4 kernels, the checkpoint's
+# bytes) or dense (dequantized at load: exact to mx.dequantize, 2-4x the bytes).
+QUANT_MODES = ("packed", "dense")
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """What one engine process runs: a layer range of a checkpoint on a backend."""
@@ -44,6 +51,11 @@ class StageSpec:
     context: int  # positions a slot can hold
     chunk: int  # most prompt rows a round
     cuda_graphs: bool = True  # replay decode rounds as CUDA graphs where the device has them
+    # False: captured decode steps read the whole context instead of the live length's
+    # bucket (the earlier path, kept for bench/decode.py to time beside the new one).
+    live_keys: bool = True
+    delta_kernel: str = "auto"  # the gated delta rule's kernels: one of DELTA_KERNELS
+    quant: str = "packed"  # FLEET_QUANT: one of QUANT_MODES
 
 
 @dataclass(frozen=True)

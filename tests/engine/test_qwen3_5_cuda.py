@@ -9,16 +9,24 @@ import torch
 import transformers
 
 from engine.backends.base import StageSpec, load_stage
+from engine.backends.pytorch.delta_kernels import fla_unavailable
 from tests.engine.conftest import stage_driver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+# Each test runs with our gated delta rule and with fla-core's, where that extra is installed.
+KERNELS = pytest.mark.parametrize("kernels", [
+    "torch", pytest.param("fla", marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or bool(fla_unavailable(torch.device("cuda"))),
+        reason="fla-core is not installed"))])
 
 
-def test_cuda_logits_match_transformers_on_cuda(make_model):
+@KERNELS
+def test_cuda_logits_match_transformers_on_cuda(make_model, kernels):
     model_dir = make_model("qwen3_5")
     ref = transformers.Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ref = ref.to("cuda").eval()
-    driver = stage_driver(load_stage(StageSpec(model_dir, (0, 4), "torch-cuda", 2, 256, 64)))
+    driver = stage_driver(load_stage(StageSpec(model_dir, (0, 4), "torch-cuda", 2, 256, 64,
+                                               delta_kernel=kernels)))
     ids = np.random.default_rng(0).integers(0, 300, 100).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
@@ -29,8 +37,9 @@ def test_cuda_logits_match_transformers_on_cuda(make_model):
         np.testing.assert_allclose(got, expected[pos], atol=1e-3, rtol=0, err_msg=f"{pos}")
 
 
+@KERNELS
 @pytest.mark.parametrize("prompt_rows", [1, 9], ids=["one-row-prompts", "chunked-prompts"])
-def test_cuda_graph_decode_matches_eager_decode(make_model, prompt_rows):
+def test_cuda_graph_decode_matches_eager_decode(make_model, prompt_rows, kernels):
     """Graph replays keep the recurrent state as eager decoding does: the warm-up steps before
     a capture leave it untouched, a first row (position 0) inside a graph starts clean, and a
     reused slot inside a captured run starts clean too."""
@@ -40,7 +49,8 @@ def test_cuda_graph_decode_matches_eager_decode(make_model, prompt_rows):
         {s: [int(t)] for s, t in enumerate(np.random.default_rng(7).integers(0, 300, 4))}
 
     def run(cuda_graphs: bool):
-        stage = load_stage(StageSpec(model_dir, (0, 4), "torch-cuda", 4, 128, 64, cuda_graphs))
+        stage = load_stage(StageSpec(model_dir, (0, 4), "torch-cuda", 4, 128, 64, cuda_graphs,
+                                     delta_kernel=kernels))
         driver = stage_driver(stage)
         first = driver.greedy(prompts, 16)
         driver.close(list(prompts))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends.pytorch import gated_delta
+from engine.backends.pytorch.delta_kernels import OURS, DeltaKernels
 from engine.backends.pytorch.kv_cache import RoundIndex
 from engine.backends.pytorch.llama import Rope, mlp, rotate_half
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
@@ -70,7 +71,8 @@ def _conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
-             recurrent: RecurrentState, layer: int, index: RoundIndex) -> torch.Tensor:
+             recurrent: RecurrentState, layer: int, index: RoundIndex,
+             kernels: DeltaKernels = OURS) -> torch.Tensor:
     rows = x.shape[0]
     kernel = config.linear_conv_kernel_dim
     mixed = F.linear(x, w.qkv)  # [rows, conv width]
@@ -96,7 +98,7 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
         conv_out = _conv(window.to(w.conv.dtype), w.conv)[:, :, -1]  # [n, width]
         q, k, v = split(conv_out)
         q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
-        out, delta_state = gated_delta.step(q, k, v, g[singles], beta[singles], delta_state)
+        out, delta_state = kernels.step(q, k, v, g[singles], beta[singles], delta_state)
         recurrent.write(layer, slots, window[:, :, 1:], delta_state)
         core[singles] = out
     for span in index.spans:
@@ -108,8 +110,8 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
         conv_out = _conv(window.to(w.conv.dtype), w.conv)[0].transpose(0, 1)  # [L, width]
         q, k, v = split(conv_out)
         q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
-        out, final = gated_delta.chunked(q, k, v, g[span.start:span.stop],
-                                         beta[span.start:span.stop], delta_state[0])
+        out, final = kernels.chunked(q, k, v, g[span.start:span.stop],
+                                     beta[span.start:span.stop], delta_state[0])
         recurrent.write(layer, slot, window[:, :, window.shape[-1] - (kernel - 1):],
                         final[None])
         core[span.start:span.stop] = out
@@ -126,8 +128,10 @@ class Qwen35Range:
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int],
                  load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
-                 cache: HybridState, rope: Rope, on_layer: Callable[[int], None] | None = None):
+                 cache: HybridState, rope: Rope, on_layer: Callable[[int], None] | None = None,
+                 kernels: DeltaKernels = OURS):
         self.config = config
+        self.kernels = kernels  # the gated delta rule's: ours, or fla-core's on CUDA
         self.layer_range = layer_range
         self.cache = cache
         self.rope = rope
@@ -143,7 +147,8 @@ class Qwen35Range:
         for w, slot in zip(self.layers, self.state_index, strict=True):
             h = rms_norm(x, w.input_norm, eps)
             if isinstance(w, DeltaNetWeights):
-                h = deltanet(h, w, self.config, self.cache.recurrent, slot, index)
+                h = deltanet(h, w, self.config, self.cache.recurrent, slot, index,
+                             self.kernels)
             else:
                 h = gated_attention(h, w, self.config, self.rope, self.cache, slot, index)
             x = x + h

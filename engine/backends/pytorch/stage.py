@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
-from engine.backends.pytorch import dequant
+from engine.backends.pytorch import delta_kernels, dequant, packed_linear
 from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
@@ -32,7 +32,8 @@ class TorchStage(Stage):
         self.graphs = None
         if device.type == "cuda" and spec.cuda_graphs:
             recurrent = model.cache.recurrent if config.is_hybrid else None
-            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, recurrent)
+            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, recurrent,
+                                       live_keys=spec.live_keys)
 
     @staticmethod
     def _device(backend: str) -> torch.device:
@@ -49,9 +50,15 @@ class TorchStage(Stage):
         checkpoint, config, quant = opened.checkpoint, opened.config, opened.quant
         dtype = torch_dtype(RowFormat.of(config))
 
+        packed = quant is not None and packed_linear.holds_packed(spec.quant, device, dtype,
+                                                                  quant)
+        # The embeddings are looked up by row; tied, they are the head's matmul too.
+        lookups = {f"{config.weight_prefix}embed_tokens.weight": config.tie_word_embeddings}
+
         def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-            if quant is not None:  # mlx-lm's packed weights, made dense for this range
-                return dequant.load_range_tensors(checkpoint, shapes, quant, dtype, device)
+            if quant is not None:  # mlx-lm's packed weights: kept packed, or made dense
+                return dequant.load_range_tensors(checkpoint, shapes, quant, dtype, device,
+                                                  packed=packed, lookups=lookups)
             for name, shape in shapes.items():
                 checkpoint.check_shape(name, shape)
             tensors = checkpoint.load_tensors(list(shapes), "pt", str(device))
@@ -65,7 +72,9 @@ class TorchStage(Stage):
             if config.is_hybrid:
                 state = HybridState(cache, RecurrentState(config, deltanet_layers,
                                                           spec.parallel, dtype, device))
-                model = Qwen35Range(config, spec.layer_range, load, state, rope, on_layer)
+                kernels = delta_kernels.choose(device, spec.delta_kernel)
+                model = Qwen35Range(config, spec.layer_range, load, state, rope, on_layer,
+                                    kernels)
             else:
                 model = LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)
         return cls(spec, config, model, device)
@@ -87,7 +96,7 @@ class TorchStage(Stage):
             # Decode rows of consecutive slots: a shape the graphs have (or now capture).
             positions = torch.tensor(layout.single_positions, dtype=torch.int64,
                                      device=self.device)
-            return self.graphs.replay(layout.single_run, rows, positions)
+            return self.graphs.replay(layout.single_run, layout.single_keys, rows, positions)
         index = RoundIndex.build(layout, self.device, self.config.sliding_window)
         return self.model.run_layers(rows, index)
 
