@@ -19,7 +19,15 @@ from engine.api.metrics import EngineMetrics
 from engine.api.repeated_errors import RepeatedLog
 from engine.api.repeated_errors import install as install_repeated_errors
 from engine.api.schema import ServedModel
-from engine.api.server import CONNECTIONS, ROUND_LOOP, SHUTTING_DOWN, ApiConfig, make_app
+from engine.api.server import (
+    CONNECTIONS,
+    DRAIN_CLOCK,
+    ROUND_LOOP,
+    SHUTTING_DOWN,
+    ApiConfig,
+    DrainClock,
+    make_app,
+)
 from engine.config import ModelConfig
 from engine.env import EngineEnv
 from engine.lanes.host import LaneHost
@@ -79,7 +87,8 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
     try:
         await GuardedSite(web_runner, env.http[0], env.http[1], app[CONNECTIONS]).start()
         log.info("ready", http=f"http://{format_host_port(*env.http)}/v1", model=env.model_id)
-        code, reason = await _serve_until_the_end(env, runner, host, app[ROUND_LOOP])
+        code, reason = await _serve_until_the_end(env, runner, host, app[ROUND_LOOP],
+                                                  app[DRAIN_CLOCK])
         host.fail(reason if code else SHUTTING_DOWN)
     finally:
         # Stops listening, lets every handler answer its ended stream, stops the round loop.
@@ -90,7 +99,8 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
 
 
 async def _serve_until_the_end(env: EngineEnv, runner: RoundRunner, host: LaneHost,
-                               rounds: asyncio.Task) -> tuple[int, str]:
+                               rounds: asyncio.Task, drain_clock: DrainClock
+                               ) -> tuple[int, str]:
     """Serve until one of: a drain finished, SIGINT, a failed round, a dead ring."""
     loop = asyncio.get_running_loop()
     drain_asked, stop_now = asyncio.Event(), asyncio.Event()
@@ -110,6 +120,7 @@ async def _serve_until_the_end(env: EngineEnv, runner: RoundRunner, host: LaneHo
 
     async def drained() -> str:
         await drain_asked.wait()
+        drain_clock.start(env.drain_s)  # /health says draining, and for how long at most
         return "drained" if await host.drain(env.drain_s) else "drain deadline passed"
 
     async def stopped() -> str:

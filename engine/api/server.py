@@ -58,6 +58,24 @@ METRICS = web.AppKey("metrics", EngineMetrics)
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 PARSERS = web.AppKey("parsers", ThreadPoolExecutor)
 ROUND_LOOP = web.AppKey("round_loop", asyncio.Task)  # ends only when the engine fails
+
+
+class DrainClock:
+    """When this engine's drain ends at the latest (None: not draining), for /health."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.deadline: float | None = None
+
+    def start(self, deadline_s: float) -> None:
+        if self.deadline is None:  # a second SIGTERM changes nothing, nor its deadline
+            self.deadline = self.clock() + deadline_s
+
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - self.clock())
+
+
+DRAIN_CLOCK = web.AppKey("drain_clock", DrainClock)
 SHUTTING_DOWN = "the engine is shutting down"
 
 
@@ -68,6 +86,7 @@ def make_app(host: LaneHost, config: ApiConfig, metrics: EngineMetrics) -> web.A
                                        _errors_as_json],
                           client_max_size=config.limits.max_body_bytes)
     app[HOST], app[CONFIG], app[METRICS], app[CONNECTIONS] = host, config, metrics, guard
+    app[DRAIN_CLOCK] = DrainClock()
     app.cleanup_ctx.append(_parser_threads)
     app.cleanup_ctx.append(_round_loop)
     app.on_shutdown.append(_end_streams)
@@ -135,11 +154,22 @@ async def _errors_as_json(request: web.Request, handler: Callable) -> web.Stream
 
 
 async def health(request: web.Request) -> web.Response:
-    host = request.app[HOST]
+    """200 `ok`; 503 `failed` with its reason; 503 `draining` with the requests still in
+    flight and the seconds left until the drain's deadline. A draining engine answers 503
+    (with Retry-After) because it takes no new request, so anything that routes by health
+    sends it none; its status says `draining`, not `failed`, so nothing counts it failed."""
+    host, fingerprint = request.app[HOST], request.app[CONFIG].system_fingerprint
     if host.failure:
         return web.json_response({"status": "failed", "reason": host.failure}, status=503)
+    seconds_left = request.app[DRAIN_CLOCK].seconds_left()
+    if host.draining or seconds_left is not None:
+        return web.json_response(
+            {"status": "draining", "in_flight": host.slots_in_use() + len(host.waiting),
+             "drain_seconds_left": round(seconds_left or 0.0, 1),
+             "system_fingerprint": fingerprint},
+            status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return web.json_response({"status": "ok", "slots_in_use": host.slots_in_use(),
-                              "system_fingerprint": request.app[CONFIG].system_fingerprint})
+                              "system_fingerprint": fingerprint})
 
 
 async def prometheus(request: web.Request) -> web.Response:

@@ -84,6 +84,12 @@ def test_spawn_ready_and_drain_with_a_stream_in_flight(fleet, tmp_path, tiny_mod
                     json={"model": "tiny", "prompt": "late", "max_tokens": 2, "stop": []}) as r:
                 assert r.status == 503  # draining: no new requests
                 assert r.headers.get("Retry-After")
+            # /health says so: draining (not failed), the stream in flight, the time left.
+            async with aiohttp.ClientSession() as plain, plain.get(f"http://{http}/health") as r:
+                health = await r.json()
+                assert r.status == 503 and r.headers.get("Retry-After"), health
+            assert health["status"] == "draining" and health["in_flight"] == 1, health
+            assert 0 < health["drain_seconds_left"] <= 60, health
             seen = await asyncio.wait_for(stream, 120)
             assert seen == {"tokens": STREAM_TOKENS, "finish_reason": "length", "done": True}
             view = await wait_state(session, url, "r0", {"exited"}, 60)
