@@ -3,6 +3,8 @@
     fleet-supervisor --state-dir DIR [--listen HOST:PORT] [--front-door HOST:PORT]
 
 `fleetctl init --state-dir DIR --address HOST:PORT` must have made the fleet CA first.
+One supervisor per state directory: a second one on the same DIR exits at once (code 2)
+naming the pid that holds it (`DIR/supervisor.lock`).
 SIGTERM or Ctrl-C stops it; the replicas keep serving (their agents own the engines) and a
 supervisor started again on the same state directory re-adopts them.
 """
@@ -28,6 +30,7 @@ from supervisor.issuing import supervisor_credentials
 from supervisor.lifecycle import Policy
 from supervisor.membership import MembershipTimes
 from supervisor.settings import SettingsError, SupervisorSettings, split_address
+from supervisor.state_lock import StateDirLock, StateDirLocked
 
 log = structlog.get_logger()
 
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None) -> SupervisorSettings:
     p.add_argument("--calibration-budget-s", type=float, default=30.0,
                    help="ask each node to calibrate each model within this budget "
                         "(0: no calibration or link probes; nominal numbers)")
+    p.add_argument("--measurement-max-age-s", type=float, default=7 * 86400.0,
+                   help="calibrations and link probes kept in the state are reused until "
+                        "this old (or until the node's backend versions change)")
     p.add_argument("--engine-ports", default="29600:29999", help="first:last")
     p.add_argument("--tick-s", type=float, default=0.5)
     p.add_argument("--log-level", default="info")
@@ -101,6 +107,7 @@ def parse_args(argv: list[str] | None) -> SupervisorSettings:
                           backoff_max_s=args.backoff_max_s,
                           start_timeout_s=args.start_timeout_s, drain_s=args.drain_s),
             tick_s=args.tick_s, calibration_budget_s=args.calibration_budget_s,
+            measurement_max_age_s=args.measurement_max_age_s,
             engine_port_first=int(first), engine_port_last=int(last))
     except ValueError as exc:
         p.error(str(exc))
@@ -112,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = parse_args(argv)
     except (SettingsError, OSError) as exc:
         print(f"fleet-supervisor: {exc}", file=sys.stderr)
+        return 2
+    try:  # before anything reads or writes the state: a second supervisor touches nothing
+        lock = StateDirLock(settings.state_dir).acquire()
+    except StateDirLocked as exc:
+        print(f"fleet-supervisor: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError:
+        print(f"fleet-supervisor: no state directory {settings.state_dir}: run `fleetctl init "
+              f"--state-dir {settings.state_dir} --address HOST:PORT` first", file=sys.stderr)
         return 2
 
     async def run() -> None:
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"fleet-supervisor: cannot listen: {exc}", file=sys.stderr)
         return 2
+    finally:
+        lock.release()
     return 0
 
 
