@@ -1,5 +1,10 @@
 """Membership: alive → suspect → dead from missed heartbeats, left on a goodbye. Pure.
 
+A member also turns suspect as soon as its heartbeats are late for its own pace (no beat
+for `late_beats` of the intervals it has been beating at), or when the supervisor cannot
+reach its agent: a suspect member gets no placement and its engines' states are unknown
+until it beats again. Dead still takes `dead_after_s`: its engines may be serving.
+
 A member is a frozen record of what the supervisor last heard from one agent: its URL, its
 facts, its engines' states, and when it last beat. The service feeds heartbeats, events and
 goodbyes through the functions here and calls `tick` on a timer; each returns new records,
@@ -23,6 +28,15 @@ class MembershipTimes:
 
     suspect_after_s: float = 15.0
     dead_after_s: float = 45.0
+    late_beats: float = 2.5  # this many of its own intervals without a beat: suspect
+    late_floor_s: float = 2.0  # never sooner than this (a busy supervisor reads beats late)
+
+    def late_after_s(self, beat_interval_s: float) -> float:
+        """Silence that makes a member with this heartbeat pace suspect."""
+        if beat_interval_s <= 0:  # not known yet (one beat so far)
+            return self.suspect_after_s
+        return min(self.suspect_after_s,
+                   max(self.late_floor_s, self.late_beats * beat_interval_s))
 
     def __post_init__(self) -> None:
         if not 0 < self.suspect_after_s < self.dead_after_s:
@@ -58,6 +72,7 @@ class Member:
     engines: Mapping[str, ReportedEngine] = field(default_factory=dict)
     cordoned: bool = False  # `fleetctl drain NODE`: nothing new is placed here
     reason: str = ""  # why the state is what it is
+    beat_interval_s: float = 0.0  # the pace its heartbeats arrive at (0: not known yet)
 
     @property
     def host(self) -> str:
@@ -83,14 +98,16 @@ class Member:
                 "last_heartbeat_at": self.last_heartbeat_at, "joined_at": self.joined_at,
                 "facts": self.facts, "facts_digest": self.facts_digest,
                 "engines": {k: vars(v) | {"exit": v.exit} for k, v in self.engines.items()},
-                "cordoned": self.cordoned, "reason": self.reason}
+                "cordoned": self.cordoned, "reason": self.reason,
+                "beat_interval_s": self.beat_interval_s}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Member:
         engines = {k: ReportedEngine(**v) for k, v in (raw.get("engines") or {}).items()}
         return cls(raw["node"], raw["url"], raw["state"], float(raw["last_heartbeat_at"]),
                    float(raw["joined_at"]), raw.get("facts"), raw.get("facts_digest"), engines,
-                   bool(raw.get("cordoned", False)), raw.get("reason", ""))
+                   bool(raw.get("cordoned", False)), raw.get("reason", ""),
+                   float(raw.get("beat_interval_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -111,9 +128,13 @@ def on_heartbeat(old: Member | None, beat: Mapping[str, Any], now: float) -> Bea
         return BeatResult(member, facts is None, "joined")
     if facts is None and digest == old.facts_digest:
         facts = old.facts
+    interval = old.beat_interval_s
+    if old.state == ALIVE:  # a gap between two beats heard in a row is the agent's pace
+        gap = max(0.0, now - old.last_heartbeat_at)
+        interval = gap if interval <= 0 else 0.5 * interval + 0.5 * gap
     member = replace(old, url=str(beat.get("url") or old.url), state=ALIVE,
                      last_heartbeat_at=now, facts=facts, facts_digest=digest,
-                     engines=engines, reason="")
+                     engines=engines, reason="", beat_interval_s=interval)
     return BeatResult(member, facts is None, None if old.state == ALIVE else "back")
 
 
@@ -133,6 +154,13 @@ def on_events(old: Member, events: list[Mapping[str, Any]]) -> Member:
 
 def on_goodbye(old: Member, reason: str) -> Member:
     return replace(old, state=LEFT, reason=reason or "said goodbye")
+
+
+def engine_states(member: Member) -> dict[str, str]:
+    """Each engine's state as far as it is known: only an alive member's reports are
+    current; a suspect, dead or departed member's engines may run or not ("unknown")."""
+    return {k: v.state if member.state == ALIVE else "unknown"
+            for k, v in member.engines.items()}
 
 
 def on_unreachable(old: Member, reason: str) -> Member:
@@ -156,4 +184,9 @@ def tick(members: Mapping[str, Member], now: float,
         elif silent_s >= times.suspect_after_s and member.state == ALIVE:
             out[name] = replace(member, state=SUSPECT,
                                 reason=f"no heartbeat for {silent_s:.1f} s")
+        elif (member.state == ALIVE
+              and silent_s >= times.late_after_s(member.beat_interval_s)):
+            out[name] = replace(member, state=SUSPECT, reason=(
+                f"heartbeats late: none for {silent_s:.1f} s (it beats every "
+                f"{member.beat_interval_s:.1f} s)"))
     return out

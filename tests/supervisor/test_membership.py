@@ -96,3 +96,32 @@ def test_member_round_trips_through_a_dict():
 def test_times_must_be_ordered():
     with pytest.raises(ValueError, match="suspect_after_s"):
         MembershipTimes(suspect_after_s=10, dead_after_s=5)
+
+
+def test_late_heartbeats_make_a_member_suspect_before_the_suspect_time():
+    """A node beating every second that falls silent is suspect after 2.5 of its beats
+    (2.5 s), long before 15 s: no placement goes there, its engines are unknown."""
+    times = MembershipTimes(suspect_after_s=15.0, dead_after_s=45.0)
+    views = [{"engine_id": "m-g1-r1", "replica": "m-g1", "rank": 1, "state": "ready"}]
+    member = on_heartbeat(None, beat(facts=FACTS, engines=views), now=0.0).member
+    for t in (1.0, 2.0, 3.0):
+        member = on_heartbeat(member, beat(engines=views), now=t).member
+    assert member.beat_interval_s == pytest.approx(1.0)
+    from supervisor.membership import engine_states
+
+    assert engine_states(member) == {"m-g1-r1": "ready"}
+    assert tick({"a": member}, 3.0 + 2.4, times) == {}
+    late = tick({"a": member}, 3.0 + 2.5, times)["a"]
+    assert late.state == SUSPECT and "heartbeats late" in late.reason and not late.placeable
+    assert engine_states(late) == {"m-g1-r1": "unknown"}
+    assert tick({"a": late}, 3.0 + 44.0, times) == {}  # dead still takes dead_after_s
+    assert tick({"a": late}, 3.0 + 45.0, times)["a"].state == DEAD
+    back = on_heartbeat(late, beat(engines=views), now=10.0)
+    assert back.changed == "back" and back.member.placeable
+    assert engine_states(back.member) == {"m-g1-r1": "ready"}
+    # A slow agent's pace sets its own bound; the suspect time caps it.
+    slow = member
+    for t in (13.0, 23.0, 33.0, 43.0, 53.0, 63.0):
+        slow = on_heartbeat(slow, beat(), now=t).member
+    assert times.late_after_s(slow.beat_interval_s) == 15.0
+    assert times.late_after_s(0.0) == 15.0 and times.late_after_s(0.1) == 2.0
