@@ -1,17 +1,20 @@
-"""PyTorch reads mlx-lm's affine-quantized checkpoints by dequantizing its range at load.
+"""PyTorch reads mlx-lm's affine-quantized checkpoints: packed (the default) or dequantized.
 
-PyTorch has no kernel for mlx-lm's packed layout, so the stage unpacks each packed weight of
-its range once, at load, into a dense tensor in the model's dtype and then runs the dense
-code path unchanged. The values are exactly those of `mx.dequantize` on the same tensors:
-MLX computes `scales * q` and then `+ biases`, each rounded to the model dtype (two
+Packed, each packed weight of the range becomes a `PackedWeight` (packed_linear.py): PyTorch's
+int4 kernels run the matmuls on the codes, and the embeddings are looked up from the stored
+bytes, so the range holds about the checkpoint's own bytes and decode reads them, not a dense
+copy. Its values are not bit-equal to MLX's (docs/exactness.md holds both to mlx-lm).
+
+Dequantized (`FLEET_QUANT=dense`, or a device whose int4 kernel refuses the dtype), the stage
+unpacks each packed weight once, at load, into a dense tensor in the model's dtype and runs
+the dense code path unchanged. The values are exactly those of `mx.dequantize` on the same
+tensors: MLX computes `scales * q` and then `+ biases`, each rounded to the model dtype (two
 roundings in bfloat16 and float16, not one fused multiply-add), and so does this. What
 differs from an MLX stage is the matmul: MLX's `quantized_matmul` forms each weight in
 float32 inside the kernel and never rounds it to the model dtype, so the two backends'
-logits are close, not equal (docs/exactness.md).
-
-Memory: the range is held dense in the model dtype, so a 4-bit bfloat16 checkpoint at group
-size 64 takes 3.6x its packed bytes here (16 bits a weight against 4 + 2 * 16 / 64), 8-bit
-1.9x; docs/exactness.md has the table.
+logits are close, not equal (docs/exactness.md). Memory: a 4-bit bfloat16 checkpoint at
+group size 64 takes 3.6x its packed bytes this way (16 bits a weight against 4 + 2 * 16 / 64),
+8-bit 1.9x; docs/quantized.md has the table.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.backends.pytorch.packed_linear import PackedWeight, pack_weight
 from engine.checkpoint.quantize import QuantConfig, QuantParams, unpack_bits
 
 
@@ -39,16 +43,21 @@ def dequantize(packed: Any, scales: torch.Tensor, biases: torch.Tensor,
 
 
 def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], quant: QuantConfig,
-                       dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """The named dense tensors of a quantized checkpoint, shape-checked, in `dtype`.
+                       dtype: torch.dtype, device: torch.device, *, packed: bool = False,
+                       lookups: dict[str, bool] | None = None,
+                       ) -> dict[str, torch.Tensor | PackedWeight]:
+    """The named tensors of a quantized checkpoint, shape-checked, in `dtype`.
 
-    A weight stored packed (or named by a per-path entry) is read as its three tensors and
-    dequantized; everything else is read as the dense path reads it. Which layers are packed
-    follows mlx-lm's loader (`QuantConfig.params`), and every shape is checked from the
-    safetensors headers before any data is read.
+    A weight stored packed (or named by a per-path entry) is read as its three tensors and,
+    with `packed`, kept packed (a PackedWeight), else dequantized; everything else is read as
+    the dense path reads it. `lookups`: weight name -> whether it is also a matmul's (a tied
+    head), for the weights looked up by row (the embeddings); every other packed weight is
+    packed for matmuls only. Which layers are packed follows mlx-lm's loader
+    (`QuantConfig.params`), and every shape is checked from the safetensors headers before
+    any data is read.
     """
     dense: list[str] = []
-    packed: dict[str, QuantParams] = {}  # weight name -> how it is packed
+    packing: dict[str, QuantParams] = {}  # weight name -> how it is packed
     for name, shape in shapes.items():
         layer = name.removesuffix(".weight")
         stored_packed = len(shape) == 2 and checkpoint.tensor_dtype(name) == "U32"
@@ -59,17 +68,23 @@ def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], quan
             continue
         for packed_name, packed_shape in params.packed_shapes(layer, *shape).items():
             checkpoint.check_shape(packed_name, packed_shape)
-        packed[name] = params
-    out = {n: t.to(dtype) for n, t in checkpoint.load_tensors(dense, "pt", str(device)).items()}
-    if not packed:
+        packing[name] = params
+    out: dict[str, torch.Tensor | PackedWeight] = {
+        n: t.to(dtype) for n, t in checkpoint.load_tensors(dense, "pt", str(device)).items()}
+    if not packing:
         return out
     # numpy reads the packed words (torch's uint32 lacks shifts on some devices); scales and
     # biases go through torch, which reads bfloat16.
-    words = checkpoint.load_tensors(list(packed), "numpy")
-    groups = checkpoint.load_tensors([n.removesuffix(".weight") + part for n in packed
+    words = checkpoint.load_tensors(list(packing), "numpy")
+    groups = checkpoint.load_tensors([n.removesuffix(".weight") + part for n in packing
                                       for part in (".scales", ".biases")], "pt", str(device))
-    for name, params in packed.items():
+    lookups = lookups or {}
+    for name, params in packing.items():
         layer = name.removesuffix(".weight")
-        out[name] = dequantize(words.pop(name), groups[layer + ".scales"].to(dtype),
-                               groups[layer + ".biases"].to(dtype), params)
+        scales, biases = groups[layer + ".scales"].to(dtype), groups[layer + ".biases"].to(dtype)
+        if packed:
+            out[name] = pack_weight(words.pop(name), scales, biases, params, device,
+                                    matmul=lookups.get(name, True), lookup=name in lookups)
+        else:
+            out[name] = dequantize(words.pop(name), scales, biases, params)
     return out

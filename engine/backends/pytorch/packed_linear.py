@@ -1,0 +1,239 @@
+"""mlx-lm's affine-quantized weights held packed on PyTorch: PyTorch's int4 matmul and a row lookup.
+
+mlx-lm stores a weight as codes q (`bits` wide) with `w = q * scale + bias` per group of
+`group_size` inputs (format: engine.checkpoint.quantize). PyTorch's int4 kernels
+(`_weight_int4pack_mm` on CUDA and MPS, `_weight_int4pack_mm_for_cpu` on the CPU) take
+codes 0..15 with a scale and a zero per group and compute `(q - 8) * scale + zero`, so an
+affine group maps onto them with `zero = bias + 8 * scale`, rounded once to the model dtype
+(the only rounding this adds to the weights; in float32 it is exact to 1 ulp). Codes of 2 or
+3 bits fit a nibble as they are; codes of 5 to 8 bits are split into a high and a low
+nibble, q = 16 * hi + lo, and run as two int4 passes whose outputs add up: the high pass
+with scale 16 * scale and zero 128 * scale (so it adds 16 * scale * hi and no bias), the
+low pass with the group's own scale and bias (powers of two: no rounding added). Neither
+pass ever forms the dense matrix.
+
+The kernels want the output width a multiple of 16 (CPU; CUDA asks 8), so a weight whose
+width is not is padded with zero rows and its output cut back. An embedding is looked up
+from the checkpoint's own bytes (gather the rows, then dequantize only those, as
+`mx.dequantize` does, bit for bit); a tied head keeps both forms.
+
+`PackedWeight` stands where a dense tensor stood in the family code: `F.linear(x, w, b)`
+and `F.embedding(ids, w)` reach it through `__torch_function__` (the protocol torchao's
+quantized tensors use), so the Llama and Qwen3.5 files keep one code path for both.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+import torch.nn.functional as F
+
+from engine.checkpoint.quantize import QuantConfig, QuantParams
+
+log = structlog.get_logger()
+
+NIBBLE = 4
+PAD_ROWS = 16  # output widths the CPU kernel takes (CUDA's 8 divides it)
+
+
+@dataclass(frozen=True)
+class Int4Pass:
+    """One int4 matmul: codes in PyTorch's packed layout with a scale and zero per group."""
+
+    packed: torch.Tensor  # the device's int4pack layout (opaque)
+    scales_and_zeros: torch.Tensor  # [in / group_size, padded out, 2], the model dtype
+
+
+class PackedWeight:
+    """A packed [out, in] weight: int4 passes for x @ w.T, the stored bytes for row lookups."""
+
+    def __init__(self, out_features: int, in_features: int, params: QuantParams,
+                 dtype: torch.dtype, passes: tuple[Int4Pass, ...] = (),
+                 rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.params = params
+        self.dtype = dtype
+        self.passes = passes  # empty: this weight is only looked up (an untied embedding)
+        self.rows = rows  # (bytes uint8 [out, in * bits / 8], scales, biases); None: matmul only
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        held = [t for p in self.passes for t in (p.packed, p.scales_and_zeros)]
+        held += list(self.rows or ())
+        return sum(t.nbytes for t in held)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out], as x @ w.T."""
+        if not self.passes:
+            raise TypeError("this packed weight holds rows for lookups only, not a matmul")
+        flat = x.reshape(-1, self.in_features)
+        out = None
+        for one in self.passes:
+            y = _int4_mm(flat, one, self.params.group_size)
+            out = y if out is None else out + y
+        if out.shape[-1] != self.out_features:  # padded rows cut back
+            out = out[:, :self.out_features].contiguous()
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows `ids` [n] -> [n, in]: only those rows are ever unpacked."""
+        if self.rows is None:
+            raise TypeError("this packed weight was packed for matmuls only, not lookups")
+        stored, scales, biases = self.rows
+        codes = unpack_codes(stored[ids], self.params.bits)  # [n, in] int64
+        groups = self.in_features // self.params.group_size
+        w = codes.to(self.dtype).view(-1, groups, self.params.group_size)
+        w = w * scales[ids][..., None]  # rounded to the dtype, as MLX rounds its multiply
+        w = w + biases[ids][..., None]  # then its add
+        return w.view(-1, self.in_features)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> torch.Tensor:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            out = weight.matmul(x)
+            return out if bias is None else out + bias
+        if func is F.embedding:
+            ids, weight = args[:2]
+            return weight.lookup(ids.reshape(-1)).view(*ids.shape, weight.in_features)
+        raise TypeError(f"a packed weight supports F.linear and F.embedding, not {func}")
+
+
+def _int4_mm(x: torch.Tensor, one: Int4Pass, group_size: int) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, one.packed, group_size,
+                                                          one.scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, one.packed, group_size, one.scales_and_zeros)
+
+
+def unpack_codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [rows, in * bits / 8] (mlx-lm's little-endian bit stream) -> codes int64 [rows, in].
+
+    Eight codes fill exactly `bits` bytes, so each run of `bits` bytes becomes one integer
+    and the codes are shifted out of it (as `engine.checkpoint.quantize.unpack_bits` does).
+    """
+    rows = stored.shape[0]
+    runs = stored.view(rows, -1, bits).to(torch.int64)  # [rows, in / 8, bits]
+    word = torch.zeros(runs.shape[:2], dtype=torch.int64, device=stored.device)
+    for byte in range(bits):
+        word |= runs[..., byte] << (8 * byte)
+    shifts = torch.arange(8, device=stored.device) * bits
+    # An 8-byte run sets the sign bit: the arithmetic shift smears it, the mask drops it.
+    codes = (word[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(rows, -1)
+
+
+def _pack_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, device: torch.device) -> Int4Pass:
+    """codes int32 [out, in] (0..15), scales and zeros [out, groups] -> one int4 pass."""
+    out_features, in_features = codes.shape
+    padded = -out_features % PAD_ROWS
+    if padded:  # zero rows (scale 0, zero 0) whose outputs are cut off again
+        codes = F.pad(codes, (0, 0, 0, padded))
+        scales, zeros = F.pad(scales, (0, 0, 0, padded)), F.pad(zeros, (0, 0, 0, padded))
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+    if device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    else:
+        # CUDA and MPS take two codes a byte, the even one in the high nibble, and tile K by
+        # inner_k_tiles * 16: the largest of 8, 4, 2 that divides the width.
+        pairs = ((codes[:, ::2] << NIBBLE) | codes[:, 1::2]).to(torch.uint8).to(device)
+        tiles = next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    return Int4Pass(packed.to(device), scales_and_zeros.to(device))
+
+
+def int4_passes(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                params: QuantParams, device: torch.device) -> tuple[Int4Pass, ...]:
+    """Affine codes [out, in] (any width up to 8 bits) with scales and biases [out, groups] in
+    the model dtype -> the int4 passes whose outputs add up to x @ w.T."""
+    codes = codes.to(torch.int32)
+    dtype = scales.dtype
+    # zero = bias + 8 * scale, formed in float32 and rounded once to the dtype.
+    low_zero = (biases.float() + 8 * scales.float()).to(dtype)
+    if params.bits <= NIBBLE:
+        return (_pack_pass(codes, scales, low_zero, params.group_size, device),)
+    high_scale = scales * 16  # a power of two: exact in every float dtype
+    low = _pack_pass(codes & 15, scales, low_zero, params.group_size, device)
+    high = _pack_pass(codes >> NIBBLE, high_scale, high_scale * 8, params.group_size, device)
+    return (low, high)
+
+
+def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: QuantParams,
+                device: torch.device, *, matmul: bool, lookup: bool) -> PackedWeight:
+    """mlx-lm's stored tensors (words: uint32 numpy [out, in * bits / 32]; scales and biases
+    [out, groups] in the model dtype, on `device`) -> a PackedWeight with the forms asked."""
+    stored = torch.from_numpy(np.array(words).view("u1")).to(device)  # [out, in * bits / 8]
+    out_features = stored.shape[0]
+    in_features = stored.shape[1] * 8 // params.bits
+    passes: tuple[Int4Pass, ...] = ()
+    if matmul:
+        codes = unpack_codes(stored.cpu(), params.bits)  # packing happens on the host
+        passes = int4_passes(codes, scales.cpu(), biases.cpu(), params, device)
+    rows = (stored, scales, biases) if lookup else None
+    return PackedWeight(out_features, in_features, params, scales.dtype, passes, rows)
+
+
+@functools.cache
+def kernel_refusal(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why the int4 kernel cannot serve this device and dtype (None: it can).
+
+    Tried once per process on a small weight against the dense product, so a device whose
+    PyTorch lacks the kernel, refuses the dtype (CUDA's takes bfloat16 only) or packs
+    differently falls back to dense with its reason named instead of answering wrong.
+    """
+    device = torch.device(device_type)
+    generator = torch.Generator().manual_seed(0)
+    params = QuantParams(32, NIBBLE)
+    codes = torch.randint(0, 16, (16, 64), generator=generator)
+    scales = (torch.rand(16, 2, generator=generator) * 0.01 + 0.001).to(dtype)
+    biases = (torch.randn(16, 2, generator=generator) * 0.05).to(dtype)
+    x = torch.randn(3, 64, generator=generator).to(dtype)
+    dense = (codes.to(dtype).view(16, 2, 32) * scales[..., None] + biases[..., None]).view(16, 64)
+    want = x.float() @ dense.float().T
+    try:
+        weight = PackedWeight(16, 64, params, dtype,
+                              int4_passes(codes, scales, biases, params, device))
+        got = weight.matmul(x.to(device)).float().cpu()
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"PyTorch's int4 kernel on {device_type} refused {dtype}: {exc}".splitlines()[0]
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    error = (got - want).abs().max().item()
+    if not error <= tolerance * max(1.0, want.abs().max().item()):
+        return (f"PyTorch's int4 kernel on {device_type} disagreed with the dense product "
+                f"by {error:.3g} for {dtype}")
+    return None
+
+
+def dense_cost(params: QuantParams, dtype: torch.dtype) -> float:
+    """How many times its packed bytes a weight takes once dequantized to `dtype`."""
+    dtype_bits = torch.finfo(dtype).bits
+    return dtype_bits / (params.bits + 2 * dtype_bits / params.group_size)
+
+
+def holds_packed(mode: str, device: torch.device, dtype: torch.dtype,
+                 quant: QuantConfig) -> bool:
+    """Whether a stage keeps its packed weights packed: asked (`FLEET_QUANT`, "packed" by
+    default) and the device's int4 kernel serves the dtype. A fallback is said once, at load,
+    with what it costs."""
+    if mode == "dense":
+        return False
+    refusal = kernel_refusal(device.type, dtype)
+    if refusal is None:
+        return True
+    log.warning("quantized weights held dense", reason=refusal,
+                cost=f"{dense_cost(quant.default, dtype):.1f}x the packed bytes in memory "
+                     "and read per token")
+    return False
