@@ -85,7 +85,10 @@ class Supervisor:
         self.secrets.keep_only(r.id for r in self.replicas.values()
                                if r.state in lc.RUNNING_STATES)
         self.measurer = Measurer(agents, settings.calibration_budget_s,
-                                 settings.measure_timeout_s, self._measured_one)
+                                 settings.measure_timeout_s, self._measured_one,
+                                 store=self.state, max_age_s=settings.measurement_max_age_s)
+        if self.measurer.reused:
+            self.event("measure", self.measurer.reused)
         adopted = [r.id for r in self.replicas.values() if r.state in lc.RUNNING_STATES]
         if adopted:
             self.event("adopt", f"re-adopting {', '.join(adopted)} after a restart")

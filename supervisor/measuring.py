@@ -1,9 +1,16 @@
 """The supervisor's measurements: calibrations and link probes asked of the agents, one task
-each, kept in memory (the agents cache calibrations, so a restarted supervisor gets them
-back at once), and handed to the pure decisions as a frozen `Measured`."""
+each, kept in memory and in the state (SQLite) with their age and the software they were
+measured with, and handed to the pure decisions as a frozen `Measured`.
+
+A restarted supervisor reuses what the state holds instead of measuring again; a
+measurement is taken again when it is older than `max_age_s` or when its node's backend
+versions (framework, its version, the engine's) are no longer those it was measured with
+(`why_measure_again`, pure).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -23,21 +30,105 @@ from supervisor.measurements import (
     timing_key,
 )
 from supervisor.membership import Member
-from supervisor.placement import LinkSnapshot
+from supervisor.placement import LayerTypeMs, LinkSnapshot
 from supervisor.planning import candidates
+from supervisor.state import State, StoredMeasurement
 
 log = structlog.get_logger()
 MEASURE_ERRORS = (AgentError, TimeoutError, ValueError, KeyError)
 
 
+CALIBRATION, PROBE = "calibration", "probe"
+
+
+def backend_versions(member: Member, backend: str) -> str:
+    """What a calibration of `backend` on `member` was measured with: the framework and its
+    version (and CUDA's) as the agent reports them, and the engine's version."""
+    facts = member.facts or {}
+    found = next((b for b in facts.get("backends", ()) if b.get("backend") == backend), {})
+    parts = [f"{found.get('framework', '?')} {found.get('version', '?')}"]
+    if found.get("cuda"):
+        parts.append(f"cuda {found['cuda']}")
+    parts.append(f"engine {facts.get('engine_version', '?')}")
+    return ", ".join(parts)
+
+
+def link_versions(a: Member, b: Member) -> str:
+    """A probe answers for the two agents' addresses: a node that moved has another link."""
+    return f"{a.url} {b.url}"
+
+
+def why_measure_again(measured_with: str, now_with: str, measured_at: float, now: float,
+                      max_age_s: float) -> str:
+    """Why a measurement kept from before must be taken again ("" when it still stands)."""
+    if now_with and measured_with != now_with:
+        return f"measured with {measured_with}, now {now_with}"
+    if now - measured_at > max_age_s:
+        return f"{now - measured_at:.0f} s old (more than {max_age_s:g} s)"
+    return ""
+
+
+def link_key(a: str, b: str) -> str:
+    return f"{a} -> {b}"
+
+
 class Measurer:
     def __init__(self, agents: AgentClient, budget_s: float, timeout_s: float,
-                 on_done: Callable[[str, str], None]) -> None:
+                 on_done: Callable[[str, str], None], store: State | None = None,
+                 max_age_s: float = float("inf")) -> None:
         self.agents, self.budget_s, self.timeout_s = agents, budget_s, timeout_s
-        self.on_done = on_done  # (failure message or "", node): after each measurement
+        self.on_done = on_done  # (what to record or "", node): after each measurement
+        self.store, self.max_age_s = store, max_age_s
         self.timings: dict[str, NodeTiming | str] = {}  # str: why there is none
         self.links: dict[tuple[str, str], LinkSnapshot | str] = {}
         self.running: dict[Any, tuple[str, ...]] = {}  # key -> the nodes it occupies
+        # key (timing key or link_key) -> (versions measured with, measured_at), measured only
+        self.provenance: dict[str, tuple[str, float]] = {}
+        self.again: dict[str, str] = {}  # key -> why it is being measured again
+        self.reused = self._load()
+
+    def _load(self) -> str:
+        """Read back what the state holds; the line that says what was reused."""
+        if self.store is None:
+            return ""
+        counts = {CALIBRATION: 0, PROBE: 0}
+        oldest = time.time()
+        for stored in self.store.measurements():
+            try:
+                if stored.kind == CALIBRATION:
+                    self.timings[stored.key] = stored_timing(stored.record)
+                else:
+                    a, _, b = stored.key.partition(" -> ")
+                    self.links[(a, b)] = LinkSnapshot(**stored.record)
+            except (TypeError, ValueError, KeyError):
+                continue  # a record from another version of this file: measured again
+            self.provenance[stored.key] = (stored.versions, stored.measured_at)
+            counts[stored.kind] = counts.get(stored.kind, 0) + 1
+            oldest = min(oldest, stored.measured_at)
+        if not any(counts.values()):
+            return ""
+        return (f"reusing {counts[CALIBRATION]} calibration(s) and {counts[PROBE]} link "
+                f"probe(s) kept in the state (the oldest {time.time() - oldest:.0f} s old); "
+                "each is measured again when stale or when its node's backend versions change")
+
+    def _again(self, key: str, versions: str) -> bool:
+        """Is the measurement under `key` one to take again now? (Says why, once.)"""
+        if key not in self.provenance:
+            return False
+        measured_with, measured_at = self.provenance[key]
+        why = why_measure_again(measured_with, versions, measured_at, time.time(),
+                                self.max_age_s)
+        if why:  # said in the event that the new measurement records
+            del self.provenance[key]
+            self.again[key] = why
+            log.info("measuring again", key=key, why=why)
+        return bool(why)
+
+    def _keep(self, key: str, kind: str, versions: str, record: dict[str, Any]) -> None:
+        now = time.time()
+        self.provenance[key] = (versions, now)
+        if self.store is not None:
+            self.store.put_measurement(StoredMeasurement(key, kind, versions, now, record))
 
     def snapshot(self) -> Measured:
         pending = frozenset(n for nodes in self.running.values() for n in nodes)
@@ -52,52 +143,82 @@ class Measurer:
             names = [m.node for m, _ in found]
             pairs |= {(a, b) for i, a in enumerate(names) for b in names[i + 1:]}
             missing = [(member, backend, key) for member, backend in found
-                       if (key := timing_key(spec, member.node, backend)) not in self.timings
-                       and key not in self.running]
+                       if (key := timing_key(spec, member.node, backend)) not in self.running
+                       and (key not in self.timings
+                            or self._again(key, backend_versions(member, backend)))]
             config = read_config(spec) if missing else ""
             if isinstance(config, str):
                 continue  # placement says why it has no shape
             for member, backend, key in missing:
                 self.running[key] = (member.node,)
                 body = calibration_body(config[0], spec, backend, self.budget_s)
-                spawn(self._calibrate(key, spec, member, body))
+                spawn(self._calibrate(key, spec, member, body,
+                                      backend_versions(member, backend)))
         for a, b in sorted(pairs):
-            if not ({(a, b), (b, a)} & (set(self.links) | set(self.running))):
+            if {(a, b), (b, a)} & set(self.running):
+                continue
+            versions = link_versions(members[a], members[b])
+            have = [pair for pair in ((a, b), (b, a)) if pair in self.links]
+            if not have or any(self._again(link_key(*pair), versions) for pair in have):
                 self.running[(a, b)] = (a, b)
-                spawn(self._probe(a, members[a].url, b, members[b].url))
+                spawn(self._probe(a, members[a].url, b, members[b].url, versions))
 
-    async def _calibrate(self, key: str, spec: ModelSpec, member: Member, body: dict) -> None:
-        failure = ""
+    async def _calibrate(self, key: str, spec: ModelSpec, member: Member, body: dict,
+                         versions: str) -> None:
         try:
             result = await calibrate(self.agents, member.node, member.url, body, self.timeout_s)
-            self.timings[key] = timing_from_result(result, spec)
-            log.info("calibrated", node=member.node, key=key, ms_per_layer=asdict(self.timings[key]))
+            timing = self.timings[key] = timing_from_result(result, spec)
+            self._keep(key, CALIBRATION, versions, asdict(timing))
+            done = (f"calibrated {member.node} for {spec.id} on {body['backend']} ({versions}):"
+                    f" {timing.decode_ms_per_layer:.3g} ms per layer for one row"
+                    + (f" (measured again: {self.again.pop(key)})" if key in self.again else ""))
         except MEASURE_ERRORS as exc:
             self.timings[key] = f"calibration failed: {exc}"
-            failure = f"{member.node}: calibration failed, placing with nominal numbers: {exc}"
+            done = f"{member.node}: calibration failed, placing with nominal numbers: {exc}"
         finally:
             self.running.pop(key, None)
-        self.on_done(failure, member.node)
+        self.on_done(done, member.node)
 
-    async def _probe(self, a: str, a_url: str, b: str, b_url: str) -> None:
-        failure = ""
+    async def _probe(self, a: str, a_url: str, b: str, b_url: str, versions: str) -> None:
         try:
-            self.links[(a, b)] = await probe(self.agents, a, a_url, b, b_url)
-            log.info("probed", node=a, peer=b, link=vars(self.links[(a, b)]))
+            link = self.links[(a, b)] = await probe(self.agents, a, a_url, b, b_url)
+            self.links.pop((b, a), None)  # measured again one way: the other's is older
+            self._keep(link_key(a, b), PROBE, versions, vars(link))
+            why = self.again.pop(link_key(a, b), "") or self.again.pop(link_key(b, a), "")
+            done = (f"probed {a} -> {b}: rtt {link.rtt_ms:.3g} ms, "
+                    f"{link.bandwidth_bytes_per_s / 1e6:.0f} MB/s"
+                    + (f" (measured again: {why})" if why else ""))
         except MEASURE_ERRORS as exc:
             self.links[(a, b)] = f"probe failed: {exc}"
-            failure = f"link {a} -> {b}: probe failed, placing with a nominal link: {exc}"
+            done = f"link {a} -> {b}: probe failed, placing with a nominal link: {exc}"
         finally:
             self.running.pop((a, b), None)
-        self.on_done(failure, a)
+        self.on_done(done, a)
 
     def forget_failures(self) -> None:
         self.timings = {k: v for k, v in self.timings.items() if not isinstance(v, str)}
         self.links = {k: v for k, v in self.links.items() if not isinstance(v, str)}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"calibrations": {k: v if isinstance(v, str) else asdict(v)
+        now = time.time()
+
+        def age(key: str) -> dict[str, Any]:
+            if key not in self.provenance:
+                return {}
+            versions, measured_at = self.provenance[key]
+            return {"age_s": round(now - measured_at, 1), "versions": versions}
+
+        return {"calibrations": {k: v if isinstance(v, str) else dict(asdict(v), **age(k))
                                  for k, v in self.timings.items()},
-                "links": {f"{a} -> {b}": v if isinstance(v, str) else vars(v)
+                "links": {link_key(a, b): v if isinstance(v, str)
+                          else dict(vars(v), **age(link_key(a, b)))
                           for (a, b), v in self.links.items()},
                 "running": sorted(map(str, self.running))}
+
+
+def stored_timing(record: Mapping[str, Any]) -> NodeTiming:
+    """A NodeTiming from its `asdict` form, as the state keeps it."""
+    return NodeTiming(float(record["decode_ms_per_layer"]),
+                      float(record["decode_batch_ms_per_layer"]),
+                      float(record["prefill_ms_per_layer"]),
+                      tuple(LayerTypeMs(**t) for t in record.get("by_type", ())))

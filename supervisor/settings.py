@@ -36,6 +36,9 @@ class SupervisorSettings:
     health_interval_s: float = 1.0
     calibration_budget_s: float = 30.0  # per node and model; 0: nominal timings, no probes
     measure_timeout_s: float = 300.0  # a calibration or probe not done by then counts as failed
+    # A calibration or probe kept in the state is reused until this old, or until its node's
+    # backend versions change (a new torch measures differently).
+    measurement_max_age_s: float = 7 * 86400.0
     engine_port_first: int = 29600  # ports the supervisor gives stages, on every node
     engine_port_last: int = 29999
 
@@ -46,7 +49,7 @@ class SupervisorSettings:
         if not 0 < self.engine_port_first < self.engine_port_last < 65536:
             raise SettingsError(f"engine ports {self.engine_port_first}..{self.engine_port_last}"
                                 ": expected 1 <= first < last <= 65535")
-        for name in ("tick_s", "health_interval_s"):
+        for name in ("tick_s", "health_interval_s", "measurement_max_age_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name}={getattr(self, name)!r}: must be positive")
 

@@ -2,8 +2,10 @@
 
 It keeps the desired state (the applied fleet.yaml's text), the members, every replica with
 its placement, join tokens (hashes only), the certificate pinned for each joined node (and
-those revoked) and an event log. The file, its WAL and the directory are its owner's only
-(0600, 0700): they name every node and replica. Writes are small and immediate
+those revoked), the calibrations and link probes measured (with their age and the software
+they were measured with, so a restart need not measure again) and an event log. The file,
+its WAL and the directory are its owner's only (0600, 0700): they name every node and
+replica. Writes are small and immediate
 (autocommit, WAL), so a supervisor that is killed and started again finds the replicas it
 was running and re-adopts them instead of restarting them.
 """
@@ -33,6 +35,9 @@ CREATE TABLE IF NOT EXISTS pins (
     node TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, pinned_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS revoked (
     fingerprint TEXT PRIMARY KEY, node TEXT NOT NULL, revoked_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS measurements (
+    key TEXT PRIMARY KEY, kind TEXT NOT NULL, versions TEXT NOT NULL,
+    measured_at REAL NOT NULL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL,
     node TEXT NOT NULL DEFAULT '', replica TEXT NOT NULL DEFAULT '', message TEXT NOT NULL);
@@ -48,6 +53,18 @@ class Desired:
     text: str
     source: str
     applied_at: float
+
+
+@dataclass(frozen=True)
+class StoredMeasurement:
+    """A calibration or a link probe as measured (`supervisor/measuring.py` reads it back):
+    `versions` is what it was measured with, so a change of software measures again."""
+
+    key: str  # a calibration's timing_key, or "NODE -> PEER" for a probe
+    kind: str  # "calibration" or "probe"
+    versions: str
+    measured_at: float
+    record: dict[str, Any]
 
 
 class State:
@@ -162,6 +179,19 @@ class State:
     def use_token(self, record: TokenRecord) -> None:
         """A join token is good for one join."""
         self.db.execute("DELETE FROM tokens WHERE secret_sha256 = ?", (record.secret_sha256,))
+
+    # measurements ------------------------------------------------------------------------
+    def measurements(self) -> list[StoredMeasurement]:
+        rows = self.db.execute(
+            "SELECT key, kind, versions, measured_at, record FROM measurements").fetchall()
+        return [StoredMeasurement(key, kind, versions, measured_at, json.loads(record))
+                for key, kind, versions, measured_at, record in rows]
+
+    def put_measurement(self, stored: StoredMeasurement) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO measurements (key, kind, versions, measured_at, record) "
+            "VALUES (?, ?, ?, ?, ?)", (stored.key, stored.kind, stored.versions,
+                                       stored.measured_at, json.dumps(stored.record)))
 
     # events ------------------------------------------------------------------------------
     def log_event(self, kind: str, message: str, *, node: str = "", replica: str = "",

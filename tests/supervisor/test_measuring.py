@@ -1,0 +1,113 @@
+"""Measurements kept in the state: read back by a new Measurer (a restarted supervisor)
+and reused, measured again when stale or when the node's backend versions change."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint.maker import PRESETS, config_json
+from supervisor.fleet_config import parse_fleet_config
+from supervisor.measurements import NodeTiming, timing_key
+from supervisor.measuring import (
+    CALIBRATION,
+    PROBE,
+    Measurer,
+    backend_versions,
+    link_versions,
+    why_measure_again,
+)
+from supervisor.membership import ALIVE, Member
+from supervisor.placement import LayerTypeMs, LinkSnapshot
+from supervisor.state import State, StoredMeasurement
+
+
+def test_why_measure_again():
+    assert why_measure_again("torch 2.5", "torch 2.5", 100.0, 150.0, 60.0) == ""
+    assert why_measure_again("torch 2.5", "torch 2.6", 100.0, 101.0, 60.0) == \
+        "measured with torch 2.5, now torch 2.6"
+    assert why_measure_again("torch 2.5", "torch 2.5", 100.0, 161.0, 60.0) == \
+        "61 s old (more than 60 s)"
+    assert why_measure_again("torch 2.5", "", 100.0, 101.0, 60.0) == ""  # facts not in yet
+
+
+def member(name: str, torch_version: str = "2.5.0") -> Member:
+    facts = {"engine_version": "0.3", "backends": [
+        {"backend": "torch-cpu", "framework": "torch", "version": torch_version,
+         "present": True, "devices": [{"memory_usable_bytes": 8 << 30}]}]}
+    return Member(name, f"https://127.0.0.1:{7700 + ord(name)}", ALIVE, 0.0, 0.0, facts, "d")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config_json(PRESETS["demo"])))
+    return parse_fleet_config(f"""
+version: 1
+supervisor: {{address: "127.0.0.1:7400", state_dir: {tmp_path}}}
+nodes: [{{name: a}}, {{name: b}}]
+models:
+  - {{id: m, checkpoint: {tmp_path / "m"}, backends: [torch-cpu], context: 256}}
+""")
+
+
+def started(measurer: Measurer, fleet, members) -> list[str]:
+    """What `start_missing` sets running (the coroutines are closed, not run)."""
+    before = set(measurer.running)
+    measurer.start_missing(fleet, members, lambda coro: coro.close())
+    return sorted(map(str, set(measurer.running) - before))
+
+
+def test_a_new_measurer_reuses_what_the_state_keeps(tmp_path: Path, fleet):
+    spec = fleet.model("m")
+    members = {"a": member("a"), "b": member("b")}
+    key = timing_key(spec, "a", "torch-cpu")
+    timing = NodeTiming(1.0, 2.0, 30.0, (LayerTypeMs("full_attention", 1.0, 2.0, 30.0),))
+    state = State(tmp_path / "s" / "supervisor.sqlite")
+    now = time.time()
+    state.put_measurement(StoredMeasurement(key, CALIBRATION,
+                                            backend_versions(members["a"], "torch-cpu"), now,
+                                            asdict(timing)))
+    state.put_measurement(StoredMeasurement(timing_key(spec, "b", "torch-cpu"), CALIBRATION,
+                                            backend_versions(members["b"], "torch-cpu"), now,
+                                            asdict(NodeTiming(1.5, 2.5, 35.0))))
+    state.put_measurement(StoredMeasurement(
+        "a -> b", PROBE, link_versions(members["a"], members["b"]), now,
+        vars(LinkSnapshot("b", 0.3, 1e9))))
+    state.close()
+
+    state = State(tmp_path / "s" / "supervisor.sqlite")  # as a restarted supervisor opens it
+    measurer = Measurer(None, 5.0, 60.0, lambda *_: None, store=state,  # type: ignore[arg-type]
+                        max_age_s=3600.0)
+    assert measurer.timings[key] == timing
+    assert measurer.snapshot().link("b", "a") == LinkSnapshot("a", 0.3, 1e9)
+    assert measurer.reused.startswith("reusing 2 calibration(s) and 1 link probe(s)")
+    assert started(measurer, fleet, members) == []  # nothing is measured again
+    shown = measurer.to_dict()["calibrations"][key]
+    assert shown["versions"] == "torch 2.5.0, engine 0.3" and shown["age_s"] >= 0
+
+    upgraded = dict(members, a=member("a", torch_version="2.6.0"))
+    assert started(measurer, fleet, upgraded) == [key]  # a's torch changed: a only
+    assert measurer.again[key] == ("measured with torch 2.5.0, engine 0.3, now torch 2.6.0, "
+                                   "engine 0.3")
+    assert measurer.timings[key] == timing  # placement keeps the old numbers meanwhile
+
+    stale = Measurer(None, 5.0, 60.0, lambda *_: None, store=state,  # type: ignore[arg-type]
+                     max_age_s=1e-9)
+    assert started(stale, fleet, members) == sorted(
+        [str(("a", "b")), key, timing_key(spec, "b", "torch-cpu")])
+
+
+def test_a_record_the_code_cannot_read_is_measured_again(tmp_path: Path, fleet):
+    spec = fleet.model("m")
+    state = State(tmp_path / "supervisor.sqlite")
+    key = timing_key(spec, "a", "torch-cpu")
+    state.put_measurement(StoredMeasurement(key, CALIBRATION, "x", 0.0, {"decode": 1}))
+    measurer = Measurer(None, 5.0, 60.0, lambda *_: None, store=state)  # type: ignore[arg-type]
+    assert key not in measurer.timings and measurer.reused == ""
+    members = {"a": member("a")}
+    assert started(measurer, fleet, members) == [key]
