@@ -60,6 +60,10 @@ class AgentConfig:
     engine_command: tuple[str, ...] = (sys.executable, "-m", "engine.main")
     engine_log_max_bytes: int = 16 << 20
     engine_log_backups: int = 3
+    # Logs of engines that exited: those of the newest `engine_logs_keep` engines are kept,
+    # none older than `engine_logs_max_age_s` (pruned whenever an engine starts).
+    engine_logs_keep: int = 20
+    engine_logs_max_age_s: float = 14 * 86400.0
     # Ports the stages and the link probe use (inclusive range).
     stage_port_first: int = 29500
     stage_port_last: int = 29599
@@ -92,7 +96,8 @@ class AgentConfig:
             raise ConfigError(f"stage ports {self.stage_port_first}..{self.stage_port_last}: "
                               "expected 1 <= first <= last <= 65535")
         for name in ("heartbeat_interval_s", "facts_refresh_s", "drain_s", "term_grace_s",
-                     "kill_grace_s", "ready_timeout_s", "probe_max_s", "calibration_budget_s"):
+                     "kill_grace_s", "ready_timeout_s", "probe_max_s", "calibration_budget_s",
+                     "engine_logs_keep", "engine_logs_max_age_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be positive")
         if not self.engine_command:

@@ -27,9 +27,11 @@ from agent.pki import private_dir, write_private
 from agent.spawn import (
     ENGINE_ID,
     EngineSpec,
+    LogFile,
     SpawnRefused,
     check_spawn,
     child_environment,
+    engine_logs_to_prune,
     port_in_use,
     read_checkpoint_info,
 )
@@ -276,6 +278,18 @@ class EngineManager:
         return RotatingLog(self.config.logs_dir / f"engine-{engine_id}.log",
                            self.config.engine_log_max_bytes, self.config.engine_log_backups)
 
+    def _prune_logs(self, running: frozenset[str]) -> None:
+        """Delete the logs of old engines (agent.spawn.engine_logs_to_prune decides which)."""
+        try:
+            files = [LogFile(p.name, p.stat().st_mtime)
+                     for p in self.config.logs_dir.glob("engine-*.log*")]
+        except OSError:
+            return
+        for name in engine_logs_to_prune(files, running, self.config.engine_logs_keep,
+                                         self.config.engine_logs_max_age_s, time.time()):
+            (self.config.logs_dir / name).unlink(missing_ok=True)
+            self.log.info("old engine log pruned", file=name)
+
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -346,6 +360,8 @@ class EngineManager:
         for name, host, port in spec.bound_ports():
             if port_in_use(host, port):
                 raise SpawnRefused(name, f"{host}:{port} is in use by another process", 409)
+        self._prune_logs(frozenset(e.record.spec.engine_id for e in self.engines.values()
+                                   if e.state != EnginePhase.EXITED) | {spec.engine_id})
         log_file = self._log_file(spec.engine_id)
         argv = list(self.config.engine_command)
         try:

@@ -1,5 +1,6 @@
-"""A spawn request: one stage's environment contract, and the pure checks that refuse a
-request that cannot work (naming the field to fix) before any process starts."""
+"""A spawn request: one stage's environment contract, the pure checks that refuse a
+request that cannot work (naming the field to fix) before any process starts, and which old
+engine logs a spawn prunes."""
 
 from __future__ import annotations
 
@@ -209,6 +210,38 @@ def check_spawn(spec: EngineSpec, info: CheckpointInfo, backends_present: frozen
         if (host, port) in taken:
             raise SpawnRefused(name, f"{host}:{port} is already used by engine "
                                f"{taken[(host, port)]}", 409)
+
+
+ENGINE_LOG = re.compile(r"^engine-(?P<engine_id>[A-Za-z0-9][A-Za-z0-9_.-]{0,95})\.log(\.\d+)?$")
+
+
+@dataclass(frozen=True)
+class LogFile:
+    """One file of an engine's log (the live file or a rotated copy) as found on disk."""
+
+    name: str
+    modified_at: float
+
+
+def engine_logs_to_prune(files: list[LogFile], running: frozenset[str], keep: int,
+                         max_age_s: float, now: float) -> list[str]:
+    """The engine log files to delete: every file (live and rotated) of each engine that is
+    not running and either is not among the `keep` engines logged to most recently or was
+    last written more than `max_age_s` ago. The count bounds a crash loop's logs, the age a
+    quiet fleet's. Pure: the agent lists the directory and deletes."""
+    last: dict[str, float] = {}
+    names: dict[str, list[str]] = {}
+    for f in files:
+        found = ENGINE_LOG.match(f.name)
+        if found is None:
+            continue
+        engine_id = found["engine_id"]
+        last[engine_id] = max(last.get(engine_id, 0.0), f.modified_at)
+        names.setdefault(engine_id, []).append(f.name)
+    newest_first = sorted(last, key=lambda e: (-last[e], e))
+    kept = {e for e in newest_first[:keep] if now - last[e] <= max_age_s} | running
+    return sorted(name for engine_id in newest_first if engine_id not in kept
+                  for name in names[engine_id])
 
 
 def port_in_use(host: str, port: int) -> bool:
