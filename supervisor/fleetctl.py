@@ -3,15 +3,19 @@ revoke).
 
 It talks to the supervisor over mutual TLS with its own `admin` certificate, which
 `fleetctl init` writes (with the CA and the supervisor's URL) to its credentials directory:
-`--credentials DIR`, else $FLEETCTL_DIR, else ~/.config/ringfleet/fleetctl.
+`--credentials DIR`, else $FLEETCTL_DIR, else one directory per fleet under
+~/.config/ringfleet/fleetctl/fleets/ (see `credentials_dir`), so that two fleets on one
+machine keep their certificates apart.
 Exit codes: 0 done, 1 the supervisor refused, 2 bad input here, 3 supervisor unreachable.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import re
 import ssl
 import sys
 import time
@@ -35,6 +39,9 @@ STATE_STYLE = {"serving": "green", "alive": "green", "warming": "cyan", "startin
                "failed": "red", "dead": "red", "left": "dim", "stopped": "dim"}
 
 
+POLL_S = 0.5  # apply's wait for the measurements its placement needs
+
+
 class CtlError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
@@ -42,7 +49,41 @@ class CtlError(Exception):
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get("FLEETCTL_DIR") or Path.home() / ".config/ringfleet/fleetctl")
+    """Where every fleet's credentials live (the old single-fleet location is this itself)."""
+    return Path.home() / ".config/ringfleet/fleetctl"
+
+
+def fleet_name(address: str) -> str:
+    """A fleet's default name: its supervisor's HOST:PORT as a file name ("10.0.0.5_7400")."""
+    from urllib.parse import urlsplit
+
+    netloc = urlsplit(address).netloc if "//" in address else address
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", netloc.strip("/")).strip("_")
+    if not name:
+        raise CtlError(f"{address!r}: expected HOST:PORT or https://HOST:PORT", 2)
+    return name
+
+
+def credentials_dir(base: Path, *, fleet: str | None, supervisor: str | None,
+                    init_address: str | None = None) -> Path:
+    """The credentials directory of the fleet asked for, under `base`: `base/fleets/NAME`,
+    NAME being `--fleet`, else `init`'s address or `--supervisor`'s HOST:PORT; with none of
+    them, the one fleet there is. `base` itself (where fleetctl kept one fleet's credentials
+    before fleets were kept apart) is read when no fleet directory answers."""
+    fleets = base / "fleets"
+    if fleet or init_address:
+        return fleets / fleet_name(fleet or init_address or "")
+    old = NodeCredentials(base).exist()
+    if supervisor:
+        found = fleets / fleet_name(supervisor)
+        return base if old and not found.is_dir() else found
+    known = sorted(p.name for p in fleets.iterdir() if p.is_dir()) if fleets.is_dir() else []
+    if len(known) == 1:
+        return fleets / known[0]
+    if len(known) > 1:
+        raise CtlError(f"credentials for several fleets in {fleets} ({', '.join(known)}): "
+                       "pass --fleet NAME or --supervisor URL", 2)
+    return base  # the old location, or nothing yet: Client says to run `fleetctl init`
 
 
 class Client:
@@ -122,7 +163,9 @@ def show_status(data: dict[str, Any]) -> None:
     for r in (r for r in data["replicas"] if r not in ended):
         health = "healthy" if r["healthy"] else "not answering"
         title = (f"replica {r['id']} ({r['model_id']}): {styled(r['state'])}"
-                 + (f", {health}" if r["state"] in ("warming", "serving") else ""))
+                 + (f", {health}" if r["state"] in ("warming", "serving") else "")
+                 + (f" ({d['in_flight']} in flight, {d['seconds_left']} s left)"
+                    if (d := r.get("drain")) else ""))
         if not r["stages"]:
             out.print(title + (f": {r['reason']}" if r["reason"] else ""))
             continue
@@ -130,7 +173,8 @@ def show_status(data: dict[str, Any]) -> None:
                       caption=(f"rank 0: {r['url'] or '-'} (behind the front door: it needs the "
                                f"replica's secret); placement {r['placement_id'] or '-'}"
                                + (f"\n{r['reason']}" if r["reason"] else "")
-                               + (f"\n{r['note']}" if r.get("note") else "")),
+                               + (f"\n{r['note']}" if r.get("note") else "")
+                               + (f"\n{line}" if (line := speed_line(r.get("speed"))) else "")),
                       caption_justify="left")
         for col in ("rank", "node", "backend", "layers", "engine", "listen"):
             table.add_column(col)
@@ -198,12 +242,72 @@ def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
             out.print("no change")
         for plan in data.get("plans", []):
             if "error" in plan:
-                err.print(f"{plan['model']}: {plan['error']}", markup=False)
+                error = plan["error"]  # the supervisor's errors name the model already
+                named = error.startswith(f"{plan['model']}:")
+                err.print(error if named else f"{plan['model']}: {error}", markup=False)
             else:
+                if args.command == "apply" and is_provisional(plan["placement"]):
+                    out.print("[yellow]provisional[/]: placed on nominal numbers while the "
+                              "nodes are measured; the supervisor places again once the "
+                              "measurements land")
                 out.print(render_plan(plan["placement"]))
         if args.command == "apply" and data.get("changes"):
             out.print("applied" if data.get("applied") else "not applied (dry run)")
     return 1 if args.command == "plan" and refused else 0
+
+
+def is_provisional(placement: dict[str, Any]) -> bool:
+    """Was the placement searched with a nominal input (a node not calibrated, a link not
+    probed)? Then the one that runs may differ (planning.py names every nominal input)."""
+    return any(line.startswith(("not calibrated", "not probed")) for line in placement["why"])
+
+
+def speed_line(speed: dict[str, Any] | None) -> str:
+    """A replica's predicted and measured decode ms per token, for `status`."""
+    if not speed:
+        return ""
+    parts = []
+    if "predicted_ms_per_token" in speed:
+        parts.append(f"predicted {speed['predicted_ms_per_token']:.2f} alone, "
+                     f"{speed['predicted_ms_per_token_parallel']:.2f} at {speed['parallel']} "
+                     "streams" + (" (on nominal inputs)" if speed.get("nominal") else ""))
+    elif speed.get("no_prediction"):
+        parts.append(f"no prediction: {speed['no_prediction']}")
+    for rows, seen in speed.get("measured", {}).items():
+        error = (f", {seen['error_pct']:+.1f} % off" if "error_pct" in seen else "")
+        parts.append(f"measured {seen['ms_per_token']:.2f} at {rows} stream(s) "
+                     f"({seen['rounds']} rounds{error})")
+    if not speed.get("measured"):
+        parts.append("measured: no decode rounds yet")
+    return "decode ms/token: " + "; ".join(parts)
+
+
+def wait_for_measurements(client: Client, wait_s: float) -> bool:
+    """Poll `status` until no calibration or link probe is under way, at most `wait_s`, with
+    progress on stderr. True when none is left."""
+    deadline = time.monotonic() + wait_s
+    last = ""
+    while True:
+        running = client.call("GET", "/v1/status").get("measured", {}).get("running", [])
+        if not running:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        line = f"measuring: {', '.join(running)}"
+        if line != last:
+            err.print(f"{time.strftime('%H:%M:%S')} {line}", markup=False)
+            last = line
+        time.sleep(POLL_S)
+
+
+def final_plans(client: Client, body: dict[str, Any], models: list[str],
+                wait_s: float) -> tuple[list[dict[str, Any]], bool]:
+    """The placements that will run: once the measurements are in, the supervisor's plan of
+    the applied file is what its loop places (the same pure search over the same inputs).
+    Also whether every measurement landed within `wait_s`."""
+    measured = wait_for_measurements(client, wait_s)
+    plans = client.call("POST", "/v1/plan", {"text": body["text"], "source": body["source"]})
+    return [p for p in plans["plans"] if p["model"] in models], measured
 
 
 def ttl_seconds(text: str) -> float:
@@ -217,41 +321,78 @@ def ttl_seconds(text: str) -> float:
                                          "days") from exc
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_common_options(parser: argparse.ArgumentParser, *, before_command: bool) -> None:
+    """The options every command takes, before or after its name. After it they default to
+    "not given" (argparse.SUPPRESS), so that they never undo the same option given before."""
+    unset: dict[str, Any] = {} if before_command else {"default": argparse.SUPPRESS}
+    parser.add_argument("--credentials", type=Path, help="fleetctl's PKI directory for "
+                        "one fleet (default: $FLEETCTL_DIR, else the fleet's own under "
+                        "~/.config/ringfleet/fleetctl/fleets/)", **({"default": None} | unset))
+    parser.add_argument("--fleet", help="which fleet's credentials: the name or HOST:PORT "
+                        "given to `init` (default: $FLEETCTL_FLEET, else --supervisor's "
+                        "HOST:PORT, else the only fleet)", **({"default": None} | unset))
+    parser.add_argument("--supervisor", help="https://HOST:PORT (default: from `fleetctl "
+                        "init`)", **({"default": None} | unset))
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables",
+                        **unset)
+
+
+def choose_credentials(args: argparse.Namespace) -> Path:
+    if args.credentials is not None:
+        return args.credentials
+    if os.environ.get("FLEETCTL_DIR"):
+        return Path(os.environ["FLEETCTL_DIR"])
+    return credentials_dir(default_dir(), fleet=args.fleet or os.environ.get("FLEETCTL_FLEET"),
+                           supervisor=args.supervisor,
+                           init_address=args.address if args.command == "init" else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fleetctl", description=__doc__.split("\n")[0])
-    p.add_argument("--credentials", type=Path, default=None, help="fleetctl's PKI directory")
-    p.add_argument("--supervisor", help="https://HOST:PORT (default: from `fleetctl init`)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_common_options(p, before_command=True)
     sub = p.add_subparsers(dest="command", required=True)
-    init = sub.add_parser("init", help="make the fleet CA and the first certificates")
+    # Every command takes the common options after its name too: `fleetctl status --json`.
+    common = argparse.ArgumentParser(add_help=False)
+    add_common_options(common, before_command=False)
+    command = functools.partial(sub.add_parser, parents=[common])
+    init = command("init", help="make the fleet CA and the first certificates")
     init.add_argument("--state-dir", type=Path, required=True, help="the supervisor's")
     init.add_argument("--address", required=True, help="HOST:PORT agents and fleetctl reach")
     init.add_argument("--force", action="store_true")
-    token = sub.add_parser("token", help="a one-time join token for `fleet-agent join`")
+    token = command("token", help="a one-time join token for `fleet-agent join`")
     token.add_argument("--node", required=True,
                        help="the node name it joins as (a token is bound to one node)")
     token.add_argument("--ttl-s", type=ttl_seconds, default=3600.0,
                        help="seconds it stays good (at most 30 days)")
     for name, what in (("apply", "make the fleet look like FILE"),
                        ("plan", "show the placement FILE would get (changes nothing)")):
-        cmd = sub.add_parser(name, help=what)
+        cmd = command(name, help=what)
         cmd.add_argument("file", type=Path)
         if name == "apply":
             cmd.add_argument("--dry-run", action="store_true")
+            cmd.add_argument("--wait-s", type=float, default=300.0,
+                             help="when the placement shown is provisional (nodes not yet "
+                                  "measured), wait this long for the measurements and show "
+                                  "the placement that runs (default 300)")
+            cmd.add_argument("--no-wait", action="store_true",
+                             help="return at once: the placement shown may be provisional")
             cmd.add_argument("--force", action="store_true",
                              help="apply even if a model fits nowhere now")
-    sub.add_parser("status", help="nodes, replicas, placements, health")
-    drain = sub.add_parser("drain", help="move every replica off NODE (drains first)")
+    command("status", help="nodes, replicas, placements, health")
+    drain = command("drain", help="move every replica off NODE (drains first)")
     drain.add_argument("node")
     drain.add_argument("--undo", action="store_true", help="let NODE take stages again")
-    sub.add_parser("rebalance", help="re-place replicas whose best placement changed")
-    revoke = sub.add_parser("revoke", help="forget NODE and refuse its certificate, so the "
+    command("rebalance", help="re-place replicas whose best placement changed")
+    revoke = command("revoke", help="forget NODE and refuse its certificate, so the "
                             "name can join again")
     revoke.add_argument("node")
-    args = p.parse_args(argv)
-    credentials = args.credentials or default_dir()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        return run(args, credentials)
+        return run(args, choose_credentials(args))
     except FleetConfigError as exc:
         err.print(f"fleetctl: {exc}", markup=False)
         return 2
@@ -287,7 +428,31 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
         body = {"text": text, "source": str(args.file)}
         if args.command == "apply":
             body.update(dry_run=args.dry_run, force=args.force)
-        return show_apply(args, client.call("POST", f"/v1/{args.command}", body))
+        if args.command == "plan" or args.dry_run:
+            return show_apply(args, client.call("POST", f"/v1/{args.command}", body))
+        data = client.call("POST", "/v1/apply", body)
+        provisional = [p["model"] for p in data.get("plans", [])
+                       if "placement" in p and is_provisional(p["placement"])]
+        wait = data.get("applied") and provisional and not args.no_wait
+        if args.json:
+            if wait:
+                data["final_plans"], data["measured"] = final_plans(client, body, provisional,
+                                                                    args.wait_s)
+            return show_apply(args, data)
+        code = show_apply(args, data)
+        if wait:
+            plans, measured = final_plans(client, body, provisional, args.wait_s)
+            out.print("the placement that runs, on the measured numbers:" if measured else
+                      f"still measuring after {args.wait_s:g} s: the placement below may "
+                      "change again; `fleetctl status` shows the one that runs")
+            for plan in plans:
+                if "error" in plan:
+                    err.print(plan["error"], markup=False)
+                else:
+                    out.print(render_plan(plan["placement"]))
+        elif provisional and data.get("applied"):
+            out.print("not waited for: `fleetctl status` shows the placement that runs")
+        return code
     elif args.command == "status":
         data = client.call("GET", "/v1/status")
         if args.json:

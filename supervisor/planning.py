@@ -45,9 +45,14 @@ def spec_digest(spec: ModelSpec) -> str:
 
 
 def node_backend(spec: ModelSpec, member: Member, config: FleetConfig) -> str | None:
-    """The node's `backend` label when the model allows it, else the model's first backend
-    the node has."""
+    """The backend an explicit stage on the node names, when the node has it; else the
+    node's `backend` label when the model allows it; else the model's first backend the
+    node has. An explicit stage's `backend:` needs no label to agree with it."""
     present = member.present_backends()
+    explicit = next((s.backend for s in spec.placement if s.node == member.node and s.backend),
+                    None)
+    if explicit and explicit in present:
+        return explicit
     node = config.node(member.node)
     label = dict(node.labels).get("backend") if node else None
     if label and label in spec.backends and label in present:
