@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
-from agent.config import AgentConfig, ConfigError, default_config_path
+from agent.config import AgentConfig, ConfigError, default_config_path, write_settings
 from engine.addresses import AddressError, parse_host_port
 
 
@@ -29,18 +30,44 @@ def _config(args: argparse.Namespace, *, must_exist: bool = True) -> AgentConfig
     return AgentConfig.load(path if explicit or path.is_file() else None, **overrides)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from agent.app import AgentAlreadyRunning, serve
-    from agent.pki import NodeCredentials, PkiError
-    from engine.logs import configure_logging
+# The agent cannot serve until an operator acts (join, a supervisor URL): a restart would
+# fail the same way, so service managers are told not to retry on this status (sysexits'
+# EX_CONFIG; the systemd unit's RestartPreventExitStatus, launchd's run passes 0 instead).
+EXIT_NOT_JOINED = 78
 
-    config = _config(args)
-    configure_logging(config.log_level, node=config.node)
+
+def why_not_ready(config: AgentConfig, config_path: Path | None, *, standalone: bool) -> str:
+    """One line saying what the operator must do before this agent can serve; '' if nothing."""
+    from agent.pki import NodeCredentials, PkiError
+
     try:
         NodeCredentials(config.pki_dir).check()
     except PkiError as exc:
-        print(f"fleet-agent: {exc}", file=sys.stderr)
-        return 2
+        return str(exc)
+    if not config.supervisor_url and not standalone:
+        where = f"in {config_path}" if config_path else "(no config file)"
+        return (f"no supervisor_url {where}: `fleet-agent join https://SUPERVISOR:PORT ...` "
+                "records it (or pass --supervisor; --standalone serves without heartbeats)")
+    return ""
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.app import AgentAlreadyRunning, serve
+    from agent.rotating_stream import send_output_to
+    from engine.logs import configure_logging
+
+    config = _config(args)
+    if args.log_file is not None:
+        config = config.with_overrides(log_file=args.log_file)
+    config_path = Path(args.config) if args.config else default_config_path()
+    reason = why_not_ready(config, config_path if config_path.is_file() else None,
+                           standalone=args.standalone)
+    if reason:
+        print(f"fleet-agent: not ready to serve: {reason}", file=sys.stderr)
+        return args.not_joined_exit_code
+    if config.log_file:  # from here on, everything this process writes goes there
+        send_output_to(Path(config.log_file), config.log_max_bytes, config.log_backups)
+    configure_logging(config.log_level, node=config.node)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -83,7 +110,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     from agent.join import join
     from agent.pki import NodeCredentials, PkiError, private_dir
 
-    config = _config(args)
+    config = _config(args, must_exist=False)  # join writes it
+    config_path = Path(args.config) if args.config else default_config_path()
     token = read_token(args)
     private_dir(config.state_dir)
     hosts = tuple(args.host or ()) + (config.listen_host,)
@@ -93,8 +121,24 @@ def cmd_join(args: argparse.Namespace) -> int:
     except PkiError as exc:
         print(f"fleet-agent join: {exc}", file=sys.stderr)
         return 2
+    # What `run` (and the service) needs to reach this fleet: recorded, not left to flags.
+    joined = write_settings(config_path, **recorded_settings(args, config),
+                            supervisor_url=args.url.rstrip("/"))
     print(f"joined as {who.node} (role {who.role}); certificate in {config.pki_dir}")
+    print(f"recorded in {config_path}: supervisor_url {joined.supervisor_url}, "
+          f"listen {joined.listen_host}:{joined.listen_port}, state_dir {joined.state_dir}")
     return 0
+
+
+def recorded_settings(args: argparse.Namespace, config: AgentConfig) -> dict[str, Any]:
+    """The settings a command was given on its command line, as the config file spells them
+    (node and state_dir always: a service must find the same certificate join stored)."""
+    out: dict[str, Any] = {"node": config.node, "state_dir": str(config.state_dir)}
+    if getattr(args, "listen", None):
+        out.update(listen_host=config.listen_host, listen_port=config.listen_port)
+    if getattr(args, "supervisor", None):
+        out["supervisor_url"] = config.supervisor_url
+    return out
 
 
 def _gib(n: int | None) -> str:
@@ -195,14 +239,25 @@ def cmd_service(args: argparse.Namespace) -> int:
         plan_uninstall,
     )
 
-    config = _config(args, must_exist=False)  # install-service writes it when missing
     config_path = Path(args.config) if args.config else default_config_path()
     system = args.system if args.system is not None else (
         os.geteuid() == 0 and sys.platform != "darwin")
+    unit_dir = Path(args.unit_dir) if args.unit_dir else None
     try:
         if args.command == "install-service":
+            config = _config(args, must_exist=False)  # install-service writes it when missing
+            settings = recorded_settings(args, config)
+            raw = _file_settings(config_path) or config.to_dict()  # a new file shows every key
+            raw.update(settings)
+            config = AgentConfig.from_dict(raw, str(config_path))
+            import yaml
+
             plan = plan_install(sys.platform, config, config_path, system=system,
-                                uid=os.getuid(), home=Path.home(), command=agent_command())
+                                uid=os.getuid(), home=Path.home(), command=agent_command(),
+                                config_yaml=yaml.safe_dump(raw, sort_keys=True).encode(),
+                                run_as=args.run_as or _daemon_user(sys.platform, system),
+                                unit_dir=unit_dir,
+                                not_ready=why_not_ready(config, config_path, standalone=False))
         else:
             plan = plan_uninstall(sys.platform, system=system, uid=os.getuid(),
                                   home=Path.home())
@@ -211,6 +266,30 @@ def cmd_service(args: argparse.Namespace) -> int:
         print(f"fleet-agent {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _file_settings(path: Path) -> dict[str, Any]:
+    """The settings the config file at `path` holds ({} when there is none)."""
+    import yaml
+
+    if not path.is_file():
+        return {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top")
+    return raw
+
+
+def _daemon_user(platform: str, system: bool) -> str | None:
+    """A macOS LaunchDaemon runs as the user who ran sudo, never as root by default."""
+    if platform != "darwin" or not system:
+        return None
+    import pwd
+
+    return os.environ.get("SUDO_USER") or pwd.getpwuid(os.getuid()).pw_name
 
 
 def parser() -> argparse.ArgumentParser:
@@ -223,7 +302,15 @@ def parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", parents=[common], help="serve the agent (mutual TLS)")
     run.add_argument("--listen", help="API address host:port (default 127.0.0.1:7700)")
-    run.add_argument("--supervisor", help="supervisor URL for heartbeats")
+    run.add_argument("--supervisor", help="supervisor URL for heartbeats (join records it)")
+    run.add_argument("--standalone", action="store_true",
+                     help="serve without a supervisor (no heartbeats): a bench, a test")
+    run.add_argument("--log-file", help="write the agent's log to this file, rotated by the "
+                     "agent (default: log_file in the config, else standard error)")
+    run.add_argument("--not-joined-exit-code", type=int, default=EXIT_NOT_JOINED,
+                     help=f"exit status when the node has not joined or has no supervisor URL "
+                     f"(default {EXIT_NOT_JOINED}; launchd's job passes 0 so KeepAlive "
+                     "leaves it stopped)")
     run.set_defaults(func=cmd_run)
 
     join = sub.add_parser("join", parents=[common], help="join a fleet with a token")
@@ -261,11 +348,18 @@ def parser() -> argparse.ArgumentParser:
                        ("uninstall-service", "disable and remove the agent's service")):
         svc = sub.add_parser(name, parents=[common], help=text)
         svc.add_argument("--dry-run", action="store_true", help="print what it would do")
+        svc.add_argument("--unit-dir", help="write the unit / property list into this folder "
+                         "and only print the systemctl / launchctl commands (an image, a test)")
         scope = svc.add_mutually_exclusive_group()
         scope.add_argument("--system", dest="system", action="store_true", default=None,
                            help="system-wide (root: systemd system unit / LaunchDaemon)")
         scope.add_argument("--user", dest="system", action="store_false",
                            help="for this user (systemd --user / LaunchAgent)")
+        if name == "install-service":  # what `run` needs, written into the config file
+            svc.add_argument("--listen", help="the API's address host:port (join records it)")
+            svc.add_argument("--supervisor", help="https://SUPERVISOR:PORT (join records it)")
+            svc.add_argument("--run-as", help="macOS --system: the LaunchDaemon's user "
+                             "(default: the user who ran sudo)")
         svc.set_defaults(func=cmd_service)
     return top
 

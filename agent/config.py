@@ -77,6 +77,11 @@ class AgentConfig:
     calibration_batch_rows: int = 8
     calibration_chunk_rows: int = 4096
     log_level: str = "info"
+    # The agent's own log: empty for standard error (journald, a terminal); a path for a file
+    # the agent rotates itself (launchd, or Linux without journald), like the engines' logs.
+    log_file: str = ""
+    log_max_bytes: int = 16 << 20
+    log_backups: int = 3
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -102,6 +107,9 @@ class AgentConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be positive")
         if not self.engine_command:
             raise ConfigError("engine_command is empty")
+        if self.supervisor_url and not self.supervisor_url.startswith("https://"):
+            raise ConfigError(f"supervisor_url={self.supervisor_url!r}: expected "
+                              "https://SUPERVISOR:PORT (the address `fleet-agent join` used)")
 
     # Files on disk, all under state_dir.
     @property
@@ -173,3 +181,28 @@ class AgentConfig:
             out[f.name] = (str(value) if isinstance(value, Path)
                            else list(value) if isinstance(value, tuple) else value)
         return out
+
+
+def write_settings(path: Path, **settings: Any) -> AgentConfig:
+    """Set `settings` (those not None) in the YAML file at `path`, keeping its other keys;
+    a missing file is created (0600). Returns the config the file now holds, checked first:
+    a bad value leaves the file as it was."""
+    path = Path(path)
+    raw: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at the top")
+    raw.update({k: str(v) if isinstance(v, Path) else v
+                for k, v in settings.items() if v is not None})
+    config = AgentConfig.from_dict(raw, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=True)
+    os.replace(partial, path)
+    return config

@@ -162,8 +162,9 @@ class AgentProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        standalone = [] if config.supervisor_url else ["--standalone"]  # no heartbeats
         self.proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "run", "--config",
-                                      str(config_path)], env=env, stdout=self.log,
+                                      str(config_path), *standalone], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"https://{config.listen_host}:{config.listen_port}"
 
