@@ -24,6 +24,7 @@ OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
 DEFAULT_PARALLEL = 1
 DEFAULT_CHUNK = 512
+AUTO_REPLICAS = 0  # `replicas: auto`: as many as fit
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 LAYERS_PATTERN = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 _UNSET = object()
@@ -86,10 +87,15 @@ class ModelSpec:
     objective: str = "decode"  # or "prompt"
     placement: tuple[ExplicitStage, ...] = ()  # empty: auto
     rank0: str | None = None  # the node that must be rank 0
+    replicas: int = 1  # copies served side by side; AUTO_REPLICAS: as many as fit
 
     @property
     def placement_is_auto(self) -> bool:
         return not self.placement
+
+    @property
+    def replicas_are_auto(self) -> bool:
+        return self.replicas == AUTO_REPLICAS
 
 
 @dataclass(frozen=True)
@@ -314,7 +320,7 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
 
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "chunk", "objective",
-                 "placement", "rank0")
+                 "placement", "rank0", "replicas")
 
 
 def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
@@ -338,9 +344,20 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
             raise f["rank0"].error(
                 f"rank0 {rank0!r} differs from the explicit placement's first stage "
                 f"{placement[0].node!r} (rank 0 is the first stage)", rank0)
+    replicas = _parse_replicas(f["replicas"]) if "replicas" in f else 1
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
                      parallel=parallel, chunk=chunk, objective=objective, placement=placement,
-                     rank0=rank0)
+                     rank0=rank0, replicas=replicas)
+
+
+def _parse_replicas(at: _Field) -> int:
+    """A positive count, or `auto` (as many as fit, AUTO_REPLICAS)."""
+    if isinstance(at.node, yaml.ScalarNode) and at.value() == "auto":
+        return AUTO_REPLICAS
+    value = at.value()
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise at.error(f"expected a positive integer or 'auto', got {at.describe()}", value)
+    return value
 
 
 def _known_node(at: _Field, node_names: tuple[str, ...], checkpoint: CheckpointPaths) -> str:
@@ -465,6 +482,8 @@ def _show(field_name: str, value: Any) -> str:
             return "auto"
         return ", ".join(f"{s.node} {s.layer_range[0]}:{s.layer_range[1]}"
                          + (f" ({s.backend})" if s.backend else "") for s in value)
+    if field_name == "replicas" and value == AUTO_REPLICAS:
+        return "auto"
     if field_name in ("labels", "pins"):
         return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(value)) + "}"
     if isinstance(value, tuple):

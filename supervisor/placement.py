@@ -168,6 +168,25 @@ def place(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
 
 
 
+def placement_for(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
+                  ring: tuple[str, ...], counts: Sequence[int], why: tuple[str, ...]
+                  ) -> Placement:
+    """The placement of a ring and layer counts chosen elsewhere (the joint search of
+    several replicas), costed and explained as `place` costs its own."""
+    problem = RingCosts(spec, shape, nodes, spec.context)
+    return _build(problem, ring, counts, explicit=False, runner_up=None, why=why)
+
+
+def usable_for(spec: ModelSpec, nodes: Sequence[NodeSnapshot]) -> list[NodeSnapshot]:
+    """The nodes that may hold a stage of `spec` (its backends, a checkpoint path)."""
+    return [n for n in nodes if _excluded(spec, n) is None]
+
+
+def ring_orders(rank0s: Sequence[str], candidates: Sequence[str]):
+    """Every ring order of `candidates` that starts at one of `rank0s`."""
+    return _rings(rank0s, candidates)
+
+
 def _excluded(spec: ModelSpec, node: NodeSnapshot) -> str | None:
     if node.backend not in spec.backends:
         return f"backend {node.backend} is not among {', '.join(spec.backends)}"

@@ -40,7 +40,10 @@ def spec_digest(spec: ModelSpec) -> str:
     """Changes when anything about how the model is served changes, and only then: a digest
     of canonical JSON (sorted keys, no spacing), not of a repr that a Python upgrade or a new
     field's default could change."""
-    canonical = json.dumps(asdict(spec), sort_keys=True, separators=(",", ":"))
+    # The replica count is left out: more or fewer replicas add or retire some, and leave
+    # the serving ones where they are.
+    fields_ = {k: v for k, v in asdict(spec).items() if k != "replicas"}
+    canonical = json.dumps(fields_, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
