@@ -27,6 +27,7 @@ class RotatingStream(io.TextIOBase):
         self.backups = backups
         self.follow_fds = follow_fds  # descriptors re-pointed at the new file on rotation
         self._lock = threading.Lock()
+        self._pending = b""  # the start of a line not yet ended: a line never spans two files
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self._open()
 
@@ -62,18 +63,29 @@ class RotatingStream(io.TextIOBase):
         return self._file.fileno()
 
     def write(self, text: str) -> int:
-        data = text.encode("utf-8", "replace")
         with self._lock:
-            size = self._size()
-            if size and size + len(data) > self.max_bytes:
-                self.rotate()
-            self._file.write(data)
+            data = self._pending + text.encode("utf-8", "replace")
+            end = data.rfind(b"\n") + 1
+            self._pending = data[end:]
+            if end:
+                self._write(data[:end])
         return len(text)
 
+    def _write(self, data: bytes) -> None:
+        size = self._size()
+        if size and size + len(data) > self.max_bytes:
+            self.rotate()
+        self._file.write(data)
+
     def flush(self) -> None:
-        """Unbuffered: every write is already in the file."""
+        """Write out a line not yet ended (whole lines are written as they come)."""
+        with self._lock:
+            if self._pending:
+                self._write(self._pending)
+                self._pending = b""
 
     def close(self) -> None:
+        self.flush()
         with self._lock:
             self._file.close()
         super().close()
