@@ -321,11 +321,35 @@ def _lost_stage(s: Snapshot, replica: Replica) -> str | None:
         engine = member.engines.get(stage.engine_id)
         if engine is None and replica.state in (WARMING, SERVING) and member.state == ALIVE:
             return f"node {stage.node} no longer reports rank {stage.rank} ({stage.engine_id})"
-        if engine is not None and engine.state == "exited":
+        if engine is not None and engine.state == "exited" and not _clean_exit(engine.exit):
             exit_ = engine.exit or {}
             detail = exit_.get("reason") or f"code {exit_.get('code')}"
             return f"rank {stage.rank} on {stage.node} exited: {detail}"
     return None
+
+
+def _clean_exit(exit_: Mapping[str, Any] | None) -> bool:
+    """An engine's own clean end (code 0): its drain finished, however it was asked."""
+    return exit_ is not None and exit_.get("code") == 0
+
+
+def _drained_stage(s: Snapshot, replica: Replica) -> str | None:
+    """Why the replica ended cleanly: a stage that exited with code 0 (SIGTERM to any stage
+    drains the whole replica; from outside the supervisor, or by its agent), or None."""
+    for stage in replica.stages:
+        member = s.members.get(stage.node)
+        engine = member.engines.get(stage.engine_id) if member else None
+        if engine is not None and engine.state == "exited" and _clean_exit(engine.exit):
+            said = (engine.exit or {}).get("reason") or "code 0"
+            return f"rank {stage.rank} on {stage.node} ended cleanly ({said})"
+    return None
+
+
+def _stop_drained(s: Snapshot, replica: Replica, reason: str) -> list[Action]:
+    """Not a failure: no backoff and no failure counted; the next generation is placed at
+    once, and whatever stage is left is stopped."""
+    stopped = _to(replica, STOPPED, s.now, reason, next_attempt_at=s.now)
+    return [Record(stopped), StopEngines(stopped, 0.0, f"replica drained: {reason}")]
 
 
 def _engine_states(s: Snapshot, replica: Replica) -> list[str]:
@@ -342,6 +366,9 @@ def _starting(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
     lost = _lost_stage(s, replica)
     if lost:
         return _fail(s, replica, lost)
+    drained = _drained_stage(s, replica)
+    if drained:
+        return _stop_drained(s, replica, drained)
     if s.now - replica.since > policy.start_timeout_s:
         return _fail(s, replica, f"not serving {policy.start_timeout_s:g} s after start")
     states = _engine_states(s, replica)
@@ -357,6 +384,9 @@ def _serving(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
     lost = _lost_stage(s, replica)
     if lost:
         return _fail(s, replica, lost)
+    drained = _drained_stage(s, replica)
+    if drained:
+        return _stop_drained(s, replica, drained)
     why = _replace_reason(s, replica, digest)
     if why is None:
         if replica.rebalance_epoch < s.rebalance_epoch:  # looked at: stays where it is
@@ -402,4 +432,3 @@ def _retire(s: Snapshot, replica: Replica) -> list[Action]:
         return [Record(_to(replica, STOPPED, s.now, reason, next_attempt_at=s.now))]
     draining = _to(replica, DRAINING, s.now, reason)
     return [Record(draining), StopEngines(draining, policy.drain_s, reason)]
-
