@@ -30,6 +30,7 @@ from supervisor.membership import (
     LEFT,
     SUSPECT,
     Member,
+    engine_states,
     on_events,
     on_goodbye,
     on_heartbeat,
@@ -37,6 +38,7 @@ from supervisor.membership import (
     tick,
 )
 from supervisor.memory import ModelShape
+from supervisor.orphans import DrainOrphan, orphaned_engines
 from supervisor.planning import plan_model, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
@@ -77,6 +79,8 @@ class Supervisor:
             self.desired = parse_fleet_config(stored.text, stored.source)
         self.shapes: dict[str, ModelShape | str] = {}
         self.healthy: set[str] = set()
+        self.rank0_health: dict[str, dict[str, Any]] = {}  # replica -> its rank 0's /health
+        self.orphans_asked: set[DrainOrphan] = set()  # drains asked, until no longer reported
         self.tasks: set[asyncio.Task] = set()
         self.busy_ports: set[tuple[str, int]] = set()  # found taken when a start checked
         self.forgetting: set[lc.ForgetEngine] = set()
@@ -176,6 +180,28 @@ class Supervisor:
             self.measurer.start_missing(self.desired, self.members, self._spawn_task)
         for action in lc.decide(self.snapshot()):
             self.apply(action)
+        self.drain_orphans()
+
+    def drain_orphans(self) -> None:
+        """Ask agents to drain the engines no live replica owns (supervisor/orphans.py),
+        each once while it is still reported running."""
+        orphans = set(orphaned_engines(self.members, self.replicas, time.time()))
+        for orphan in sorted(orphans - self.orphans_asked, key=lambda o: (o.node, o.engine_id)):
+            self.event("orphan", f"{orphan.reason}: asking {orphan.node} to drain it",
+                       node=orphan.node)
+            self._spawn_task(self._drain_orphan(orphan))
+        self.orphans_asked = orphans  # those no longer reported are forgotten
+
+    async def _drain_orphan(self, orphan: DrainOrphan) -> None:
+        member = self.members.get(orphan.node)
+        if member is None:
+            return
+        try:  # nothing routes to an orphan: no in-flight requests of ours to wait for
+            await self.agents.drain(orphan.node, member.url, orphan.engine_id, 0.0,
+                                    orphan.reason)
+        except AgentError as exc:
+            log.warning("orphan drain not delivered", node=orphan.node, error=str(exc))
+            self.orphans_asked.discard(orphan)  # asked again at the next step
 
     def apply(self, action: lc.Action) -> None:
         if isinstance(action, lc.Record):
@@ -217,19 +243,30 @@ class Supervisor:
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                watched = [r for r in self.replicas.values()
-                           if r.state in (lc.WARMING, lc.SERVING)]
-                results = await asyncio.gather(*(self._healthy(session, r) for r in watched))
-                self.healthy = {r.id for r, ok in zip(watched, results) if ok}
+                watched = [r for r in self.replicas.values()  # draining: for its numbers
+                           if r.state in (lc.WARMING, lc.SERVING, lc.DRAINING)]
+                results = await asyncio.gather(*(self._health(session, r) for r in watched))
+                self.healthy = {r.id for r, (ok, _) in zip(watched, results) if ok}
+                self.rank0_health = {r.id: body for r, (_, body) in zip(watched, results)
+                                     if body is not None}
                 await asyncio.sleep(self.settings.health_interval_s)
 
     @staticmethod
-    async def _healthy(session: aiohttp.ClientSession, replica: lc.Replica) -> bool:
+    async def _health(session: aiohttp.ClientSession, replica: lc.Replica
+                      ) -> tuple[bool, dict[str, Any] | None]:
+        """(healthy, rank 0's /health body). A draining rank 0 answers 503 with status
+        "draining": not healthy (it takes no new request), and not failed."""
         try:
             async with session.get(replica.url + "/health") as reply:
-                return reply.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+                body = await reply.json(content_type=None)
+                return reply.status == 200, body if isinstance(body, dict) else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return False, None
+
+    def rank0_draining(self, replica_id: str) -> dict[str, Any] | None:
+        """Rank 0's drain as its /health last told it (in flight, seconds left), or None."""
+        body = self.rank0_health.get(replica_id)
+        return body if body is not None and body.get("status") == "draining" else None
 
     # --- starting and stopping stages -----------------------------------------------------
     def start_stages(self, action: lc.StartStages) -> None:
@@ -420,13 +457,14 @@ class Supervisor:
                 "platform": host.get("platform"), "arch": host.get("arch"),
                 "ram_total_bytes": host.get("ram_total_bytes"),
                 "backends": list(m.present_backends()),
-                "engines": {k: v.state for k, v in m.engines.items()}})
+                "engines": engine_states(m)})
         latest = lc.latest_by_model(self.replicas)
         # Every live replica, and the last few ended ones: how the current one came to be.
         shown = sorted((r for r in self.replicas.values() if r.state in lc.LIVE_STATES
                         or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
                        key=lambda r: (r.model_id, r.generation))
-        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy) for r in shown]
+        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy) | self.drain_view(r)
+                    for r in shown]
         stored = self.state.desired()
         return {"members": members, "replicas": replicas,
                 "models": [m.id for m in self.desired.models] if self.desired else [],
@@ -435,6 +473,16 @@ class Supervisor:
                 "front_door": self.settings.front_door_url,
                 "measured": self.measurer.to_dict(),
                 "events": self.state.events(limit=15)}
+
+    def drain_view(self, replica: lc.Replica) -> dict[str, Any]:
+        """A replica whose rank 0 says it drains (a SIGTERM from outside the supervisor, or
+        the drain the supervisor asked) is shown draining, with its numbers."""
+        body = self.rank0_draining(replica.id) if replica.state in lc.LIVE_STATES else None
+        if body is None:
+            return {}
+        return {"state": lc.DRAINING, "lifecycle_state": replica.state,
+                "drain": {"in_flight": body.get("in_flight"),
+                          "seconds_left": body.get("drain_seconds_left")}}
 
     # --- the front door's view ------------------------------------------------------------
     def route(self, model: str | None) -> Route:
@@ -450,6 +498,9 @@ class Supervisor:
             state = replica.state if replica else "not placed"
             return Route(status=503, message=f"model {model!r} has no serving replica now "
                          f"({state}); retry shortly")
+        if self.rank0_draining(replica.id) is not None:  # it would refuse: say why here
+            return Route(status=503, message=f"model {model!r}: replica {replica.id} is "
+                         "draining and takes no new requests; retry shortly")
         return Route(url=replica.url, replica=replica.id,
                      api_secret=self.secrets.read(replica.id, API_SECRET))
 
