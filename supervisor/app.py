@@ -172,7 +172,8 @@ async def supervisor_ctx(app: web.Application) -> AsyncIterator[None]:
 async def loops_ctx(app: web.Application) -> AsyncIterator[None]:
     supervisor = app[SUPERVISOR]
     loop = asyncio.get_running_loop()
-    app[LOOPS] = [loop.create_task(supervisor.run()), loop.create_task(supervisor.health_loop())]
+    app[LOOPS] = [loop.create_task(supervisor.run()), loop.create_task(supervisor.health_loop()),
+                  loop.create_task(supervisor.speeds.run(supervisor.speed_targets))]
     yield
     for task in app[LOOPS]:
         task.cancel()

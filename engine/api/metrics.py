@@ -7,6 +7,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ROUND_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+DECODE_ROUND = "ringfleet_decode_round_seconds"
 
 
 class EngineMetrics:
@@ -24,6 +26,13 @@ class EngineMetrics:
         self.itl = Histogram("ringfleet_inter_token_latency_seconds",
                              "Between consecutive tokens of one stream", buckets=LATENCY_BUCKETS_S,
                              registry=r)
+        # What placement predicts (supervisor/ring_cost.py: a decode round of `rows` rows
+        # round the ring), measured where it can be: rank 0 from sending a round whose every
+        # row is a decode row until its logits are back. Labelled by rows (at most the
+        # replica's `parallel`), so one stream alone and a full round are told apart.
+        self.decode_round = Histogram(DECODE_ROUND, "A decode-only round, ring and head "
+                                      "included, by its row count", ["rows"],
+                                      buckets=ROUND_BUCKETS_S, registry=r)
         Gauge("ringfleet_slots_in_use", "Slots holding a stream", registry=r).set_function(
             slots_in_use)
         Gauge("ringfleet_requests_waiting", "Requests waiting for a slot", registry=r).set_function(
@@ -32,6 +41,11 @@ class EngineMetrics:
     def token(self, *, first: bool, since_s: float) -> None:
         self.generated_tokens.inc()
         (self.ttft if first else self.itl).observe(since_s)
+
+    def round_done(self, *, decode_rows: int, seconds: float) -> None:
+        """A round ran; `decode_rows` > 0 when every row in it was a decode row."""
+        if decode_rows > 0:
+            self.decode_round.labels(rows=str(decode_rows)).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
