@@ -2,8 +2,10 @@
 every node's memory. Pure, like `supervisor/placement.py`, whose single placement it extends.
 
 The replicas are interchangeable, so the search minimises the slowest replica's objective
-first and then the sum of the objectives (the fleet's total time per round), and takes the
-first in a fixed order on ties. A node may hold stages of two replicas only when its memory
+first and then the sum of the objectives (the fleet's total time per round); on a tie, the
+set that shares the fewest nodes (one node lost then takes fewer replicas with it), then the
+first in a fixed order. The cost model does not charge two replicas on one node for sharing
+its compute: a node holds two only when that is no slower by the model, or memory forces it. A node may hold stages of two replicas only when its memory
 holds both stages. One replica is `place` itself. For several, every placement that fits
 alone (each ring order of the candidate nodes, each way to cut the layers) is costed once,
 and a branch-and-bound search over sets of them (taken in order of cost, a set's bound is its
@@ -138,7 +140,7 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
     if found is None:
         return None
     usable = {n.name: n.usable_memory_bytes for n in nodes}
-    best: tuple[float, float, tuple[int, ...]] | None = None
+    best: tuple[float, float, int, tuple[int, ...]] | None = None
     visits = 0
 
     def fits(held: Mapping[str, int], c: Candidate) -> bool:
@@ -148,7 +150,8 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
         """False once the visit budget is spent."""
         nonlocal best, visits
         if len(picks) == count:
-            key = (found[picks[-1]].objective_ms, total, picks)
+            stages = [n for i in picks for n in found[i].ring]
+            key = (found[picks[-1]].objective_ms, total, len(stages) - len(set(stages)), picks)
             best = key if best is None or key < best else best
             return True
         left = count - len(picks)
@@ -158,7 +161,7 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
                 return False
             cost = found[i].objective_ms
             # Sorted by cost: every set from here on is at least this slow and this costly.
-            if best is not None and (cost, total + cost * left) >= best[:2]:
+            if best is not None and (cost, total + cost * left) > best[:2]:
                 break
             if not fits(held, found[i]):
                 continue
@@ -171,7 +174,7 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
 
     if not extend(0, (), {}, 0.0):
         return None
-    return [] if best is None else [found[i] for i in best[2]]
+    return [] if best is None else [found[i] for i in best[3]]
 
 
 def _one_by_one(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],

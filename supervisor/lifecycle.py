@@ -8,207 +8,144 @@ applies (create a replica, start its stages, change its state, stop its engines)
   a backoff that doubles with each failure in a row;
 - a join changes nothing: a serving replica is re-placed only when its model's spec changes
   (`fleetctl apply`), a node it uses is cordoned (`fleetctl drain`), or a rebalance finds a
-  different placement, and then it drains first (in-flight requests finish);
-- a model no longer in fleet.yaml drains and stops.
+  different placement;
+- make before break: a replica to be re-placed keeps serving while its successor is placed
+  beside it (in memory its stages do not hold), started and warmed, and drains (in-flight
+  requests finish) once the successor serves; with no room beside it, it drains first;
+- a model has `replicas` slots, each a line of generations; its replicas placing are placed
+  together (supervisor/joint_placement.py), and one slot changes at a time, so a drain, a
+  new spec or a rebalance rolls through the replicas one by one;
+- a model no longer in fleet.yaml (or a slot past `replicas`) drains and stops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.addresses import format_host_port
 from engine.env import placement_id
-from supervisor.fleet_config import FleetConfig
-from supervisor.measurements import NOTHING_MEASURED, Measured
-from supervisor.membership import ALIVE, DEAD, LEFT, Member
+from supervisor.fleet_config import AUTO_REPLICAS, ModelSpec
+from supervisor.membership import ALIVE, DEAD, LEFT
 from supervisor.memory import ModelShape
 from supervisor.placement import Placement
-from supervisor.planning import candidates, plan_model, same_layout, spec_digest
+from supervisor.planning import (
+    candidates,
+    held_bytes,
+    plan_model,
+    plan_replicas,
+    same_layout,
+    spec_digest,
+)
+from supervisor.replica_records import (  # noqa: F401 - the lifecycle's vocabulary
+    Action,
+    ForgetEngine,
+    Policy,
+    Record,
+    Replica,
+    Snapshot,
+    StageRecord,
+    StartStages,
+    StopEngines,
+    engine_owners,
+    foreign_engines,
+    latest_by_model,
+    replica_id,
+)
 
 PLACING, STARTING, WARMING, SERVING = "placing", "starting", "warming", "serving"
+REBALANCE = "rebalance: "  # how a rebalance's reason starts
 DRAINING, STOPPED, FAILED = "draining", "stopped", "failed"
 LIVE_STATES = (PLACING, STARTING, WARMING, SERVING, DRAINING)
 RUNNING_STATES = (STARTING, WARMING, SERVING, DRAINING)
 
 
-@dataclass(frozen=True)
-class Policy:
-    backoff_first_s: float = 1.0
-    backoff_max_s: float = 60.0
-    start_timeout_s: float = 600.0  # placed to serving
-    drain_s: float = 180.0  # in-flight requests get this long
-    drain_grace_s: float = 30.0  # then the replica counts as stopped whatever the agents say
-
-    def backoff_s(self, failures: int) -> float:
-        return min(self.backoff_max_s, self.backoff_first_s * 2 ** max(0, failures - 1))
-
-
-@dataclass(frozen=True)
-class StageRecord:
-    rank: int
-    node: str
-    backend: str
-    layer_range: tuple[int, int]
-    engine_id: str
-    host: str  # the node's address (its member's host)
-    listen_port: int
-    http_port: int = 0  # rank 0 only
-
-    def ports(self) -> tuple[int, ...]:
-        return (self.listen_port, self.http_port) if self.http_port else (self.listen_port,)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self), layer_range=list(self.layer_range))
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> StageRecord:
-        return cls(**dict(raw, layer_range=tuple(raw["layer_range"])))
-
-
-@dataclass(frozen=True)
-class Replica:
-    id: str
-    model_id: str
-    generation: int
-    state: str
-    since: float  # when it entered this state
-    spec_digest: str
-    rebalance_epoch: int = 0
-    failures: int = 0  # failures in a row of this model (reset when one serves)
-    next_attempt_at: float = 0.0  # failed / stopped: the next generation not before this
-    reason: str = ""
-    stages: tuple[StageRecord, ...] = ()
-    master_port: int = 0
-    placement_id: str = ""
-    why: tuple[str, ...] = ()
-    note: str = ""  # about the placement, e.g. an explicit one replaced while a node is gone
-
-    @property
-    def url(self) -> str:
-        """Rank 0's OpenAI base URL ("" before the stages exist)."""
-        if not self.stages:
-            return ""
-        return f"http://{format_host_port(self.stages[0].host, self.stages[0].http_port)}"
-
-    def layout(self) -> tuple[tuple[str, str, tuple[int, int]], ...]:
-        return tuple((s.node, s.backend, s.layer_range) for s in self.stages)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self), stages=[s.to_dict() for s in self.stages], why=list(self.why),
-                    url=self.url)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> Replica:
-        raw = {k: v for k, v in raw.items() if k != "url"}
-        return cls(**dict(raw, stages=tuple(StageRecord.from_dict(s) for s in raw["stages"]),
-                          why=tuple(raw.get("why", ()))))
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    now: float
-    desired: FleetConfig | None
-    members: Mapping[str, Member]
-    replicas: Mapping[str, Replica]  # every replica the state keeps
-    shapes: Mapping[str, ModelShape | str]  # per model: its shape, or why it is unknown
-    healthy: frozenset[str] = frozenset()  # replicas whose rank 0 answered /health
-    rebalance_epoch: int = 0
-    policy: Policy = Policy()
-    measured: Measured = NOTHING_MEASURED
-    engine_ports: tuple[int, int] = (29600, 29999)  # the range stages listen in, every node
-    # (host, port) pairs found taken by another process when a start was about to use them
-    busy_ports: frozenset[tuple[str, int]] = frozenset()
-
-
-# --- actions ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Record:
-    """Store this replica as it is now (new, or changed state)."""
-
-    replica: Replica
-
-
-@dataclass(frozen=True)
-class StartStages:
-    """Write the link key and spawn every stage of `replica` (starting, its ports chosen);
-    then store it."""
-
-    replica: Replica
-    placement: Placement = field(compare=False)
-
-
-@dataclass(frozen=True)
-class StopEngines:
-    """Ask the agents to drain every engine of the replica (SIGTERM: in-flight finish)."""
-
-    replica: Replica
-    drain_s: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class ForgetEngine:
-    """An ended replica's engine has exited: the agent may drop its record."""
-
-    node: str
-    engine_id: str
-
-
-Action = Record | StartStages | StopEngines | ForgetEngine
-
-
-def latest_by_model(replicas: Mapping[str, Replica]) -> dict[str, Replica]:
-    out: dict[str, Replica] = {}
-    for r in replicas.values():
-        if r.model_id not in out or r.generation > out[r.model_id].generation:
-            out[r.model_id] = r
-    return out
-
-
-def engine_owners(replicas: Mapping[str, Replica]) -> dict[str, str]:
-    """engine id -> the node its stage was placed on: the one agent that may report it."""
-    return {s.engine_id: s.node for r in replicas.values() for s in r.stages}
-
-
-def foreign_engines(node: str, engine_ids: list[str],
-                    replicas: Mapping[str, Replica]) -> dict[str, str]:
-    """The engines among `engine_ids` that run on another node than `node`, with that node.
-    Engines no replica names (pruned history) belong to nobody and are not foreign."""
-    owners = engine_owners(replicas)
-    return {e: owners[e] for e in engine_ids if owners.get(e, node) != node}
-
-
-def replica_id(model_id: str, generation: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in model_id)
-    return f"{safe}-g{generation}"
-
 
 def decide(s: Snapshot) -> list[Action]:
     actions: list[Action] = []
-    desired_ids = {m.id for m in s.desired.models} if s.desired else set()
-    latest = latest_by_model(s.replicas)
-    for replica in latest.values():
-        if replica.model_id not in desired_ids and replica.state in LIVE_STATES:
-            actions += _retire(s, replica)
-    for spec in s.desired.models if s.desired else ():
-        current = latest.get(spec.id)
-        digest = spec_digest(spec)
-        if current is None or (current.state in (STOPPED, FAILED)
-                               and s.now >= current.next_attempt_at):
-            generation = current.generation + 1 if current else 1
-            failures = current.failures if current else 0
-            actions.append(Record(Replica(replica_id(spec.id, generation), spec.id, generation,
-                                          PLACING, s.now, digest, s.rebalance_epoch, failures)))
-            continue
-        if current.state in (STOPPED, FAILED):
-            continue
-        step = {PLACING: _placing, STARTING: _starting, WARMING: _starting,
-                SERVING: _serving, DRAINING: _draining}[current.state]
-        actions += step(s, current, digest)
+    desired = {m.id: m for m in s.desired.models} if s.desired else {}
+    for replica in sorted(s.replicas.values(), key=lambda r: (r.model_id, r.generation)):
+        if replica.model_id not in desired and replica.state in LIVE_STATES:
+            actions += _retire(s, replica, "model removed from fleet.yaml")
+    for spec in desired.values():
+        actions += _model(s, spec)
     return actions + _forget_ended(s)
+
+
+def replica_count(spec: ModelSpec, mine: list[Replica]) -> int:
+    """How many replicas (slots) the model has: fleet.yaml's number, or for `replicas: auto`
+    what its last placement from scratch found to fit (1 until then: that placement, made
+    by the first slot's replica, counts the rest)."""
+    if not spec.replicas_are_auto:
+        return spec.replicas
+    latest: dict[int, Replica] = {}
+    for r in mine:
+        if r.slot not in latest or r.generation > latest[r.slot].generation:
+            latest[r.slot] = r
+    return max((r.model_replicas for r in latest.values()), default=0) or 1
+
+
+def _model(s: Snapshot, spec: ModelSpec) -> list[Action]:
+    """One model's replicas, slot by slot: an empty slot gets a new generation (after its
+    backoff), each live replica takes its step, and the replicas placing are placed together.
+    At most one slot of a model changes at a time (make-before-break or a drain), so a change
+    rolls through its replicas one by one."""
+    digest = spec_digest(spec)
+    mine = sorted((r for r in s.replicas.values() if r.model_id == spec.id),
+                  key=lambda r: r.generation)
+    count = replica_count(spec, mine)
+    roll = _Roll(next_generation=(mine[-1].generation if mine else 0) + 1,
+                 busy=any(_changing(r) for r in mine if r.slot < count))
+    actions: list[Action] = []
+    placing: list[Replica] = []
+    for replica in mine:
+        if replica.slot >= count and replica.state in LIVE_STATES:
+            actions += _retire(s, replica, f"replicas: {count} in fleet.yaml")
+    for slot in range(count):
+        in_slot = [r for r in mine if r.slot == slot]
+        live = [r for r in in_slot if r.state in LIVE_STATES]
+        if not live:
+            last = in_slot[-1] if in_slot else None
+            if last is None or s.now >= last.next_attempt_at:
+                actions.append(Record(roll.new(s, spec, digest, slot, count, last)))
+            continue
+        for replica in live:
+            if replica.state == PLACING:
+                placing.append(replica)
+            elif replica.state == SERVING:
+                actions += _serving(s, spec, replica, digest, in_slot, roll)
+            elif replica.state == DRAINING:
+                actions += _draining(s, replica)
+            else:
+                actions += _starting(s, replica)
+    if placing:
+        actions += _place(s, spec, placing, roll)
+    return actions
+
+
+def _changing(replica: Replica) -> bool:
+    """A replica in the middle of a slot's change: a successor on its way, or a drain."""
+    return replica.state == DRAINING or (
+        bool(replica.replaces) and replica.state in (PLACING, STARTING, WARMING))
+
+
+@dataclass
+class _Roll:
+    """What one decision has done to one model so far: generations handed out, and whether
+    a slot is already changing (then the others wait their turn)."""
+
+    next_generation: int
+    busy: bool
+
+    def new(self, s: Snapshot, spec: ModelSpec, digest: str, slot: int, count: int,
+            last: Replica | None, replaces: str = "") -> Replica:
+        generation = self.next_generation
+        self.next_generation += 1
+        failures = last.failures if last and (last.replaces == replaces or not replaces) else 0
+        return Replica(replica_id(spec.id, generation), spec.id, generation, PLACING, s.now,
+                       digest, s.rebalance_epoch, failures, slot=slot,
+                       model_replicas=0 if spec.replicas_are_auto and count == 1 and slot == 0
+                       and not replaces else count, replaces=replaces)
 
 
 def _forget_ended(s: Snapshot) -> list[Action]:
@@ -243,46 +180,83 @@ def _fail(s: Snapshot, replica: Replica, reason: str) -> list[Action]:
     return fail_actions(replica, reason, s.now, s.policy)
 
 
-def _placing(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
+def held_memory(s: Snapshot, leave_out: str = "") -> dict[str, int]:
+    """Bytes per node that running replicas hold (but `leave_out`'s)."""
+    return held_bytes((st.node, st.memory_bytes) for r in s.replicas.values()
+                      if r.state in RUNNING_STATES and r.id != leave_out for st in r.stages)
+
+
+def _place(s: Snapshot, spec: ModelSpec, placing: list[Replica], roll: _Roll) -> list[Action]:
+    """Place the model's replicas that are placing, together, beside what running replicas
+    hold; as many as fit, in slot order. A successor that finds no room after all (the fleet
+    changed since it was made) has its predecessor drained first: break before make."""
     assert s.desired is not None
-    spec = s.desired.model(replica.model_id)
-    shape = s.shapes.get(replica.model_id)
-    if spec is None:
-        return []
+    shape = s.shapes.get(spec.id)
     if not isinstance(shape, ModelShape):
-        reason = f"cannot read the checkpoint's shape: {shape}"
-        return [] if reason == replica.reason else [Record(replace(replica, reason=reason))]
-    if replica.spec_digest != digest:
-        replica = replace(replica, spec_digest=digest)
+        return _wait(placing, f"cannot read the checkpoint's shape: {shape}")
     measuring = sorted({m.node for m, _ in candidates(spec, s.desired, s.members)}
                        & s.measured.pending)
     if measuring:
-        reason = f"measuring {', '.join(measuring)} (calibration, link probes)"
-        return [] if reason == replica.reason else [Record(replace(replica, reason=reason))]
-    plan = plan_model(spec, shape, s.desired, s.members, s.measured)
-    if plan.placement is None:
-        return [] if plan.error == replica.reason else [Record(replace(replica, reason=plan.error))]
-    stages = assign_ports(replica.id, plan.placement, s)
-    if isinstance(stages, str):
-        return _fail(s, replica, stages)
-    records, master_port = stages
-    starting = _to(replica, STARTING, s.now, "", note=plan.note, why=plan.placement.why,
-                   stages=records, master_port=master_port,
-                   placement_id=placement_id([r.layer_range for r in records],
-                                             [r.backend for r in records]))
-    return [StartStages(starting, plan.placement)]
+        return _wait(placing, f"measuring {', '.join(measuring)} (calibration, link probes)")
+    placing = sorted(placing, key=lambda r: (r.slot, r.generation))
+    counting = spec.replicas_are_auto and placing[0].model_replicas == 0
+    held = held_memory(s)
+    plan = None
+    for k in range(len(placing), 0, -1):
+        plan = plan_replicas(spec, shape, s.desired, s.members, s.measured,
+                             AUTO_REPLICAS if counting else k, held)
+        if plan.placements:
+            break
+    assert plan is not None
+    actions: list[Action] = []
+    if not plan.placements:
+        actions += _wait(placing, plan.error)
+        for r in placing:
+            old = s.replicas.get(r.replaces)
+            if old is not None and old.state == SERVING:
+                actions += _drain(s, old, f"{old.reason or 'replaced'}; no room for "
+                                  f"{r.id} beside it ({plan.error})")
+        return actions
+    chosen = list(zip(placing, plan.placements))
+    if counting:  # `replicas: auto` counted now: the other slots start beside the first
+        n = len(plan.placements)
+        chosen = [(replace(placing[0], model_replicas=n), plan.placements[0])] + [
+            (roll.new(s, spec, placing[0].spec_digest, slot, n, None), p)
+            for slot, p in enumerate(plan.placements[1:], start=1)]
+    started: list[Replica] = []
+    for replica, placement in chosen:
+        replica = replace(replica, spec_digest=spec_digest(spec))
+        stages = assign_ports(replica.id, placement, s, started)
+        if isinstance(stages, str):
+            actions += _fail(s, replica, stages)
+            continue
+        records, master_port = stages
+        starting = _to(replica, STARTING, s.now, "", note=plan.note, why=placement.why,
+                       stages=records, master_port=master_port, started_at=s.now,
+                       placement_id=placement_id([r.layer_range for r in records],
+                                                 [r.backend for r in records]))
+        started.append(starting)
+        actions.append(StartStages(starting, placement))
+    return actions + _wait(placing[len(chosen):], plan.error or
+                           "waiting for room: the other replicas took what fits")
 
 
-def assign_ports(replica_id_: str, placement: Placement, s: Snapshot
-                 ) -> tuple[tuple[StageRecord, ...], int] | str:
+def _wait(replicas: list[Replica], reason: str) -> list[Action]:
+    """Record why these replicas are still placing (only when the reason is new: no churn)."""
+    return [Record(replace(r, reason=reason)) for r in replicas if r.reason != reason]
+
+
+def assign_ports(replica_id_: str, placement: Placement, s: Snapshot,
+                 starting: Sequence[Replica] = ()) -> tuple[tuple[StageRecord, ...], int] | str:
     """Each stage's host and ports (rank 0 also its API and its control port), or why not.
 
     A port is free on a host when no running replica uses it there and it was not found
     busy. The search goes round the range from just after the ports of the replica started
-    last, so a port given up a moment ago is the last to be handed out again."""
+    last, so a port given up a moment ago is the last to be handed out again. `starting`:
+    replicas given ports earlier in the same decision."""
     first, last = s.engine_ports
     used: dict[str, set[int]] = {}
-    for r in s.replicas.values():
+    for r in (*s.replicas.values(), *starting):
         if r.state in RUNNING_STATES:
             for st in r.stages:
                 used.setdefault(st.host, set()).update(st.ports())
@@ -290,8 +264,8 @@ def assign_ports(replica_id_: str, placement: Placement, s: Snapshot
                     used[st.host].add(r.master_port)
     for host, port in s.busy_ports:
         used.setdefault(host, set()).add(port)
-    latest = max((r for r in s.replicas.values() if r.stages), key=lambda r: r.since,
-                 default=None)
+    latest = max((r for r in (*s.replicas.values(), *starting) if r.stages),
+                  key=lambda r: r.since, default=None)
     start = max((p for st in latest.stages for p in st.ports()), default=last) + 1 \
         if latest else first
     order = [first + (start - first + i) % (last - first + 1) for i in range(last - first + 1)]
@@ -307,7 +281,8 @@ def assign_ports(replica_id_: str, placement: Placement, s: Snapshot
         if stage.rank == 0:
             master_port = free[2]
         records.append(StageRecord(stage.rank, stage.node, stage.backend, stage.layer_range,
-                                   f"{replica_id_}-r{stage.rank}", host, listen, http))
+                                   f"{replica_id_}-r{stage.rank}", host, listen, http,
+                                   stage.memory.total_bytes))
     return tuple(records), master_port
 
 
@@ -361,7 +336,7 @@ def _engine_states(s: Snapshot, replica: Replica) -> list[str]:
     return out
 
 
-def _starting(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
+def _starting(s: Snapshot, replica: Replica) -> list[Action]:
     policy = s.policy
     lost = _lost_stage(s, replica)
     if lost:
@@ -375,12 +350,17 @@ def _starting(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
     if replica.state == STARTING and all(st == "ready" for st in states):
         return [Record(_to(replica, WARMING, s.now, "every stage is ready; waiting for rank 0"))]
     if replica.id in s.healthy and all(st == "ready" for st in states):
-        return [Record(_to(replica, SERVING, s.now, "", failures=0))]
+        load_s = s.now - replica.started_at if replica.started_at else 0.0
+        return [Record(_to(replica, SERVING, s.now, "", failures=0, load_s=load_s))]
     return []
 
 
-def _serving(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
-    policy = s.policy
+def _serving(s: Snapshot, spec: ModelSpec, replica: Replica, digest: str,
+             in_slot: list[Replica], roll: _Roll) -> list[Action]:
+    """A serving replica stays, fails, or is replaced: make before break when the fleet has
+    room for its successor beside it (the successor starts and warms while it serves, and
+    it drains once the successor serves), break before make when not. One slot of a model
+    changes at a time."""
     lost = _lost_stage(s, replica)
     if lost:
         return _fail(s, replica, lost)
@@ -392,8 +372,53 @@ def _serving(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
         if replica.rebalance_epoch < s.rebalance_epoch:  # looked at: stays where it is
             return [Record(replace(replica, rebalance_epoch=s.rebalance_epoch))]
         return []
-    draining = _to(replica, DRAINING, s.now, why, next_attempt_at=s.now)
-    return [Record(draining), StopEngines(draining, policy.drain_s, why)]
+    successor = next((r for r in in_slot if r.replaces == replica.id
+                      and r.state in LIVE_STATES), None)
+    if successor is not None:
+        if successor.state != SERVING:
+            return []
+        roll.busy = True  # this slot changes until the drain ends
+        return _drain(s, replica, f"{why}; {successor.id} serves in its place")
+    last = in_slot[-1]
+    if last.replaces == replica.id and s.now < last.next_attempt_at:
+        return []  # its successor failed: the next one after the backoff
+    if roll.busy:
+        return []  # another replica of the model is changing: this one's turn comes next
+    roll.busy = True
+    room = _room_beside(s, spec, replica, why)
+    if room:
+        return _drain(s, replica, f"{why} (no room for its successor beside it: {room}; "
+                      "serving by this replica stops until the new one serves)")
+    return [Record(roll.new(s, spec, digest, replica.slot, replica.model_replicas or 1,
+                            last if last.replaces == replica.id else None,
+                            replaces=replica.id))]
+
+
+def _room_beside(s: Snapshot, spec: ModelSpec, replica: Replica, why: str) -> str:
+    """Why a successor cannot start beside `replica` ("" when it can). A rebalance moves
+    only to the placement it found best; a drain or a new spec takes any that fits now."""
+    assert s.desired is not None
+    shape = s.shapes.get(spec.id)
+    if not isinstance(shape, ModelShape):
+        return f"cannot read the checkpoint's shape: {shape}"
+    beside = plan_model(spec, shape, s.desired, s.members, s.measured,
+                        held_memory(s))
+    if beside.placement is None:
+        return beside.error
+    if why.startswith(REBALANCE):
+        best = plan_model(spec, shape, s.desired, s.members, s.measured,
+                          held_memory(s, leave_out=replica.id))
+        if best.placement is not None and not same_layout(
+                best.placement, tuple((st.node, st.backend, st.layer_range)
+                                      for st in beside.placement.stages)):
+            return ("the rebalanced placement " + " -> ".join(best.placement.ring)
+                    + " needs memory the replica holds")
+    return ""
+
+
+def _drain(s: Snapshot, replica: Replica, reason: str) -> list[Action]:
+    draining = _to(replica, DRAINING, s.now, reason, next_attempt_at=s.now)
+    return [Record(draining), StopEngines(draining, s.policy.drain_s, reason)]
 
 
 def _replace_reason(s: Snapshot, replica: Replica, digest: str) -> str | None:
@@ -408,13 +433,14 @@ def _replace_reason(s: Snapshot, replica: Replica, digest: str) -> str | None:
         assert s.desired is not None
         spec, shape = s.desired.model(replica.model_id), s.shapes.get(replica.model_id)
         if spec is not None and isinstance(shape, ModelShape):
-            plan = plan_model(spec, shape, s.desired, s.members, s.measured)
+            plan = plan_model(spec, shape, s.desired, s.members, s.measured,
+                              held_memory(s, leave_out=replica.id))
             if plan.placement is not None and not same_layout(plan.placement, replica.layout()):
-                return "rebalance: " + " -> ".join(plan.placement.ring)
+                return REBALANCE + " -> ".join(plan.placement.ring)
     return None
 
 
-def _draining(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
+def _draining(s: Snapshot, replica: Replica) -> list[Action]:
     policy = s.policy
     states = _engine_states(s, replica)
     gone = all(st in ("exited", "unknown") for st in states)
@@ -423,12 +449,57 @@ def _draining(s: Snapshot, replica: Replica, digest: str) -> list[Action]:
     return []
 
 
-def _retire(s: Snapshot, replica: Replica) -> list[Action]:
-    policy = s.policy
-    reason = "model removed from fleet.yaml"
+def _retire(s: Snapshot, replica: Replica, reason: str) -> list[Action]:
     if replica.state == DRAINING:
-        return _draining(s, replica, "")
+        return _draining(s, replica)
     if replica.state == PLACING or not replica.stages:
         return [Record(_to(replica, STOPPED, s.now, reason, next_attempt_at=s.now))]
-    draining = _to(replica, DRAINING, s.now, reason)
-    return [Record(draining), StopEngines(draining, policy.drain_s, reason)]
+    return _drain(s, replica, reason)
+
+
+# --- what a change would stop, said before it is made -------------------------------------
+
+@dataclass(frozen=True)
+class Outage:
+    """A model whose serving would stop: its last serving replica drains with no successor
+    beside it (no room), so nothing serves until the new one does."""
+
+    model_id: str
+    replica: str
+    reason: str
+    drain_s: float  # in-flight requests get at most this long
+    start_timeout_s: float  # the new replica serves within this, or fails
+    last_load_s: float  # how long the model's last start took (0: never measured)
+
+    @property
+    def max_s(self) -> float:
+        return self.drain_s + self.start_timeout_s
+
+    def text(self) -> str:
+        last = f"; the last start took {self.last_load_s:.0f} s" if self.last_load_s else ""
+        return (f"serving of {self.model_id} will stop: {self.replica} drains before its "
+                f"successor starts ({self.reason}); for at most {self.max_s:g} s (drain up to "
+                f"{self.drain_s:g} s, then start up to {self.start_timeout_s:g} s){last}")
+
+
+def outages(s: Snapshot) -> list[Outage]:
+    """What `decide` would stop serving in the snapshot `s` (a change not yet made: a new
+    fleet.yaml, a cordoned node, a rebalance). Pure: the same decision, looked at before."""
+    actions = decide(s)
+    drained = {a.replica.id: a.replica.reason for a in actions if isinstance(a, Record)
+               and a.replica.state == DRAINING
+               and (old := s.replicas.get(a.replica.id)) is not None and old.state == SERVING}
+    out = []
+    for replica_id_, reason in sorted(drained.items()):
+        replica = s.replicas[replica_id_]
+        if reason.startswith("model removed"):
+            continue
+        serving = [r for r in s.replicas.values() if r.model_id == replica.model_id
+                   and r.state == SERVING and r.id not in drained]
+        if serving:
+            continue
+        last_load_s = max((r.load_s for r in s.replicas.values()
+                           if r.model_id == replica.model_id), default=0.0)
+        out.append(Outage(replica.model_id, replica.id, reason, s.policy.drain_s,
+                          s.policy.start_timeout_s, last_load_s))
+    return out

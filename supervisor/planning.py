@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from supervisor.fleet_config import FleetConfig, ModelSpec
+from supervisor.fleet_config import AUTO_REPLICAS, FleetConfig, ModelSpec
+from supervisor.joint_placement import most_replicas, place_replicas
 from supervisor.measurements import NOTHING_MEASURED, Measured, NodeTiming, timing_key
 from supervisor.membership import Member
 from supervisor.memory import ModelShape
@@ -78,8 +79,10 @@ def candidates(spec: ModelSpec, config: FleetConfig,
 
 
 def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, Member],
-                   measured: Measured = NOTHING_MEASURED) -> tuple[list[NodeSnapshot], list[str]]:
-    """One snapshot per candidate, and a line for every nominal input used."""
+                   measured: Measured = NOTHING_MEASURED,
+                   held: Mapping[str, int] | None = None) -> tuple[list[NodeSnapshot], list[str]]:
+    """One snapshot per candidate, and a line for every nominal input used. `held`: bytes
+    per node that running replicas hold, which a new placement must leave them."""
     found = candidates(spec, config, members)
     snapshots, nominal_nodes, nominal_links = [], [], []
     for member, backend in found:
@@ -96,7 +99,8 @@ def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, M
                 nominal_links.append(f"{member.node} -> {other.node}")
                 link = LinkSnapshot(other.node, *NOMINAL_LINK)
             links.append(link)
-        snapshots.append(NodeSnapshot(member.node, member.usable_memory_bytes(backend), backend,
+        usable = max(0, member.usable_memory_bytes(backend) - (held or {}).get(member.node, 0))
+        snapshots.append(NodeSnapshot(member.node, usable, backend,
                                       timing.decode_ms_per_layer,
                                       timing.decode_batch_ms_per_layer,
                                       timing.prefill_ms_per_layer, tuple(links),
@@ -110,11 +114,12 @@ def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, M
 
 
 def plan_model(spec: ModelSpec, shape: ModelShape, config: FleetConfig,
-               members: Mapping[str, Member], measured: Measured = NOTHING_MEASURED) -> ModelPlan:
-    """Place `spec` on the members that may hold it now. An explicit placement that names a
-    node which is not live falls back to auto over what remains (fail-fast re-placement must
-    not wait for a dead node); the note says so."""
-    nodes, nominal = node_snapshots(spec, config, members, measured)
+               members: Mapping[str, Member], measured: Measured = NOTHING_MEASURED,
+               held: Mapping[str, int] | None = None) -> ModelPlan:
+    """Place `spec` on the members that may hold it now, beside what `held` keeps. An
+    explicit placement that names a node which is not live falls back to auto over what
+    remains (fail-fast re-placement must not wait for a dead node); the note says so."""
+    nodes, nominal = node_snapshots(spec, config, members, measured, held)
     if not nodes:
         return ModelPlan(None, f"{spec.id}: no live node may hold a stage (needs one of "
                                f"backends {', '.join(spec.backends)} and a checkpoint path)")
@@ -135,6 +140,44 @@ def plan_model(spec: ModelSpec, shape: ModelShape, config: FleetConfig,
         return ModelPlan(_with_note(auto, note, *nominal), note=note)
     except ValueError as exc:  # PlacementError: the inputs contradict each other
         return ModelPlan(None, str(exc))
+
+
+@dataclass(frozen=True)
+class ReplicasPlan:
+    """Placements for several replicas placed together, or why not (`error`)."""
+
+    placements: tuple[Placement, ...]
+    error: str = ""
+    note: str = ""  # as ModelPlan's
+
+
+def plan_replicas(spec: ModelSpec, shape: ModelShape, config: FleetConfig,
+                  members: Mapping[str, Member], measured: Measured, count: int,
+                  held: Mapping[str, int] | None = None) -> ReplicasPlan:
+    """`count` replicas of `spec` side by side (AUTO_REPLICAS: as many as fit), beside what
+    `held` keeps. One replica is `plan_model`'s, with its fallback for a lost node."""
+    if count == 1:
+        plan = plan_model(spec, shape, config, members, measured, held)
+        if plan.placement is None:
+            return ReplicasPlan((), plan.error)
+        return ReplicasPlan((plan.placement,), note=plan.note)
+    nodes, nominal = node_snapshots(spec, config, members, measured, held)
+    if not nodes:
+        return ReplicasPlan((), f"{spec.id}: no live node may hold a stage")
+    try:
+        found = most_replicas(spec, shape, nodes) if count == AUTO_REPLICAS \
+            else place_replicas(spec, shape, nodes, count)
+    except ValueError as exc:  # DoesNotFit, PlacementError
+        return ReplicasPlan((), str(exc))
+    return ReplicasPlan(tuple(_with_note(p, *nominal) for p in found))
+
+
+def held_bytes(stages: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """Bytes per node from (node, bytes) pairs: what running stages hold."""
+    out: dict[str, int] = {}
+    for node, nbytes in stages:
+        out[node] = out.get(node, 0) + nbytes
+    return out
 
 
 def _with_note(placement: Placement, *notes: str) -> Placement:

@@ -27,6 +27,7 @@ models:
       - {node: a, layers: "0:4"}
       - {node: b, layers: "4:8"}
 """
+RANK0_BYTES, RANK1_BYTES = 9_712_128, 8_654_848  # the demo's 0:4 and 4:8 at parallel 2
 POLICY = lc.Policy(backoff_first_s=1.0, backoff_max_s=8.0, start_timeout_s=100.0, drain_s=30.0)
 
 
@@ -35,9 +36,9 @@ def config(parallel: int = 2):
 
 
 def member(name: str, state: str = ALIVE, engines: dict[str, str] | None = None,
-           cordoned: bool = False) -> Member:
+           cordoned: bool = False, memory_bytes: int = 8 << 30) -> Member:
     facts = {"host": {}, "backends": [
-        {"backend": b, "present": True, "devices": [{"memory_usable_bytes": 8 << 30}]}
+        {"backend": b, "present": True, "devices": [{"memory_usable_bytes": memory_bytes}]}
         for b in ("torch-cpu", "mlx-cpu")]}
     views = {e: ReportedEngine(e, "", int(e[-1]), s,
                             {"reason": "killed by SIGKILL"} if s == "exited" else None)
@@ -56,8 +57,10 @@ def snap(replicas, members=None, now=10.0, healthy=(), cfg=None, epoch=0):
 def started(state: str = lc.STARTING, since: float = 5.0, failures: int = 0) -> lc.Replica:
     from supervisor.planning import spec_digest
 
-    stages = (lc.StageRecord(0, "a", "torch-cpu", (0, 4), "demo-g1-r0", "127.0.0.1", 9000, 9001),
-              lc.StageRecord(1, "b", "mlx-cpu", (4, 8), "demo-g1-r1", "127.0.0.1", 9002))
+    stages = (lc.StageRecord(0, "a", "torch-cpu", (0, 4), "demo-g1-r0", "127.0.0.1", 9000, 9001,
+                             RANK0_BYTES),
+              lc.StageRecord(1, "b", "mlx-cpu", (4, 8), "demo-g1-r1", "127.0.0.1", 9002, 0,
+                             RANK1_BYTES))
     return lc.Replica("demo-g1", "demo", 1, state, since, spec_digest(config().model("demo")),
                       failures=failures, stages=stages, master_port=9003)
 
@@ -151,11 +154,42 @@ def test_a_join_changes_nothing_for_a_serving_replica():
     assert lc.decide(snap([started(lc.SERVING)], members=members)) == []
 
 
-def test_a_changed_spec_drains_first_then_stops_then_replaces():
+def test_a_changed_spec_with_room_starts_the_successor_before_the_old_one_drains():
     serving = started(lc.SERVING)
-    actions = lc.decide(snap([serving], members=both(("ready", "ready")), cfg=config(3)))
+    members = both(("ready", "ready"))
+    [made] = lc.decide(snap([serving], members=members, cfg=config(3)))
+    successor = made.replica
+    assert successor.state == lc.PLACING and successor.replaces == "demo-g1"
+    assert (successor.id, successor.slot) == ("demo-g2", 0)
+    [start] = lc.decide(snap([serving, successor], members=members, cfg=config(3)))
+    assert start.replica.id == "demo-g2" and start.placement.ring == ("a", "b")
+    # the old stages' memory is held: the new ones were placed beside them, on other ports
+    assert not {p for s in start.replica.stages for p in s.ports()} & {9000, 9001, 9002, 9003}
+    ready = {"a": {}, "b": {}}
+    for st in (*serving.stages, *start.replica.stages):
+        ready[st.node][st.engine_id] = "ready"
+    members = {name: member(name, engines=engines) for name, engines in ready.items()}
+    warming = replace(start.replica, state=lc.WARMING)
+    assert lc.decide(snap([serving, warming], members=members, cfg=config(3))) == []
+    actions = lc.decide(snap([serving, warming], members=members, cfg=config(3),
+                             healthy={"demo-g2"}))
+    assert [a.replica.state for a in only(actions, lc.Record)] == [lc.SERVING]
+    new = only(actions, lc.Record)[0].replica
+    actions = lc.decide(snap([serving, new], members=members, cfg=config(3)))
+    [record], [stop] = only(actions, lc.Record), only(actions, lc.StopEngines)
+    assert record.replica.id == "demo-g1" and record.replica.state == lc.DRAINING
+    assert record.replica.reason.startswith("fleet.yaml changed this model; demo-g2 serves")
+    assert stop.drain_s == 30.0
+
+
+def test_a_changed_spec_without_room_drains_first_then_stops_then_replaces():
+    serving = started(lc.SERVING)
+    small = {"a": member("a", engines={"demo-g1-r0": "ready"}, memory_bytes=RANK0_BYTES + 10),
+             "b": member("b", engines={"demo-g1-r1": "ready"}, memory_bytes=RANK1_BYTES + 10)}
+    actions = lc.decide(snap([serving], members=small, cfg=config(3)))
     [record], [stop] = only(actions, lc.Record), only(actions, lc.StopEngines)
     assert record.replica.state == lc.DRAINING and "fleet.yaml changed" in record.replica.reason
+    assert "no room for its successor beside it" in record.replica.reason
     assert stop.drain_s == 30.0
     draining = record.replica
     assert lc.decide(snap([draining], members=both(("draining", "exited")), cfg=config(3))) == []
@@ -171,18 +205,29 @@ def test_a_drain_that_outlives_its_deadline_counts_as_stopped():
     assert stopped.replica.state == lc.STOPPED
 
 
-def test_a_cordoned_node_drains_its_replicas():
+def test_a_cordoned_node_gets_a_successor_elsewhere_first():
     members = both(("ready", "ready"))
     members["b"] = replace(members["b"], cordoned=True)
-    record = only(lc.decide(snap([started(lc.SERVING)], members=members)), lc.Record)[0]
-    assert record.replica.state == lc.DRAINING and "node b is being drained" in record.replica.reason
+    [made] = lc.decide(snap([started(lc.SERVING)], members=members))
+    assert made.replica.state == lc.PLACING and made.replica.replaces == "demo-g1"
+    [start] = lc.decide(snap([started(lc.SERVING), made.replica], members=members))
+    assert start.placement.ring == ("a",)  # beside the old rank 0, off the cordoned node
 
 
 def test_rebalance_moves_only_a_replica_whose_placement_changed():
     # Placed on `a` alone while `b` was gone; a rebalance with `b` back returns to fleet.yaml's.
     lone = replace(started(lc.SERVING), stages=started().stages[:1])
     members = {"a": member("a", engines={"demo-g1-r0": "ready"}), "b": member("b")}
-    record = only(lc.decide(snap([lone], members=members, epoch=1)), lc.Record)[0]
+    [record] = only(lc.decide(snap([lone], members=members, epoch=1)), lc.Record)
+    assert record.replica.state == lc.PLACING and record.replica.replaces == "demo-g1"
+    [start] = lc.decide(snap([lone, record.replica], members=members, epoch=1))
+    assert start.placement.ring == ("a", "b")
+    # no room for the rebalanced placement beside it: it drains first
+    tight = {"a": member("a", engines={"demo-g1-r0": "ready"}, memory_bytes=2 * RANK0_BYTES),
+             "b": member("b")}
+    lone_full = replace(lone, stages=(replace(lone.stages[0], layer_range=(0, 8),
+                                              memory_bytes=2 * RANK0_BYTES - RANK0_BYTES // 2),))
+    record = only(lc.decide(snap([lone_full], members=tight, epoch=1)), lc.Record)[0]
     assert record.replica.state == lc.DRAINING and record.replica.reason.startswith("rebalance")
     [seen] = lc.decide(snap([started(lc.SERVING)], members=both(("ready", "ready")), epoch=1))
     assert seen.replica.state == lc.SERVING and seen.replica.rebalance_epoch == 1
@@ -223,7 +268,8 @@ def test_placing_chooses_ports_from_the_snapshot_and_starts():
 def test_ports_skip_running_replicas_and_busy_ones_and_go_round_the_range():
     running = started(lc.SERVING)  # 9000..9003 on 127.0.0.1 (9003 its control port)
     placing = replace(lc.decide(snap([]))[0].replica, id="demo-g2", generation=2)
-    s = replace(snap([running, placing]), engine_ports=(9000, 9008),
+    s = replace(snap([running, placing], members=both(("ready", "ready"))),
+                engine_ports=(9000, 9008),
                 busy_ports=frozenset({("127.0.0.1", 9005)}))
     [start] = lc.decide(s)
     # after the last replica's ports (9002), past the busy 9005, then round to the end

@@ -1,0 +1,175 @@
+"""The records the replica lifecycle decides over and the actions it returns: a replica and
+its stages as stored, the frozen snapshot `decide` reads, and the policy's timings.
+`supervisor/lifecycle.py` holds the decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.addresses import format_host_port
+from supervisor.fleet_config import FleetConfig
+from supervisor.measurements import NOTHING_MEASURED, Measured
+from supervisor.membership import Member
+from supervisor.memory import ModelShape
+from supervisor.placement import Placement
+
+
+@dataclass(frozen=True)
+class Policy:
+    backoff_first_s: float = 1.0
+    backoff_max_s: float = 60.0
+    start_timeout_s: float = 600.0  # placed to serving
+    drain_s: float = 180.0  # in-flight requests get this long
+    drain_grace_s: float = 30.0  # then the replica counts as stopped whatever the agents say
+
+    def backoff_s(self, failures: int) -> float:
+        return min(self.backoff_max_s, self.backoff_first_s * 2 ** max(0, failures - 1))
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    rank: int
+    node: str
+    backend: str
+    layer_range: tuple[int, int]
+    engine_id: str
+    host: str  # the node's address (its member's host)
+    listen_port: int
+    http_port: int = 0  # rank 0 only
+    memory_bytes: int = 0  # what placement charged it: held while it runs
+
+    def ports(self) -> tuple[int, ...]:
+        return (self.listen_port, self.http_port) if self.http_port else (self.listen_port,)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self), layer_range=list(self.layer_range))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> StageRecord:
+        return cls(**dict(raw, layer_range=tuple(raw["layer_range"])))
+
+
+@dataclass(frozen=True)
+class Replica:
+    id: str
+    model_id: str
+    generation: int
+    state: str
+    since: float  # when it entered this state
+    spec_digest: str
+    rebalance_epoch: int = 0
+    failures: int = 0  # failures in a row of this model (reset when one serves)
+    next_attempt_at: float = 0.0  # failed / stopped: the next generation not before this
+    reason: str = ""
+    stages: tuple[StageRecord, ...] = ()
+    master_port: int = 0
+    placement_id: str = ""
+    why: tuple[str, ...] = ()
+    note: str = ""  # about the placement, e.g. an explicit one replaced while a node is gone
+    slot: int = 0  # which of the model's replicas this is (a generation of that slot)
+    replaces: str = ""  # the serving replica this one takes over from (make before break)
+    model_replicas: int = 1  # the model's replica count when placed (0: auto, not yet counted)
+    started_at: float = 0.0  # when its stages were asked to start
+    load_s: float = 0.0  # from start to serving, once it served
+
+    @property
+    def url(self) -> str:
+        """Rank 0's OpenAI base URL ("" before the stages exist)."""
+        if not self.stages:
+            return ""
+        return f"http://{format_host_port(self.stages[0].host, self.stages[0].http_port)}"
+
+    def layout(self) -> tuple[tuple[str, str, tuple[int, int]], ...]:
+        return tuple((s.node, s.backend, s.layer_range) for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self), stages=[s.to_dict() for s in self.stages], why=list(self.why),
+                    url=self.url)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Replica:
+        raw = {k: v for k, v in raw.items() if k != "url"}
+        return cls(**dict(raw, stages=tuple(StageRecord.from_dict(s) for s in raw["stages"]),
+                          why=tuple(raw.get("why", ()))))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    desired: FleetConfig | None
+    members: Mapping[str, Member]
+    replicas: Mapping[str, Replica]  # every replica the state keeps
+    shapes: Mapping[str, ModelShape | str]  # per model: its shape, or why it is unknown
+    healthy: frozenset[str] = frozenset()  # replicas whose rank 0 answered /health
+    rebalance_epoch: int = 0
+    policy: Policy = Policy()
+    measured: Measured = NOTHING_MEASURED
+    engine_ports: tuple[int, int] = (29600, 29999)  # the range stages listen in, every node
+    # (host, port) pairs found taken by another process when a start was about to use them
+    busy_ports: frozenset[tuple[str, int]] = frozenset()
+
+
+# --- actions ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Record:
+    """Store this replica as it is now (new, or changed state)."""
+
+    replica: Replica
+
+
+@dataclass(frozen=True)
+class StartStages:
+    """Write the link key and spawn every stage of `replica` (starting, its ports chosen);
+    then store it."""
+
+    replica: Replica
+    placement: Placement = field(compare=False)
+
+
+@dataclass(frozen=True)
+class StopEngines:
+    """Ask the agents to drain every engine of the replica (SIGTERM: in-flight finish)."""
+
+    replica: Replica
+    drain_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class ForgetEngine:
+    """An ended replica's engine has exited: the agent may drop its record."""
+
+    node: str
+    engine_id: str
+
+
+Action = Record | StartStages | StopEngines | ForgetEngine
+
+
+def latest_by_model(replicas: Mapping[str, Replica]) -> dict[str, Replica]:
+    out: dict[str, Replica] = {}
+    for r in replicas.values():
+        if r.model_id not in out or r.generation > out[r.model_id].generation:
+            out[r.model_id] = r
+    return out
+
+
+def engine_owners(replicas: Mapping[str, Replica]) -> dict[str, str]:
+    """engine id -> the node its stage was placed on: the one agent that may report it."""
+    return {s.engine_id: s.node for r in replicas.values() for s in r.stages}
+
+
+def foreign_engines(node: str, engine_ids: list[str],
+                    replicas: Mapping[str, Replica]) -> dict[str, str]:
+    """The engines among `engine_ids` that run on another node than `node`, with that node.
+    Engines no replica names (pruned history) belong to nobody and are not foreign."""
+    owners = engine_owners(replicas)
+    return {e: owners[e] for e in engine_ids if owners.get(e, node) != node}
+
+
+def replica_id(model_id: str, generation: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in model_id)
+    return f"{safe}-g{generation}"
