@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.pipeline.runner import LocalRunner
 from engine.rounds import RoundPlan
 
@@ -24,8 +25,16 @@ class StallingRunner(LocalRunner):
         self.stalled, self.release = threading.Event(), threading.Event()
 
     def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+        self._maybe_stall()
+        return super().run_round(plan, token_ids)
+
+    def sample_round(self, plan: RoundPlan, token_ids: Sequence[int],
+                     batch: SamplingBatch) -> SampledRows:
+        self._maybe_stall()
+        return super().sample_round(plan, token_ids, batch)
+
+    def _maybe_stall(self) -> None:
         self.rounds += 1
         if self.rounds > self.free_rounds:
             self.stalled.set()
             self.release.wait(STALL_LIMIT_S)
-        return super().run_round(plan, token_ids)

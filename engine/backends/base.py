@@ -11,13 +11,14 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engine.checkpoint.quantize import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
+from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.link.messages import BACKENDS
 from engine.rounds import RoundPlan, RowLayout
 from engine.row_format import RowFormat
@@ -168,6 +169,18 @@ class Stage(ABC):
         with self._computing():
             return self._to_numpy(self.model.logits(rows))
 
+    def sample(self, rows: Any, batch: SamplingBatch) -> SampledRows:
+        """Final norm, head and sampling over returned rows, all on this stage's device.
+
+        Only token ids and the logprobs asked for come to the host (and every row's logits
+        when `batch.keep_logits`, for tests and traces)."""
+        with self._computing():
+            logits = self.model.logits(rows)
+            sampled = self._sample(logits, batch)
+            if batch.keep_logits:
+                sampled = replace(sampled, logits=self._to_numpy(logits))
+            return sampled
+
     def rows_from_bytes(self, data: bytes | bytearray | memoryview, n_rows: int) -> Any:
         """Rows from a neighbour's bytes in this stage's row format, bit for bit.
 
@@ -231,6 +244,10 @@ class Stage(ABC):
     @abstractmethod
     def _to_numpy(self, logits: Any) -> Any:
         """Logits [rows, vocab] float32 as a numpy array the caller owns."""
+
+    @abstractmethod
+    def _sample(self, logits: Any, batch: SamplingBatch) -> SampledRows:
+        """The batch's draws from logits [rows, vocab] on the device (engine.lanes.sampler's rule)."""
 
 
 def load_stage(spec: StageSpec, *, checkpoint: Checkpoint | None = None,

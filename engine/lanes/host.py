@@ -5,7 +5,9 @@ prompt chunks (at most `chunk` prompt rows a round, in slot order) for streams t
 still reading their prompt. Each round is decided by `engine.pipeline.round_builder` from
 a frozen view of the streams and the slot table; the host applies the admissions and
 releases it returns, then runs the plan. A round runs on one worker thread, so the event
-loop stays free for HTTP while the model computes; sampling happens back on the loop.
+loop stays free for HTTP while the model computes; its rows are sampled inside the round,
+on the head's device (`SamplingBatch` says how each row draws), and only token ids and
+logprobs come back: the loop turns them into text and events.
 
 Whatever goes wrong while sampling or detokenizing one stream ends that stream alone (a
 `Failed` event with `per_request` set, its slot cancelled next round); only a failed round
@@ -25,7 +27,14 @@ from typing import Protocol
 import numpy as np
 import structlog
 
-from engine.lanes.sampler import Choice, Sampler, SamplingParams
+from engine.lanes.sampler import (
+    Choice,
+    RowDraw,
+    SampledRows,
+    Sampler,
+    SamplingBatch,
+    SamplingParams,
+)
 from engine.lanes.text import TextCodec, TextStream
 from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
 from engine.pipeline.runner import RoundRunner
@@ -46,8 +55,6 @@ class TokenMetrics(Protocol):
     """Where each sampled token is counted (engine.api.metrics in a served engine)."""
 
     def token(self, *, first: bool, since_s: float) -> None: ...
-
-    def round_done(self, *, decode_rows: int, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,8 @@ class LaneHost:
         self.chunk = chunk
         self.max_waiting = max_waiting
         self.metrics = metrics
-        self.on_round = on_round  # sees every round's logits (tests, traces)
+        # Sees every round's logits (tests, traces): only then do they come to the host.
+        self.on_round = on_round
         self.slots: list[Stream | None] = [None] * runner.slots.parallel
         self.waiting: deque[Stream] = deque()
         self.failure: str | None = None
@@ -160,7 +168,7 @@ class LaneHost:
             raise EngineFailed(self.failure)
         if self.draining:
             raise Busy("the engine is draining: it takes no new requests")
-        stream = Stream(request, TextStream(self.codec, request.stop, []), Sampler(request.sampling))
+        stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
         free = next((i for i, s in enumerate(self.slots) if s is None), None)
         if free is not None:
             self.slots[free], stream.slot = stream, free
@@ -218,35 +226,18 @@ class LaneHost:
                 await self._wake.wait()
                 continue
             plan, token_ids = built.plan, built.token_ids
-            decode_rows = self._decode_rows(plan)
-            started_s = time.monotonic()
+            draws = self._draws(plan)
+            batch = SamplingBatch.of(list(draws.values()), keep_logits=self.on_round is not None)
             try:
-                logits = await loop.run_in_executor(
-                    self._executor, self.runner.run_round, plan, token_ids)
+                sampled = await loop.run_in_executor(
+                    self._executor, self.runner.sample_round, plan, token_ids, batch)
             except Exception as exc:  # noqa: BLE001 - any failed round is fatal: fail fast
                 log.error("round failed", round=plan.round_no, error=str(exc))
                 self.fail(f"round {plan.round_no} failed: {exc}")
                 return
-            if self.metrics is not None:
-                self.metrics.round_done(decode_rows=decode_rows,
-                                        seconds=time.monotonic() - started_s)
             if self.on_round:
-                self.on_round(plan, logits)
-            self._deliver(plan, logits)
-
-    def _decode_rows(self, plan: RoundPlan) -> int:
-        """The round's row count when every row is a decode row (one row per stream, each
-        past its prompt), else 0: a prompt chunk's round is not what decode ms/token means."""
-        rows = 0
-        for entry in plan.entries:
-            if entry.rows == 0:
-                continue
-            stream = self.slots[entry.stream_id]
-            if (entry.rows != 1 or stream is None
-                    or entry.first < len(stream.request.prompt_ids)):
-                return 0
-            rows += 1
-        return rows
+                self.on_round(plan, sampled.logits)
+            self._deliver(plan, sampled, list(draws))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -269,24 +260,39 @@ class LaneHost:
             self.round_no = built.plan.round_no
         self._note_settled()
 
-    def _deliver(self, plan: RoundPlan, logits: np.ndarray) -> None:
-        now = time.monotonic()
+    def _draws(self, plan: RoundPlan) -> dict[int, RowDraw]:
+        """Stream id -> its draw, for every stream whose returned row this round predicts
+        its next token (a decode row, or the chunk that ends its prompt)."""
+        draws: dict[int, RowDraw] = {}
         returned = 0
+        for entry in plan.entries:
+            if entry.op in (Op.CLOSE, Op.CANCEL):
+                continue
+            stream, row = self.slots[entry.stream_id], returned
+            returned += 1
+            if stream.fed + entry.rows < len(stream.request.prompt_ids):
+                continue  # a mid-prompt chunk: its last row predicts nothing we need
+            if not (stream.cancelled or stream.finished):
+                draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs or 0)
+        return draws
+
+    def _deliver(self, plan: RoundPlan, sampled: SampledRows, drawn: list[int]) -> None:
+        """drawn: the stream ids of the round's draws, in the batch's order."""
+        now = time.monotonic()
+        at = {stream_id: i for i, stream_id in enumerate(drawn)}
         for entry in plan.entries:
             stream = self.slots[entry.stream_id]
             if entry.op in (Op.CLOSE, Op.CANCEL):
                 self.slots[entry.stream_id] = None
                 continue
-            row = logits[returned]
-            returned += 1
             if stream.fed < len(stream.request.prompt_ids):
                 stream.fed += entry.rows
                 if stream.fed < len(stream.request.prompt_ids):
                     continue  # a mid-prompt chunk: its last row predicts nothing we need
-            if stream.cancelled or stream.finished:
+            if stream.cancelled or stream.finished or entry.stream_id not in at:
                 continue
             try:
-                self._sample(stream, row, now)
+                self._take(stream, sampled, at[entry.stream_id], now)
             except Exception as exc:  # noqa: BLE001 - one stream's fault ends that stream only
                 log.warning("stream failed", round=plan.round_no, stream=entry.stream_id,
                             error=f"{type(exc).__name__}: {exc}")
@@ -299,9 +305,10 @@ class LaneHost:
         if self.idle():
             self._settled.set()
 
-    def _sample(self, stream: Stream, row: np.ndarray, now: float) -> None:
+    def _take(self, stream: Stream, sampled: SampledRows, i: int, now: float) -> None:
+        """Hand out the token drawn at batch position `i`: its text, and the end it may make."""
         request = stream.request
-        choice = stream.sampler.choose(row, request.top_logprobs or 0)
+        choice = stream.sampler.take(sampled, i, request.top_logprobs or 0)
         stream.generated.append(choice.token_id)
         if self.metrics is not None:
             self.metrics.token(first=stream.last_token_s is None,

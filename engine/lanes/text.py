@@ -1,9 +1,8 @@
-"""Text in and out: the checkpoint's tokenizer, its chat template, and stop strings."""
+"""Text in and out: the checkpoint's tokenizer, its chat template, incremental decoding and stop strings."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ class TextCodec:
         self.chat_template = read_chat_template(model_dir, config)
         self._template = compile_chat_template(self.chat_template) if self.chat_template else None
         self.stop_token_ids = self._stop_token_ids(model_dir)
+        self.byte_tokens = byte_fallback_ids(self.tokenizer)
 
     def _stop_token_ids(self, model_dir: Path) -> frozenset[int]:
         ids: set[int] = set()
@@ -76,41 +76,116 @@ class TextCodec:
             raise ChatTemplateError(f"chat template: {exc}") from exc
 
 
-@dataclass
-class TextStream:
-    """Turns a growing list of token ids into text deltas, holding back what may be a stop.
+class IncrementalDecoder:
+    """Token ids to text one token at a time, at a cost that does not grow with the output.
 
-    Text that ends in an incomplete UTF-8 sequence, or in the start of a stop string, is
-    held until the next token decides it.
+    The prefix-offset scheme (as vLLM's): decode only a window that starts at the tokens of
+    the last text handed out, and hand out what the new tokens add to that context's text
+    once it is stable. Decoding the context with them keeps every decoder's rule that looks
+    at neighbours (a SentencePiece leading space, bytes that make up one character).
+
+    Stable means: the window's text does not end in U+FFFD (a character whose bytes are
+    still arriving) and, for a byte-fallback tokenizer, the last token decoded is not a
+    byte token (`<0xE5>`; a skipped special token between bytes does not end their run):
+    that decoder turns a whole run of byte tokens into U+FFFDs when the run is not valid
+    UTF-8, so a later byte can change text an earlier one made. Joined with
+    `flush`, the pieces are exactly the full decode. The window grows only while text
+    stays unstable (a run of byte tokens, an invalid sequence).
+
+    `tokenizers`' own DecodeStream does the same windowing, but has no flush for a tail
+    that never becomes stable and hands out a byte-fallback run before it is final.
     """
 
-    codec: TextCodec
-    stops: tuple[str, ...]
-    ids: list[int]
-    sent: int = 0  # characters already handed out
-    stopped: bool = False
+    def __init__(self, tokenizer: Tokenizer, *, byte_tokens: frozenset[int] = frozenset(),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.byte_tokens = byte_tokens  # byte_fallback_ids(tokenizer), read once per tokenizer
+        # Tokens the decode drops: they neither end nor extend a run of byte tokens.
+        self.skipped = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        ) if byte_tokens and skip_special_tokens else frozenset()
+        self.in_byte_run = False
+        self.window: list[int] = []  # the context tokens, then the tokens not yet handed out
+        self.context = 0  # how many of `window` are context (their text is already out)
+        self.context_text = ""  # the window's context decoded on its own
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.codec.decode(self.ids)
-        for stop in self.stops:
-            at = text.find(stop, max(0, self.sent - len(stop)))
-            if at != -1:
-                self.stopped = True
-                return self._take(text[:at])
-        if text.endswith("\ufffd"):
+        """The text this token settles (often "", then several tokens' text at once)."""
+        self.window.append(token_id)
+        if token_id not in self.skipped:
+            self.in_byte_run = token_id in self.byte_tokens
+        if self.in_byte_run:
             return ""
-        hold = max((_overlap(text, stop) for stop in self.stops), default=0)
-        return self._take(text[: len(text) - hold])
+        text = self._decode(self.window)
+        if len(text) <= len(self.context_text) or text.endswith("\ufffd"):
+            return ""
+        self.window = self.window[self.context:]
+        self.context = len(self.window)
+        added, self.context_text = text[len(self.context_text):], self._decode(self.window)
+        return added
+
+    def flush(self) -> str:
+        """Whatever the window holds that never became stable (the output has ended)."""
+        added = self._decode(self.window)[len(self.context_text):]
+        self.window, self.context, self.context_text = [], 0, ""
+        self.in_byte_run = False
+        return added
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of `<0xNN>` tokens when the decoder is byte-fallback, else none."""
+    if "ByteFallback" not in json.dumps(json.loads(tokenizer.to_str()).get("decoder")):
+        return frozenset()
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    return frozenset(i for t, i in vocab.items()
+                     if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+
+
+class TextStream:
+    """Turns a stream's token ids, one at a time, into text deltas, holding back what may be a stop.
+
+    Text the incremental decoder has not settled, and text that may be the start of a stop
+    string, is held until a later token decides it; only that held tail is searched, so a
+    token's cost does not grow with the output either.
+    """
+
+    def __init__(self, codec: TextCodec, stops: tuple[str, ...]) -> None:
+        self.codec = codec
+        self.stops = stops
+        self.decoder = IncrementalDecoder(codec.tokenizer, byte_tokens=codec.byte_tokens)
+        self.held = ""  # settled text not handed out: it may start a stop string
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self.held += self.decoder.push(token_id)
+        return self._release()
 
     def flush(self) -> str:
         """The rest of the text once the stream ends for a reason other than a stop string."""
-        return "" if self.stopped else self._take(self.codec.decode(self.ids))
+        if self.stopped:
+            return ""
+        self.held += self.decoder.flush()
+        out = self._release()
+        if self.stopped:
+            return out
+        out, self.held = out + self.held, ""
+        return out
 
-    def _take(self, text: str) -> str:
-        delta = text[self.sent:]
-        self.sent = max(self.sent, len(text))
-        return delta
+    def _release(self) -> str:
+        # Text already handed out never ends in a stop's start (that was held), so a stop
+        # can only begin inside `held`.
+        found = [at for stop in self.stops if (at := self.held.find(stop)) != -1]
+        if found:
+            self.stopped = True
+            out, self.held = self.held[:min(found)], ""
+            return out
+        hold = max((_overlap(self.held, stop) for stop in self.stops), default=0)
+        out, self.held = self.held[:len(self.held) - hold], self.held[len(self.held) - hold:]
+        return out
 
 
 def _overlap(text: str, stop: str) -> int:

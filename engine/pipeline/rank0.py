@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
 
 from engine.backends.base import Stage
+from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.link.errors import ProtocolError, UnexpectedFrame
 from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
@@ -24,6 +26,8 @@ from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
 
 
 class PipelineRunner:
@@ -72,13 +76,26 @@ class PipelineRunner:
         raise UnexpectedFrame(f"a follower sent {frame.kind.name} on the control link")
 
     def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+        """The returned rows' logits on the host (the harness's driver, tests)."""
+        result = self._guarded(plan, token_ids, self.stage.logits)
+        return np.empty((0, 0), dtype=np.float32) if result is None else result
+
+    def sample_round(self, plan: RoundPlan, token_ids: Sequence[int],
+                     batch: SamplingBatch) -> SampledRows:
+        """The batch's draws, sampled on rank 0's device: logits never reach the host."""
+        result = self._guarded(plan, token_ids, lambda back: self.stage.sample(back, batch))
+        return SampledRows.empty() if result is None else result
+
+    def _guarded(self, plan: RoundPlan, token_ids: Sequence[int],
+                 head: Callable[[Any], T]) -> T | None:
         try:
-            return self._run_round(plan, token_ids)
+            return self._run_round(plan, token_ids, head)
         except Exception as error:
             self.fate.fail(error)  # every follower learns the reason and exits
             raise
 
-    def _run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+    def _run_round(self, plan: RoundPlan, token_ids: Sequence[int],
+                   head: Callable[[Any], T]) -> T | None:
         clock = RoundClock()
         for link in self.ring.control.values():
             link.send_message(plan, deadline_s=self.round_deadline_s)
@@ -87,7 +104,7 @@ class PipelineRunner:
         rows = self.stage.forward(plan, None, token_ids)
         clock.mark("compute")  # on a GPU: launching the kernels
         if not plan.total_rows:
-            return np.empty((0, 0), dtype=np.float32)
+            return None
         data = self.stage.rows_to_bytes(rows)
         clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
         self.ring.to_next.send(FrameKind.ROWS, data, plan.round_no, plan.total_rows,
@@ -97,10 +114,10 @@ class PipelineRunner:
                             len(plan.returned_rows()), self.round_deadline_s,
                             self.ring.rows_buffer)
         clock.mark("ring")  # every other stage, and every hop
-        logits = self.stage.logits(back)
-        clock.mark("head")
+        result = head(back)
+        clock.mark("head")  # and sampling, when the head samples
         self.timings.append({"rows": plan.total_rows, **clock.phases_ms})
-        return logits
+        return result
 
     def stop(self, reason: str, *, clean: bool) -> None:
         """End the replica: GOODBYE (followers exit 0) when clean, else ABORT with `reason`."""

@@ -1,7 +1,8 @@
 """Round runners: what runs one round over the whole model for rank 0, and the one-process kind.
 
-The lane host (and the harness's round driver) hand a runner one plan and its token ids
-at a time and get back the logits of the rows that return to rank 0. `LocalRunner` holds
+The lane host hands a runner one plan, its token ids and its draws at a time and gets back
+the sampled tokens (`sample_round`: sampled where the logits are); the harness's round
+driver and tests get the returned rows' logits instead (`run_round`). `LocalRunner` holds
 every layer in this process; `engine.pipeline.rank0.PipelineRunner` sends the plan round
 a ring of stages.
 """
@@ -15,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.backends.base import Stage
+from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RoundPlan
 from engine.slots import SlotTable
 
@@ -26,6 +28,10 @@ class RoundRunner(Protocol):
     stage: Stage  # rank 0's own stage
 
     def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray: ...
+
+    def sample_round(self, plan: RoundPlan, token_ids: Sequence[int],
+                     batch: SamplingBatch) -> SampledRows:
+        """The round, then the batch's draws from its returned rows, on the head's device."""
 
     def start(self, loop: asyncio.AbstractEventLoop, on_drain: Callable[[], None]) -> None:
         """Begin any background work (a pipeline's keep-alives); `on_drain`: a stage asks."""
@@ -49,6 +55,11 @@ class LocalRunner:
     def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
         rows = self.stage.forward(plan, None, token_ids)
         return self.stage.logits(rows)
+
+    def sample_round(self, plan: RoundPlan, token_ids: Sequence[int],
+                     batch: SamplingBatch) -> SampledRows:
+        rows = self.stage.forward(plan, None, token_ids)
+        return self.stage.sample(rows, batch) if plan.total_rows else SampledRows.empty()
 
     def start(self, loop: asyncio.AbstractEventLoop, on_drain: Callable[[], None]) -> None:
         """One process has no peers to keep alive or to ask for a drain."""

@@ -29,12 +29,10 @@ POISON_STOP = "poison-stop"  # the text of a stream with this stop string fails 
 
 
 class FaultySampler(Sampler):
-    def choose(self, logits, top_logprobs=0):
-        if self.params.seed == POISON_SEED:
-            self.drawn = getattr(self, "drawn", 0) + 1
-            if self.drawn > 3:
-                raise ValueError("injected sampler fault")
-        return super().choose(logits, top_logprobs)
+    def take(self, sampled, i, top_logprobs):
+        if self.params.seed == POISON_SEED and self.drawn >= 3:
+            raise ValueError("injected sampler fault")
+        return super().take(sampled, i, top_logprobs)
 
 
 class FaultyText(TextStream):

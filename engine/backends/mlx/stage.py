@@ -10,12 +10,14 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
+from engine.backends.mlx import sampling
 from engine.backends.mlx.kv_cache import KVCache
 from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.backends.mlx.qwen3_5 import Qwen35Range
 from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
+from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
 
@@ -140,3 +142,6 @@ class MlxStage(Stage):
     def _to_numpy(self, logits: mx.array) -> np.ndarray:
         mx.eval(logits)
         return np.array(logits, copy=True)  # [rows, vocab] float32
+
+    def _sample(self, logits: mx.array, batch: SamplingBatch) -> SampledRows:
+        return sampling.sample(logits, batch)

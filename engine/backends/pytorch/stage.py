@@ -8,13 +8,14 @@ import numpy as np
 import torch
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
-from engine.backends.pytorch import delta_kernels, dequant, packed_linear
+from engine.backends.pytorch import delta_kernels, dequant, packed_linear, sampling
 from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
 from engine.backends.pytorch.qwen3_5 import Qwen35Range, layer_counts
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
 from engine.config import ModelConfig
+from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
 
@@ -118,3 +119,6 @@ class TorchStage(Stage):
 
     def _to_numpy(self, logits: torch.Tensor) -> np.ndarray:
         return logits.cpu().numpy()
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
+        return sampling.sample(logits, batch)
