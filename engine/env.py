@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
-from engine.backends.base import DELTA_KERNELS, QUANT_MODES, StageSpec
+from engine.backends.base import DELTA_KERNELS, StageSpec
+from engine.backends.quant_policy import QUANT_MODES
 from engine.link.accept_loop import HANDSHAKE_DEADLINE_S
 from engine.link.messages import BACKENDS
 
@@ -98,7 +99,7 @@ class EngineEnv:
     log_level: str = "info"  # debug adds each round's timing per stage
     cuda_graphs: bool = True  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
     delta_kernel: str = "auto"  # a hybrid's gated delta rule on PyTorch: auto, torch or fla
-    quant: str = "packed"  # a PyTorch stage's mlx-lm packed weights: packed or dense
+    quant: str = "auto"  # a PyTorch stage's mlx-lm packed weights: auto, packed or dense
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None

@@ -30,9 +30,10 @@ def read_config(spec: ModelSpec) -> tuple[dict[str, Any], ModelShape] | str:
             continue
         try:
             # The dtype the engine will load (`dtype` as transformers 5 writes it, or
-            # `torch_dtype`), by the engine's own rule, so a float32 checkpoint counts 4 bytes.
+            # `torch_dtype`), by the engine's own rule, so a float32 checkpoint counts 4 bytes;
+            # a quantized one's packed weights as the model's backends will hold them.
             dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
-            return raw, model_shape_from_config(raw, dtype_bytes)
+            return raw, model_shape_from_config(raw, dtype_bytes, spec.backends)
         except (ShapeError, ConfigError, TypeError) as exc:
             return f"{config_path}: {exc}"
     return (f"no checkpoint path of {spec.id} has a readable config.json on the supervisor's "

@@ -14,11 +14,17 @@ margin the agent keeps out of "usable".
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
+from engine.backends.quant_policy import held_bytes, runs_packed
+from engine.checkpoint.quantize import QuantConfig, QuantConfigError
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
+from engine.family import end_tensor_shapes, layer_tensor_shapes
+from engine.link.messages import BACKENDS
 
 LOGIT_BYTES = 4  # rank 0 samples from float32 logits, whatever the weights' dtype
 # The delta-rule state is float32 whatever the weights' dtype, as both backends keep it (it
@@ -210,7 +216,8 @@ def format_bytes(count: float) -> str:
     return f"{count / 1e6:.1f} MB"
 
 
-def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int) -> ModelShape:
+def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
+                            backends: Sequence[str] = ()) -> ModelShape:
     """Byte counts of a decoder from its Hugging Face `config.json`, per layer type.
 
     Full-attention layers: q/k/v/o, gate/up/down, the two norms, q/k/v biases (Qwen2, or any
@@ -220,7 +227,8 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int) -> Mo
     convolution, dt bias, A, the gated norm and out_proj, with the MLP and two norms; their
     state per stream is the conv window and the delta-rule state. Also the embeddings, the
     final norm, and the head unless `tie_word_embeddings`. Every weight is taken to be
-    `dtype_bytes` per element.
+    `dtype_bytes` per element, unless the checkpoint is mlx-lm-quantized: then each packed
+    weight counts what the stage will hold (`packed_weight_bytes`).
     """
     if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
         raise ShapeError(f"dtype_bytes = {dtype_bytes!r}: expected a positive integer")
@@ -240,11 +248,20 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int) -> Mo
             LINEAR_ATTENTION, (around + _deltanet_elements(config)) * dtype_bytes,
             state_bytes_per_slot=_deltanet_state_bytes(config, dtype_bytes))
     embedding = config.vocab_size * hidden * dtype_bytes
+    head = 0 if config.tie_word_embeddings else embedding
+    try:
+        quant = QuantConfig.from_config(config_json)
+    except QuantConfigError as exc:
+        raise ShapeError(str(exc)) from exc
+    if quant is not None:
+        packed = packed_weight_bytes(config, quant, dtype_bytes, backends)
+        types = {name: replace(t, weight_bytes=packed[name]) for name, t in types.items()}
+        embedding, head = packed["embedding"], packed["head"]
     return ModelShape(
         layers=tuple(types[name] for name in config.layer_types),
         embedding_bytes=embedding,
         final_norm_bytes=hidden * dtype_bytes,
-        head_bytes=0 if config.tie_word_embeddings else embedding,
+        head_bytes=head,
         hidden_size=hidden,
         row_bytes=hidden * dtype_bytes,
         vocab_size=config.vocab_size,
@@ -279,3 +296,47 @@ def _deltanet_state_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     delta = (config.linear_num_value_heads * config.linear_key_head_dim
              * config.linear_value_head_dim * RECURRENT_STATE_ITEM_BYTES)
     return conv_window + delta
+
+
+def packed_weight_bytes(config: ModelConfig, quant: QuantConfig, dtype_bytes: int,
+                        backends: Sequence[str]) -> dict[str, int]:
+    """Weight bytes of an mlx-lm-quantized checkpoint as the stages will hold them: per layer
+    type, and "embedding" and "head".
+
+    A weight is packed as mlx-lm's loader packs it (a 2-D linear or embedding whose input
+    width the group size divides, unless a per-path entry says otherwise); its bytes are
+    what each backend holds (engine.backends.quant_policy: MLX the stored tensors, PyTorch
+    its int4 layout where it runs packed, else the dense matrix), the most over `backends`
+    (all of them when empty), since the one shape is charged on every node. A layer type's
+    bytes are its largest layer's, as a mixed recipe (mlx-lm's mixed_3_6) packs some layers
+    wider.
+    """
+    backends = tuple(backends) or BACKENDS
+    packed_on = {b: runs_packed(b, config.dtype) for b in backends}
+
+    def held(tensors: dict[str, tuple[int, ...]], lookups: dict[str, bool]) -> int:
+        total = 0
+        for name, shape in tensors.items():
+            path = name.removesuffix(".weight")
+            params = None
+            if len(shape) == 2 and name.endswith(".weight"):
+                params = quant.params(path, quant.default.packs(shape[1]))
+            if params is None or not params.packs(shape[1]):
+                total += math.prod(shape) * dtype_bytes
+                continue
+            total += max(held_bytes(b, *shape, params, dtype_bytes, packed=packed_on[b],
+                                    matmul=lookups.get(name, True), lookup=name in lookups)
+                         for b in backends)
+        return total
+
+    out: dict[str, int] = {}
+    for layer in range(config.num_hidden_layers):
+        kind = config.layer_type(layer)
+        out[kind] = max(out.get(kind, 0), held(layer_tensor_shapes(config, layer), {}))
+    embed_name = f"{config.weight_prefix}embed_tokens.weight"
+    ends = end_tensor_shapes(config)
+    out["embedding"] = held({embed_name: ends[embed_name]},
+                            {embed_name: config.tie_word_embeddings})
+    out["head"] = held({"lm_head.weight": ends["lm_head.weight"]}, {}) \
+        if "lm_head.weight" in ends else 0
+    return out

@@ -36,9 +36,6 @@ class BackendError(RuntimeError):
 
 # Who runs a hybrid's gated delta rule on PyTorch (engine.backends.pytorch.delta_kernels).
 DELTA_KERNELS = ("auto", "torch", "fla")
-# How a PyTorch stage holds mlx-lm's packed weights: packed (int4 kernels, the checkpoint's
-# bytes) or dense (dequantized at load: exact to mx.dequantize, 2-4x the bytes).
-QUANT_MODES = ("packed", "dense")
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,7 @@ class StageSpec:
     # bucket (the earlier path, kept for bench/decode.py to time beside the new one).
     live_keys: bool = True
     delta_kernel: str = "auto"  # the gated delta rule's kernels: one of DELTA_KERNELS
-    quant: str = "packed"  # FLEET_QUANT: one of QUANT_MODES
+    quant: str = "auto"  # FLEET_QUANT: how mlx-lm's packed weights are held (quant_policy)
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,13 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from engine.backends import quant_policy
 from engine.checkpoint.quantize import QuantConfig, QuantParams
 
 log = structlog.get_logger()
 
 NIBBLE = 4
-PAD_ROWS = 16  # output widths the CPU kernel takes (CUDA's 8 divides it)
+PAD_ROWS = quant_policy.INT4_PAD_ROWS  # output widths the CPU kernel takes (CUDA's 8 divides it)
 
 
 @dataclass(frozen=True)
@@ -124,15 +125,15 @@ def unpack_codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
     Eight codes fill exactly `bits` bytes, so each run of `bits` bytes becomes one integer
     and the codes are shifted out of it (as `engine.checkpoint.quantize.unpack_bits` does).
     """
-    rows = stored.shape[0]
-    runs = stored.view(rows, -1, bits).to(torch.int64)  # [rows, in / 8, bits]
+    rows, width = stored.shape[0], stored.shape[1] * 8 // bits
+    runs = stored.view(rows, width // 8, bits).to(torch.int64)  # [rows, in / 8, bits]
     word = torch.zeros(runs.shape[:2], dtype=torch.int64, device=stored.device)
     for byte in range(bits):
         word |= runs[..., byte] << (8 * byte)
     shifts = torch.arange(8, device=stored.device) * bits
     # An 8-byte run sets the sign bit: the arithmetic shift smears it, the mask drops it.
     codes = (word[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(rows, -1)
+    return codes.reshape(rows, width)
 
 
 def _pack_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -223,17 +224,24 @@ def dense_cost(params: QuantParams, dtype: torch.dtype) -> float:
     return dtype_bits / (params.bits + 2 * dtype_bits / params.group_size)
 
 
-def holds_packed(mode: str, device: torch.device, dtype: torch.dtype,
+def holds_packed(mode: str, backend: str, device: torch.device, dtype: torch.dtype,
                  quant: QuantConfig) -> bool:
-    """Whether a stage keeps its packed weights packed: asked (`FLEET_QUANT`, "packed" by
-    default) and the device's int4 kernel serves the dtype. A fallback is said once, at load,
-    with what it costs."""
-    if mode == "dense":
+    """Whether a stage keeps its packed weights packed: as `FLEET_QUANT` and the measured
+    table decide (engine.backends.quant_policy) and where the device's int4 kernel serves the
+    dtype. A dense fallback is said once, at load, with what it costs."""
+    if mode == "dense":  # asked for: no notice
+        return False
+    dtype_name = str(dtype).removeprefix("torch.")
+    cost = (f"{dense_cost(quant.default, dtype):.1f}x the packed bytes in memory and read "
+            "per token")
+    if not quant_policy.runs_packed(backend, dtype_name, mode):
+        log.warning("quantized weights held dense", backend=backend, dtype=dtype_name,
+                    reason="the int4 kernel measured slower than the dense matmul here "
+                           "(FLEET_QUANT=packed keeps them packed)", cost=cost)
         return False
     refusal = kernel_refusal(device.type, dtype)
     if refusal is None:
         return True
-    log.warning("quantized weights held dense", reason=refusal,
-                cost=f"{dense_cost(quant.default, dtype):.1f}x the packed bytes in memory "
-                     "and read per token")
+    log.warning("quantized weights held dense", backend=backend, dtype=dtype_name,
+                reason=refusal, cost=cost)
     return False

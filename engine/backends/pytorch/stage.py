@@ -51,8 +51,8 @@ class TorchStage(Stage):
         checkpoint, config, quant = opened.checkpoint, opened.config, opened.quant
         dtype = torch_dtype(RowFormat.of(config))
 
-        packed = quant is not None and packed_linear.holds_packed(spec.quant, device, dtype,
-                                                                  quant)
+        packed = quant is not None and packed_linear.holds_packed(spec.quant, spec.backend,
+                                                                  device, dtype, quant)
         # The embeddings are looked up by row; tied, they are the head's matmul too.
         lookups = {f"{config.weight_prefix}embed_tokens.weight": config.tie_word_embeddings}
 
