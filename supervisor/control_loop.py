@@ -21,7 +21,7 @@ from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
-from supervisor.front_door import Route
+from supervisor.front_door import ReplicaLoad, Route, by_free_slots
 from supervisor.issuing import check_pin
 from supervisor.measuring import Measurer
 from supervisor.membership import (
@@ -43,6 +43,7 @@ from supervisor.planning import plan_model, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
 from supervisor.settings import SupervisorSettings
+from supervisor.speed import SpeedWatch, predict, speed_report
 from supervisor.state import State
 
 log = structlog.get_logger()
@@ -85,6 +86,7 @@ class Supervisor:
         self.busy_ports: set[tuple[str, int]] = set()  # found taken when a start checked
         self.forgetting: set[lc.ForgetEngine] = set()
         self.relays = Relays()  # the front door's open relays, ended when a replica fails
+        self.route_turn = 0  # round-robin among replicas with as many free slots
         self.secrets = ReplicaSecrets(settings.keys_dir)
         self.secrets.keep_only(r.id for r in self.replicas.values()
                                if r.state in lc.RUNNING_STATES)
@@ -93,6 +95,7 @@ class Supervisor:
                                  store=self.state, max_age_s=settings.measurement_max_age_s)
         if self.measurer.reused:
             self.event("measure", self.measurer.reused)
+        self.speeds = SpeedWatch()
         adopted = [r.id for r in self.replicas.values() if r.state in lc.RUNNING_STATES]
         if adopted:
             self.event("adopt", f"re-adopting {', '.join(adopted)} after a restart")
@@ -401,6 +404,7 @@ class Supervisor:
         before = {m.id: spec_digest(m) for m in old.models} if old else {}
         changed = {m.id for m in new.models if before.get(m.id) != spec_digest(m)}
         plans = self.plans(new, changed)
+        outages = self.outages(replace(self.snapshot(), desired=new))
         errors = [p for p in plans if "error" in p]
         if errors and not force and not dry_run:
             raise RequestError(422, "; ".join(p["error"] for p in errors) +
@@ -412,7 +416,8 @@ class Supervisor:
             self.shapes = {}
             self.event("apply", f"applied {source}: " + ("; ".join(changes) or "no change"))
             self.step()
-        return {"changes": changes, "plans": plans, "applied": not dry_run and bool(changes)}
+        return {"changes": changes, "plans": plans, "applied": not dry_run and bool(changes),
+                "outages": outages}
 
     def revoke(self, node: str) -> dict[str, Any]:
         """Forget a member and refuse its certificate from now on, so that the name can be
@@ -433,18 +438,27 @@ class Supervisor:
         if member is None:
             known = ", ".join(sorted(self.members)) or "none yet"
             raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
+        members = dict(self.members, **{node: replace(member, cordoned=not undo)})
+        outages = self.outages(replace(self.snapshot(), members=members))
         self._put_member(replace(member, cordoned=not undo))
-        self.event("drain", f"{node} {'uncordoned' if undo else 'cordoned: its replicas drain'}",
+        self.event("drain", f"{node} {'uncordoned' if undo else 'cordoned: its replicas move'}",
                    node=node)
         self.step()
-        return {"node": node, "cordoned": not undo}
+        return {"node": node, "cordoned": not undo, "outages": outages}
 
     def rebalance(self) -> dict[str, Any]:
         self.measurer.forget_failures()  # tried again: a rebalance is when they matter
+        snapshot = self.snapshot()
+        outages = self.outages(replace(snapshot, rebalance_epoch=snapshot.rebalance_epoch + 1))
         epoch = self.state.bump_rebalance_epoch()
         self.event("rebalance", f"rebalance {epoch} asked")
         self.step()
-        return {"rebalance_epoch": epoch}
+        return {"rebalance_epoch": epoch, "outages": outages}
+
+    def outages(self, changed: lc.Snapshot) -> list[dict[str, Any]]:
+        """What a change would stop serving (no room to make before break), for fleetctl to
+        say before it is made; each with its reason and how long at most."""
+        return [dict(vars(o), max_s=o.max_s, text=o.text()) for o in lc.outages(changed)]
 
     def status(self) -> dict[str, Any]:
         now = time.time()
@@ -463,8 +477,8 @@ class Supervisor:
         shown = sorted((r for r in self.replicas.values() if r.state in lc.LIVE_STATES
                         or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
                        key=lambda r: (r.model_id, r.generation))
-        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy) | self.drain_view(r)
-                    for r in shown]
+        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r))
+                    | self.drain_view(r) for r in shown]
         stored = self.state.desired()
         return {"members": members, "replicas": replicas,
                 "models": [m.id for m in self.desired.models] if self.desired else [],
@@ -473,6 +487,21 @@ class Supervisor:
                 "front_door": self.settings.front_door_url,
                 "measured": self.measurer.to_dict(),
                 "events": self.state.events(limit=15)}
+
+    def speed(self, replica: lc.Replica) -> dict[str, Any] | None:
+        """A live replica's predicted and measured decode ms per token (supervisor/speed.py)."""
+        if replica.state not in lc.LIVE_STATES or not replica.stages or self.desired is None:
+            return None
+        spec, shape = self.desired.model(replica.model_id), self.shapes.get(replica.model_id)
+        predicted = (predict(spec, shape, self.desired, self.members, self.measurer.snapshot(),
+                             replica.layout())
+                     if spec is not None and isinstance(shape, ModelShape) else None)
+        return speed_report(predicted, self.speeds.rounds.get(replica.id, {}))
+
+    def speed_targets(self) -> list[tuple[str, str, str]]:
+        """Replicas whose rank 0 metrics `SpeedWatch` reads: (id, URL, API secret)."""
+        return [(r.id, r.url, self.secrets.read(r.id, API_SECRET) or "")
+                for r in self.replicas.values() if r.state in (lc.WARMING, lc.SERVING)]
 
     def drain_view(self, replica: lc.Replica) -> dict[str, Any]:
         """A replica whose rank 0 says it drains (a SIGTERM from outside the supervisor, or
@@ -493,21 +522,33 @@ class Supervisor:
         if model not in ids:
             return Route(status=404, message=f"model {model!r} is not served by this fleet "
                          f"(models: {', '.join(ids) or 'none'})")
-        replica = lc.latest_by_model(self.replicas).get(model)
-        if replica is None or replica.state != lc.SERVING:
+        serving = [r for r in self.replicas.values()
+                   if r.model_id == model and r.state == lc.SERVING]
+        if not serving:
+            replica = lc.latest_by_model(self.replicas).get(model)
             state = replica.state if replica else "not placed"
             return Route(status=503, message=f"model {model!r} has no serving replica now "
                          f"({state}); retry shortly")
-        if self.rank0_draining(replica.id) is not None:  # it would refuse: say why here
-            return Route(status=503, message=f"model {model!r}: replica {replica.id} is "
-                         "draining and takes no new requests; retry shortly")
-        return Route(url=replica.url, replica=replica.id,
-                     api_secret=self.secrets.read(replica.id, API_SECRET))
+        taking = [r for r in serving if self.rank0_draining(r.id) is None]
+        if not taking:  # they would refuse: say why here
+            return Route(status=503, message=f"model {model!r}: replica "
+                         f"{', '.join(r.id for r in serving)} is draining and takes no new "
+                         "requests; retry shortly")
+        self.route_turn += 1
+        spec = self.desired.model(model) if self.desired else None
+        loads = [ReplicaLoad(r.id, spec.parallel if spec else 1, max(
+            self.relays.open_count(r.id),
+            int((self.rank0_health.get(r.id) or {}).get("slots_in_use") or 0)))
+            for r in taking]
+        routes = [Route(url=self.replicas[load.replica].url, replica=load.replica,
+                        api_secret=self.secrets.read(load.replica, API_SECRET))
+                  for load in by_free_slots(loads, self.route_turn)]
+        return replace(routes[0], fallbacks=tuple(routes[1:]))
 
     def models(self) -> list[dict[str, Any]]:
-        latest = lc.latest_by_model(self.replicas)
+        serving = {r.model_id for r in self.replicas.values() if r.state == lc.SERVING}
         return [{"id": m.id, "object": "model", "owned_by": "ringfleet",
-                 "serving": (r := latest.get(m.id)) is not None and r.state == lc.SERVING}
+                 "serving": m.id in serving}
                 for m in (self.desired.models if self.desired else ())]
 
     async def close(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from agent.pki import MissingCredentials, NodeCredentials, PkiError
@@ -253,7 +254,15 @@ def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
                 out.print(render_plan(plan["placement"]))
         if args.command == "apply" and data.get("changes"):
             out.print("applied" if data.get("applied") else "not applied (dry run)")
+        warn_outages(data)
     return 1 if args.command == "plan" and refused else 0
+
+
+def warn_outages(data: dict[str, Any]) -> None:
+    """Say when a change stops serving (no room to start the new replica beside the old),
+    why, and for how long at most; the supervisor forecasts it (lifecycle.outages)."""
+    for outage in data.get("outages", ()):
+        err.print(f"[yellow]warning[/]: {escape(outage['text'])}")
 
 
 def is_provisional(placement: dict[str, Any]) -> bool:
@@ -461,8 +470,10 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
             show_status(data)
     elif args.command == "drain":
         data = client.call("POST", f"/v1/nodes/{args.node}/drain", {"undo": args.undo})
-        what = "cordoned; its replicas drain and move" if data["cordoned"] else "uncordoned"
+        what = "cordoned; its replicas move" if data["cordoned"] else "uncordoned"
         print(json.dumps(data)) if args.json else out.print(f"{args.node}: {what}")
+        if not args.json:
+            warn_outages(data)
     elif args.command == "revoke":
         data = client.call("POST", f"/v1/nodes/{args.node}/revoke", {})
         text = (f"{args.node}: revoked; `fleetctl token --node {args.node}` lets it join again")
@@ -471,6 +482,8 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
         data = client.call("POST", "/v1/rebalance", {})
         text = f"rebalance {data['rebalance_epoch']} asked at {time.strftime('%H:%M:%S')}"
         print(json.dumps(data)) if args.json else out.print(text)
+        if not args.json:
+            warn_outages(data)
     return 0
 
 

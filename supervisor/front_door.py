@@ -1,5 +1,10 @@
-"""The front door: a stable OpenAI-compatible endpoint that proxies to the serving replica's
+"""The front door: a stable OpenAI-compatible endpoint that proxies to a serving replica's
 rank 0, streaming included, with the fleet's client semantics.
+
+- a model with several serving replicas: the request goes to the one with the most free
+  slots (`by_free_slots`); one that cannot take it before anything was sent to the client
+  (unreachable, lost, or its own 503: busy, draining, failed) hands it to the next, so a
+  503 reaches the client only when every replica is full or down;
 
 - no serving replica for the model, or the replica lost before its first byte (unreachable,
   closed, failed by the supervisor, silent past the ring's dead-ring time): 503,
@@ -61,6 +66,35 @@ class Route:
     status: int = 200
     message: str = ""
     api_secret: str = ""  # sent upstream as `Authorization: Bearer …` when set
+    fallbacks: tuple[Route, ...] = ()  # the model's other serving replicas, next best first
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One serving replica as the front door weighs it."""
+
+    replica: str
+    slots: int  # streams its rank 0 serves at once (the model's `parallel`)
+    in_use: int  # the more of: relays open to it here, slots its rank 0 last said were taken
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.in_use
+
+
+def by_free_slots(loads: list[ReplicaLoad], turn: int = 0) -> list[ReplicaLoad]:
+    """The replicas in the order a request tries them: most free slots first; among equals,
+    round-robin by `turn` (a counter the caller advances), so idle replicas share the load."""
+    out: list[ReplicaLoad] = []
+    for free in sorted({load.free for load in loads}, reverse=True):
+        equals = sorted((load for load in loads if load.free == free), key=lambda x: x.replica)
+        shift = turn % len(equals)
+        out += equals[shift:] + equals[:shift]
+    return out
+
+
+class TryElsewhere(Exception):
+    """This replica did not take the request and nothing reached the client: the next may."""
 
 
 def front_door_limits() -> HttpLimits:
@@ -165,20 +199,29 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         code = "model_not_found" if route.status == 404 else None
         return error(route.status, route.message, kind="invalid_request_error", code=code,
                      param="model")
-    failure = config.relays.failure(route.replica)
-    if failure is not None:
+    targets = [t for t in (route, *route.fallbacks) if config.relays.failure(t.replica) is None]
+    if not targets:
+        failure = config.relays.failure(route.replica)
         return unavailable(f"the replica serving {model!r} failed ({failure}); retry shortly")
-    with config.relays.open(route.replica) as watch:
-        relay = Relay(request, route, watch, bool(body.get("stream")))
-        return await relay.run(raw, model)
+    refusal: web.StreamResponse | None = None
+    for i, target in enumerate(targets):
+        with config.relays.open(target.replica) as watch:
+            relay = Relay(request, target, watch, bool(body.get("stream")),
+                          last=i == len(targets) - 1)
+            try:
+                return await relay.run(raw, model)
+            except TryElsewhere as exc:
+                refusal = exc.args[0] if exc.args else None
+    return refusal or unavailable(f"no replica of {model!r} took the request; retry shortly")
 
 
 class Relay:
     """One client request carried to rank 0 and its reply carried back."""
 
     def __init__(self, request: web.Request, route: Route, watch: ReplicaWatch,
-                 stream: bool) -> None:
+                 stream: bool, last: bool = True) -> None:
         self.request, self.route, self.watch, self.stream = request, route, watch, stream
+        self.last = last  # no other replica to hand the request to
         self.config = request.app[CONFIG]
         self.session = request.app[SESSION]
         self.logs = request.app[LOGS]
@@ -216,10 +259,14 @@ class Relay:
                 self.route.url + self.request.path, data=raw, headers=self.upstream_headers()))
         except ReplicaLost as exc:
             self.warn("upstream lost before the reply", cause=str(exc))
-            return unavailable(f"{exc}; retry shortly")
+            return self.refused(unavailable(f"{exc}; retry shortly"))
         except TRANSPORT_ERRORS as exc:
             self.warn("upstream not reachable", error=str(exc) or type(exc).__name__)
-            return unavailable(f"the replica serving {model!r} is not reachable; retry shortly")
+            return self.refused(unavailable(f"the replica serving {model!r} is not reachable; "
+                                            "retry shortly"))
+        if upstream.status == 503 and not self.last:  # busy, draining or failed: the next
+            upstream.close()
+            raise TryElsewhere(None)
         complete = False
         try:
             response = await self.relay(upstream)
@@ -232,6 +279,12 @@ class Relay:
                 upstream.release()
             else:
                 upstream.close()
+
+    def refused(self, response: web.Response) -> web.Response:
+        """`response` for the client when no other replica is left to try."""
+        if self.last:
+            return response
+        raise TryElsewhere(response)
 
     async def relay(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         headers = {k: upstream.headers[k] for k in PROXIED_HEADERS if k in upstream.headers}

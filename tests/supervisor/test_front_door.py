@@ -136,6 +136,13 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
                          api_secret="replica-secret")
         if model == "gone":
             return Route(url=f"http://127.0.0.1:{closed_port}", replica="gone-g1")
+        if model == "pair":  # two replicas: the first one's rank 0 is gone
+            return Route(url=f"http://127.0.0.1:{closed_port}", replica="pair-g1",
+                         fallbacks=(Route(url=f"http://127.0.0.1:{up_port}",
+                                          replica="pair-g2", api_secret="replica-secret"),))
+        if model == "twice":  # two replicas on the same fake rank 0: both answer alike
+            same = Route(url=f"http://127.0.0.1:{up_port}", replica="twice-g1")
+            return Route(url=same.url, replica="twice-g2", fallbacks=(same,))
         if model == "idle":
             return Route(status=503, message="model 'idle' has no serving replica now")
         return Route(status=404, message=f"model {model!r} is not served by this fleet")

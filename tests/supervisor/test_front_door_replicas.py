@@ -1,0 +1,43 @@
+"""The front door with several replicas of a model: requests go to the one with the most free
+slots (round-robin among equals); one that cannot take a request before anything reached the
+client (gone, or its own 503) hands it to the next; a 503 only when every replica refuses."""
+
+from __future__ import annotations
+
+from supervisor.front_door import ReplicaLoad, by_free_slots
+from tests.supervisor.test_front_door import ask, run
+
+
+def test_most_free_slots_first_and_equals_take_turns():
+    loads = [ReplicaLoad("m-g1", 4, 3), ReplicaLoad("m-g2", 4, 1), ReplicaLoad("m-g3", 4, 1)]
+    firsts = [by_free_slots(loads, turn)[0].replica for turn in range(4)]
+    assert set(firsts) == {"m-g2", "m-g3"}  # never the fuller one while others have room
+    assert firsts[0] != firsts[1] and firsts[:2] == firsts[2:]
+    assert [x.replica for x in by_free_slots(loads, 0)][-1] == "m-g1"
+    full = [ReplicaLoad("m-g1", 2, 2), ReplicaLoad("m-g2", 2, 5)]
+    assert [x.replica for x in by_free_slots(full)] == ["m-g1", "m-g2"]  # the least over
+    assert by_free_slots([]) == []
+
+
+def test_a_gone_replica_hands_the_request_to_the_next():
+    async def check(door):
+        async with door.session.post("/v1/chat/completions", json=ask("pair")) as reply:
+            assert reply.status == 200
+            assert reply.headers["X-Ringfleet-Replica"] == "pair-g2"
+            assert (await reply.json())["choices"][0]["finish_reason"] == "stop"
+        async with door.session.post("/v1/chat/completions",
+                                     json=ask("pair", stream=True)) as reply:
+            assert reply.status == 200 and b"[DONE]" in await reply.read()
+        assert door.upstream.authorizations[-1] == "Bearer replica-secret"
+
+    run(check)
+
+
+def test_every_replica_refusing_is_a_503_with_the_last_ones_reason():
+    async def check(door):
+        async with door.session.post("/v1/chat/completions", json=ask("twice", "503")) as reply:
+            assert reply.status == 503 and reply.headers["Retry-After"] == "2"
+            assert (await reply.json())["error"]["message"] == "draining"
+        assert len(door.upstream.authorizations) == 2  # asked both, once each
+
+    run(check)
