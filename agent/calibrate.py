@@ -98,6 +98,15 @@ class CalibrationRequest:
             raise CalibrationError(f"family shape: {exc}") from exc
         return replace(config, dtype=self.dtype) if self.dtype else config
 
+    def quant(self):
+        """The checkpoint's mlx-lm quantization (QuantConfig), None for a dense one."""
+        from engine.checkpoint.quantize import QuantConfig, QuantConfigError
+
+        try:
+            return QuantConfig.from_config(self.config)
+        except QuantConfigError as exc:
+            raise CalibrationError(f"quantization: {exc}") from exc
+
     def shape(self) -> dict[str, Any]:
         config = self.model_config()
         shape = {name: getattr(config, name) for name in SHAPE_FIELDS}
@@ -112,6 +121,9 @@ class CalibrationRequest:
         what = {"shape": self.shape(), "dtype": config.dtype, "backend": self.backend,
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows}
+        if self.quant() is not None:  # packed weights time differently (a dense key stays)
+            what["quantization"] = self.config.get("quantization") or \
+                self.config.get("quantization_config")
         digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
         return f"{config.model_type}-{config.dtype}-{self.backend}-{digest}"
 
@@ -172,10 +184,14 @@ class Calibration:
 # --- the torch timer --------------------------------------------------------------------
 
 class TorchTimer:
-    """The engine's PyTorch layers, built from random weights, timed one round at a time."""
+    """The engine's PyTorch layers, built from random weights, timed one round at a time.
+
+    For a quantized checkpoint the weights are quantized as mlx-lm would and held as the
+    stage would hold them (packed where engine.backends.quant_policy says it runs packed),
+    so the ms per layer are those of the kernels that will run."""
 
     def __init__(self, config, backend: str, layers: int, slots: int, context: int,
-                 threads: int = 0, layer_type: str = FULL_ATTENTION) -> None:
+                 threads: int = 0, layer_type: str = FULL_ATTENTION, quant=None) -> None:
         import torch
 
         from engine.backends.pytorch.kv_cache import KVCache
@@ -197,6 +213,8 @@ class TorchTimer:
         self.dtype = dtypes[config.dtype]
         self.config = config
         generator = torch.Generator(device="cpu").manual_seed(0)
+        from engine.backends.quant_policy import runs_packed
+        packed = quant is not None and runs_packed(backend, config.dtype)
 
         def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
             out = {}
@@ -205,7 +223,9 @@ class TorchTimer:
                     t = torch.ones(shape)
                 else:
                     t = torch.empty(shape).normal_(0.0, WEIGHT_STD, generator=generator)
-                out[name] = t.to(self.device, self.dtype)
+                params = _packed_params(quant, name, shape) if packed else None
+                out[name] = (t.to(self.device, self.dtype) if params is None
+                             else _torch_packed(t, params, self.dtype, self.device))
             return out
 
         # Layer indices from 1 so the range is not the first: no embeddings or head to build.
@@ -247,13 +267,14 @@ class MlxTimer:
     """The engine's MLX layers (the PyTorch family's twin), timed the same way."""
 
     def __init__(self, config, backend: str, layers: int, slots: int, context: int,
-                 layer_type: str = FULL_ATTENTION) -> None:
+                 layer_type: str = FULL_ATTENTION, quant=None) -> None:
         config = one_type(config, layer_type, layers)
         try:
             import mlx.core as mx
 
             from engine.backends.mlx.kv_cache import KVCache
             from engine.backends.mlx.llama import LlamaRange, Rope
+            from engine.backends.mlx.quant import QuantizedWeight
             from engine.backends.mlx.qwen3_5 import Qwen35Range
         except ImportError as exc:
             raise CalibrationError(f"{backend}: MLX or the engine's MLX backend is not "
@@ -279,7 +300,13 @@ class MlxTimer:
                     out[name] = mx.ones(shape, dtype=self.dtype)
                 else:
                     out[name] = (mx.random.normal(shape) * WEIGHT_STD).astype(self.dtype)
-            mx.eval(list(out.values()))
+                params = _packed_params(quant, name, shape)
+                if params is not None:  # as a quantized checkpoint's stage runs it
+                    out[name] = QuantizedWeight(*mx.quantize(out[name], params.group_size,
+                                                             params.bits), params.group_size,
+                                                params.bits)
+            mx.eval([a for w in out.values() for a in
+                     ((w.weight, w.scales, w.biases) if isinstance(w, QuantizedWeight) else (w,))])
             return out
 
         if config.is_hybrid:
@@ -330,12 +357,34 @@ def one_type(config, layer_type: str, layers: int):
     return replace(config, num_hidden_layers=2 + layers, layer_types=(layer_type,) * (2 + layers))
 
 
+def _packed_params(quant, name: str, shape: tuple[int, ...]):
+    """How mlx-lm would pack this weight (its loader's rule), None where it stays dense."""
+    if quant is None or len(shape) != 2 or not name.endswith(".weight"):
+        return None
+    params = quant.params(name.removesuffix(".weight"), quant.default.packs(shape[1]))
+    return params if params is not None and params.packs(shape[1]) else None
+
+
+def _torch_packed(weight, params, dtype, device):
+    """A random dense weight quantized as mlx-lm would and packed as a torch stage holds it."""
+    import torch
+
+    from engine.backends.pytorch.packed_linear import pack_weight
+    from engine.checkpoint.quantize import affine_quantize
+
+    words, scales, biases = affine_quantize(weight.float().numpy(), params.group_size,
+                                            params.bits)
+    return pack_weight(words, torch.from_numpy(scales).to(device, dtype),
+                       torch.from_numpy(biases).to(device, dtype), params, device,
+                       matmul=True, lookup=False)
+
+
 def make_timer(config, backend: str, layers: int, slots: int, context: int, threads: int = 0,
-               layer_type: str = FULL_ATTENTION):
+               layer_type: str = FULL_ATTENTION, quant=None):
     if backend.startswith("torch-"):
-        return TorchTimer(config, backend, layers, slots, context, threads, layer_type)
+        return TorchTimer(config, backend, layers, slots, context, threads, layer_type, quant)
     if backend.startswith("mlx-"):
-        return MlxTimer(config, backend, layers, slots, context, layer_type)
+        return MlxTimer(config, backend, layers, slots, context, layer_type, quant)
     raise CalibrationError(f"unknown backend {backend!r}")
 
 
@@ -383,7 +432,8 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         progress(0, total, "building synthetic layers")
     timers = {layer_type: make_timer(config, request.backend, request.layers,
                                      request.batch_rows, context_needed, request.threads,
-                                     layer_type) for layer_type in layer_types(config)}
+                                     layer_type, request.quant())
+              for layer_type in layer_types(config)}
     if progress:
         progress(1, total, "built synthetic layers")
     def on_round(done: int) -> None:
