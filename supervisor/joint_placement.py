@@ -39,7 +39,7 @@ from supervisor.placement import (
 from supervisor.ring_cost import RingCosts, layer_ranges
 
 MAX_CANDIDATES = 1000  # single placements costed before the search falls back to one by one
-MAX_VISITS = 10_000  # steps of the joint search before it does
+MAX_VISITS = 20_000  # steps of the joint search before it does
 MAX_AUTO_REPLICAS = 8  # `replicas: auto` stops counting here
 
 
@@ -90,11 +90,22 @@ def most_replicas(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapsh
     """As many replicas as fit side by side (`replicas: auto`), up to `limit`; raises
     `DoesNotFit` when not even one does."""
     best = place_replicas(spec, shape, nodes, 1)
-    for count in range(2, limit + 1):
-        try:
+    if spec.placement_is_auto:
+        found = candidates(spec, shape, nodes)
+        for count in range(2, limit + 1):
+            chosen = None if found is None else _search(spec, shape, nodes, count, found)
+            if chosen is None:  # past the search's bounds: one by one, as many as fit
+                best = _one_by_one(spec, shape, nodes, limit, as_many_as_fit=True)
+                break
+            if not chosen:
+                break
             best = place_replicas(spec, shape, nodes, count)
-        except DoesNotFit:
-            break
+    else:
+        for count in range(2, limit + 1):
+            try:
+                best = place_replicas(spec, shape, nodes, count)
+            except DoesNotFit:
+                break
     return tuple(replace(p, why=(*p.why, f"replicas: auto: {len(best)} fit")) for p in best)
 
 
@@ -148,10 +159,10 @@ def candidates(spec: ModelSpec, shape: ModelShape,
 
 
 def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
-            count: int) -> list[Candidate] | None:
-    """The best set of `count` candidates that fit together ([] when none does); None when
-    the problem is past the search's bounds."""
-    found = candidates(spec, shape, nodes)
+            count: int, found: list[Candidate] | None = None) -> list[Candidate] | None:
+    """The best set of `count` candidates (`found`, else all) that fit together ([] when
+    none does); None when the problem is past the search's bounds."""
+    found = candidates(spec, shape, nodes) if found is None else found
     if found is None:
         return None
     usable = {n.name: n.usable_memory_bytes for n in nodes}
@@ -205,7 +216,7 @@ def _set_key(found: Sequence[Candidate], picks: tuple[int, ...]
 
 
 def _one_by_one(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
-                count: int) -> tuple[Placement, ...]:
+                count: int, as_many_as_fit: bool = False) -> tuple[Placement, ...]:
     """Past the joint search's bounds: each replica the best on what the earlier ones left,
     a node's times scaled by the replicas that share it then."""
     left = {n.name: n.usable_memory_bytes for n in nodes}
@@ -216,6 +227,8 @@ def _one_by_one(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot
             placement = place(spec, shape, [_slowed(n, left[n.name], sharing[n.name])
                                             for n in nodes if left[n.name] > 0])
         except DoesNotFit as exc:
+            if as_many_as_fit and out:
+                break
             raise DoesNotFit(f"{spec.id}: {count} replicas do not fit side by side: {i} do "
                              f"(replica {i + 1}: {exc})", spec.id) from exc
         for stage in placement.stages:
