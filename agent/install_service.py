@@ -182,7 +182,9 @@ def _with_summary(plan: ServicePlan, program: list[str], config: AgentConfig, lo
                f"{config.listen_host}:{config.listen_port}), state in {config.state_dir}"),
                f"heartbeats to {config.supervisor_url}" if config.supervisor_url else
                "heartbeats to: none (no supervisor_url)",
-               f"its log: {logs}")
+               f"its log: {logs}",
+               ("a running agent is restarted to take these settings: it drains this node's "
+               "engines first"))
     notes = summary
     if not_ready:
         notes += ((f"warning: the agent will not serve: {not_ready}; it exits at once with "
