@@ -3,6 +3,8 @@ decoding (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -20,11 +22,26 @@ KERNELS = pytest.mark.parametrize("kernels", [
         reason="fla-core is not installed"))])
 
 
+def transformers_own_delta_rule(ref: torch.nn.Module) -> torch.nn.Module:
+    """transformers runs fla-core's kernels when they import: the reference would then be
+    the kernels under test, and at TF32 precision. Put its own PyTorch forms back."""
+    modeling = sys.modules[type(ref).__module__]
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        own = getattr(modeling, name)
+        own = getattr(own, "__wrapped__", own)  # the hub-kernel decorator keeps the original
+        setattr(modeling, name, own)
+        for module in ref.modules():  # releases that bind the kernels per layer
+            attr = name.removeprefix("torch_")
+            if hasattr(module, attr):
+                setattr(module, attr, own)
+    return ref
+
+
 @KERNELS
 def test_cuda_logits_match_transformers_on_cuda(make_model, kernels):
     model_dir = make_model("qwen3_5")
     ref = transformers.Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = ref.to("cuda").eval()
+    ref = transformers_own_delta_rule(ref.to("cuda").eval())
     driver = stage_driver(load_stage(StageSpec(model_dir, (0, 4), "torch-cuda", 2, 256, 64,
                                                delta_kernel=kernels)))
     ids = np.random.default_rng(0).integers(0, 300, 100).tolist()
