@@ -3,6 +3,11 @@
 Shapes never change after start ([layers, slots, kv_heads, context, head_dim]), so a
 captured decode graph can later write into the same storage. Rolling back (trim) is a
 change of the slot's offset in `engine.slots.SlotTable`; positions past it are never read.
+
+Attention reads only the keys a round's rows can see, never the whole context, so a step
+costs what the conversations hold, not what the fleet configured: an eager round reads
+keys [0, its rows' highest position + 1) of each slot it serves (a prompt span its own
+slot's [0, span end)), and a captured decode step reads [0, `key_bucket` of that).
 """
 
 from __future__ import annotations
@@ -62,18 +67,54 @@ class RoundIndex:
                    spans, layout.single_run)
 
 
-def decode_index(positions: torch.Tensor, run: tuple[int, int], context: int,
+# Positions a slot's cache holds are the context rounded up to this, so every slot's and
+# head's keys start on a 64-byte boundary whatever the context (64 positions x head_dim x
+# itemsize is a multiple of 64). CPU matrix kernels take alignment-dependent paths whose
+# last bits differ: with head_dim 18, a context of 33 and one of 32768 gave different
+# logits for the same conversation; aligned, any two contexts give the same bytes.
+ALIGN_POSITIONS = 64
+KEY_BUCKET_FLOOR = 256  # a round whose rows need fewer keys still reads this many
+KEY_BUCKETS_PER_OCTAVE = 4  # bucket sizes between 2^n and 2^(n+1): at most 25 % read in vain
+
+
+def allocated_positions(context: int) -> int:
+    """Positions a slot's cache holds for a context: the context, aligned (ALIGN_POSITIONS)."""
+    return -(-context // ALIGN_POSITIONS) * ALIGN_POSITIONS
+
+
+def key_bucket(keys: int, context: int) -> int:
+    """How many keys a captured decode step reads when its rows need [0, keys).
+
+    A captured graph has fixed shapes, so the live length is rounded up to a bucket and
+    one graph serves every round of that bucket: 256, 320, 384, 448, 512, 640, 768, ...
+    (quarter octaves, multiples of 64), never past `context` (pass the cache's allocated
+    positions: keys past the configured context are never written, so they read as masked
+    zeros, and a short conversation reads 256 keys under any context). Powers of two
+    alone would read up to twice the live keys; multiples of 256 would need context / 256
+    graphs per run of slots. Quarter octaves keep both small: 29 buckets up to 32768.
+    Keys in [live, bucket) are zeros or a released stream's stale values: finite, so the
+    mask's zero weight leaves them out exactly.
+    """
+    if keys <= KEY_BUCKET_FLOOR:
+        return min(KEY_BUCKET_FLOOR, context)
+    octave = 1 << ((keys - 1).bit_length() - 1)  # the largest power of two below keys
+    step = octave // KEY_BUCKETS_PER_OCTAVE
+    return min(-(-keys // step) * step, context)
+
+
+def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
                  window: int | None) -> RoundIndex:
     """The index of a decode round over consecutive slots [a, b), one row each, built from
     device tensors only (no host values), so that it can be captured in a CUDA graph.
 
-    Its rows attend over the whole preallocated context with a mask, which keeps every
-    shape fixed from one step to the next.
+    Its rows attend over keys [0, keys) (a `key_bucket` of the round's live length, or
+    the whole context) under a mask, which keeps every shape fixed for every round of
+    that bucket.
     """
     a, b = run
     device = positions.device
     slots = torch.arange(a, b, device=device)
-    mask = _visible(positions[:, None], context, window, device)[:, None, None, :]
+    mask = _visible(positions[:, None], keys, window, device)[:, None, None, :]
     return RoundIndex(positions, slots, torch.arange(b - a, device=device), slots, mask, [],
                       run)
 
@@ -90,7 +131,8 @@ def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.devic
 class KVCache:
     def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (layers, slots, kv_heads, context, head_dim)
+        self.positions = allocated_positions(context)  # what a slot holds, aligned
+        shape = (layers, slots, kv_heads, self.positions, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
