@@ -273,7 +273,7 @@ class LaneHost:
             if stream.fed + entry.rows < len(stream.request.prompt_ids):
                 continue  # a mid-prompt chunk: its last row predicts nothing we need
             if not (stream.cancelled or stream.finished):
-                draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs or 0)
+                draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs)
         return draws
 
     def _deliver(self, plan: RoundPlan, sampled: SampledRows, drawn: list[int]) -> None:
@@ -308,7 +308,7 @@ class LaneHost:
     def _take(self, stream: Stream, sampled: SampledRows, i: int, now: float) -> None:
         """Hand out the token drawn at batch position `i`: its text, and the end it may make."""
         request = stream.request
-        choice = stream.sampler.take(sampled, i, request.top_logprobs or 0)
+        choice = stream.sampler.take(sampled, i, request.top_logprobs)
         stream.generated.append(choice.token_id)
         if self.metrics is not None:
             self.metrics.token(first=stream.last_token_s is None,

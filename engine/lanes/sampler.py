@@ -84,7 +84,7 @@ class RowDraw:
     row: int  # index among the round's returned rows
     params: SamplingParams
     uniform: float
-    top_logprobs: int = 0
+    top_logprobs: int | None = None  # None: no logprobs; n: the chosen one's and n more
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class SamplingBatch:
     top_p: np.ndarray  # [n] float32
     uniform: np.ndarray  # [n] float64
     top_logprobs: np.ndarray  # [n] int64
+    logprobs: bool  # some row wants logprobs (else the chosen one's is not computed: NaN)
     bias_at: np.ndarray  # [m] int64: batch position of each bias entry
     bias_token: np.ndarray  # [m] int64
     bias_value: np.ndarray  # [m] float32
@@ -125,7 +126,8 @@ class SamplingBatch:
             top_k=np.array([d.params.top_k for d in draws], dtype=np.int64),
             top_p=np.array([d.params.top_p for d in draws], dtype=np.float32),
             uniform=np.array([d.uniform for d in draws], dtype=np.float64),
-            top_logprobs=np.array([d.top_logprobs for d in draws], dtype=np.int64),
+            top_logprobs=np.array([d.top_logprobs or 0 for d in draws], dtype=np.int64),
+            logprobs=any(d.top_logprobs is not None for d in draws),
             bias_at=np.array([b[0] for b in bias], dtype=np.int64),
             bias_token=np.array([b[1] for b in bias], dtype=np.int64),
             bias_value=np.array([b[2] for b in bias], dtype=np.float32),
@@ -148,7 +150,8 @@ class SampledRows:
     """What comes back to the host for a round: per draw, in the batch's order."""
 
     token_ids: np.ndarray  # [n] int64
-    logprobs: np.ndarray  # [n] float32: of the chosen token, model's own distribution
+    logprobs: np.ndarray  # [n] float32: of the chosen token, model's own distribution (NaN
+    # when no row of the batch asked for logprobs)
     top_ids: np.ndarray  # [n, max_top] int64, most likely first
     top_logprobs: np.ndarray  # [n, max_top] float32
     finite: np.ndarray  # [n] bool: the row's logits were all finite
@@ -176,13 +179,13 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
         self.drawn = 0
 
-    def draw(self, row: int, top_logprobs: int) -> RowDraw:
+    def draw(self, row: int, top_logprobs: int | None) -> RowDraw:
         """This stream's next draw, from returned row `row` of the round."""
         return RowDraw(row, self.params, row_uniform(self.seed, self.drawn), top_logprobs)
 
-    def take(self, sampled: SampledRows, i: int, top_logprobs: int) -> Choice:
+    def take(self, sampled: SampledRows, i: int, top_logprobs: int | None) -> Choice:
         """The choice made for this stream's draw at batch position `i`."""
-        choice = sampled.choice(i, top_logprobs)
+        choice = sampled.choice(i, top_logprobs or 0)
         self.drawn += 1
         return choice
 
@@ -211,8 +214,9 @@ def sample_on_host(logits: np.ndarray, batch: SamplingBatch) -> SampledRows:
             token = _draw_on_host(scaled, int(batch.top_k[i]), float(batch.top_p[i]),
                                   float(batch.uniform[i]))
         out.token_ids[i], out.logprobs[i] = token, logprobs[token]
-        best = np.argsort(-logprobs, kind="stable")[:k]
-        out.top_ids[i], out.top_logprobs[i] = best, logprobs[best]
+        if k:
+            best = np.argsort(-logprobs, kind="stable")[:k]
+            out.top_ids[i], out.top_logprobs[i] = best, logprobs[best]
     return out
 
 

@@ -29,19 +29,29 @@ def sample_with(impl: str, logits: np.ndarray, batch: SamplingBatch) -> SampledR
     """The batch's draws by one implementation: the host reference, torch or MLX."""
     if impl == "host":
         return sample_on_host(logits, batch)
-    if impl == "torch":
+    if impl.startswith("torch"):
         import torch
 
         from engine.backends.pytorch.sampling import sample
 
-        return sample(torch.from_numpy(logits), batch)
+        return sample(torch.from_numpy(logits).to("cuda" if impl == "torch-cuda" else "cpu"),
+                      batch)
     mx = pytest.importorskip("mlx.core")
     from engine.backends.mlx.sampling import sample
 
     return sample(mx.array(logits), batch)
 
 
-DEVICES = ["torch", "mlx"]
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+DEVICES = ["torch", "mlx", pytest.param("torch-cuda", marks=pytest.mark.skipif(
+    not _has_cuda(), reason="no CUDA device"))]
 IMPLS = ["host", *DEVICES]
 
 
@@ -72,6 +82,18 @@ def test_device_samplers_draw_what_the_float64_reference_draws(impl):
     assert got.top_ids.tolist() == want.top_ids.tolist()
     np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-4)
     assert got.finite.all()
+
+
+@pytest.mark.parametrize("impl", DEVICES)
+def test_logprobs_are_computed_only_when_a_row_asks(impl):
+    logits = (np.random.default_rng(8).normal(size=(4, 500)) * 3).astype(np.float32)
+    draws = [RowDraw(i, MIXED[i], row_uniform(2, i), None) for i in range(4)]
+    silent = sample_with(impl, logits, SamplingBatch.of(draws))
+    asked = sample_with(impl, logits, SamplingBatch.of([*draws[:3], RowDraw(3, MIXED[3],
+                                                                            draws[3].uniform, 2)]))
+    assert silent.token_ids.tolist() == asked.token_ids.tolist()
+    assert np.isnan(silent.logprobs).all() and np.isfinite(asked.logprobs).all()
+    assert asked.choice(3, 2).top[0][0] == int(np.argmax(logits[3]))
 
 
 @pytest.mark.parametrize("impl", DEVICES)

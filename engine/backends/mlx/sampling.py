@@ -19,8 +19,10 @@ def sample(logits: mx.array, batch: SamplingBatch) -> SampledRows:
     """logits: [returned rows, vocab] (the stage's stream is the default one here)."""
     if not len(batch):
         return SampledRows.empty()
-    x = logits[mx.array(batch.rows)].astype(mx.float32)  # [n, vocab]
-    lse = mx.logsumexp(x, axis=-1)  # [n]
+    every_row = np.array_equal(batch.rows, np.arange(logits.shape[0]))  # a decode round
+    x = (logits if every_row else logits[mx.array(batch.rows)]).astype(mx.float32)
+    high = mx.max(x, axis=-1)  # non-finite anywhere shows in max or min (NaN spreads)
+    finite = mx.isfinite(high) & mx.isfinite(mx.min(x, axis=-1))
     biased = x
     if len(batch.bias_at):
         biased = x.at[mx.array(batch.bias_at), mx.array(batch.bias_token)].add(
@@ -28,24 +30,29 @@ def sample(logits: mx.array, batch: SamplingBatch) -> SampledRows:
     order = np.concatenate([batch.greedy, batch.plain, batch.cut])  # batch positions
     parts = []
     if len(batch.greedy):
-        parts.append(mx.argmax(biased[mx.array(batch.greedy)], axis=-1).astype(mx.int64))
+        every = len(batch.greedy) == len(batch)
+        greedy_rows = biased if every else biased[mx.array(batch.greedy)]
+        parts.append(mx.argmax(greedy_rows, axis=-1).astype(mx.int64))
     for kind, is_cut in ((batch.plain, False), (batch.cut, True)):
         if len(kind):
             scaled = biased[mx.array(kind)]
-            scaled = (scaled - mx.max(scaled, axis=-1, keepdims=True)) \
+            top = mx.max(scaled, axis=-1) if len(batch.bias_at) else high[mx.array(kind)]
+            scaled = (scaled - top[:, None]) \
                 / mx.array(batch.temperature[kind].astype(np.float32))[:, None]
             uniform = mx.array(batch.uniform[kind].astype(np.float32))
             parts.append(_draw_cut(scaled, batch, kind, uniform) if is_cut
                          else _inverse_cdf(mx.exp(scaled), uniform))
     # Back to batch order: position order[j] holds drawn[j].
     tokens = mx.concatenate(parts)[mx.array(np.argsort(order, kind="stable"))]
-    chosen = mx.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - lse
-    floats, ints = [chosen[:, None]], [tokens[:, None],
-                                       mx.all(mx.isfinite(x), axis=-1)[:, None].astype(mx.int64)]
-    if batch.max_top:
-        top_ids = _top(x, batch.max_top)
-        floats.append(mx.take_along_axis(x, top_ids, axis=-1) - lse[:, None])
-        ints.append(top_ids)
+    ints = [tokens[:, None], finite[:, None].astype(mx.int64)]
+    floats = [mx.full((len(batch), 1), np.nan, dtype=mx.float32)]
+    if batch.logprobs:
+        lse = mx.logsumexp(x, axis=-1)  # [n]
+        floats = [mx.take_along_axis(x, tokens[:, None], axis=-1) - lse[:, None]]
+        if batch.max_top:
+            top_ids = _top(x, batch.max_top)
+            floats.append(mx.take_along_axis(x, top_ids, axis=-1) - lse[:, None])
+            ints.append(top_ids)
     floats_out, ints_out = mx.concatenate(floats, axis=1), mx.concatenate(ints, axis=1)
     mx.eval(floats_out, ints_out)
     floats_host, ints_host = np.array(floats_out), np.array(ints_out)

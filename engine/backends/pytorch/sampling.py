@@ -25,8 +25,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
     def on_device(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(device, non_blocking=True)
 
-    x = logits.index_select(0, on_device(batch.rows)).float()  # [n, vocab]
-    lse = torch.logsumexp(x, -1)  # [n]
+    every_row = np.array_equal(batch.rows, np.arange(len(logits)))  # a decode round
+    x = (logits if every_row else logits.index_select(0, on_device(batch.rows))).float()
+    low, high = torch.aminmax(x, dim=-1)  # non-finite anywhere shows in one (NaN spreads)
+    finite = torch.isfinite(low) & torch.isfinite(high)
     biased = x
     if len(batch.bias_at):
         biased = x.clone()
@@ -35,62 +37,67 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
     order = np.concatenate([batch.greedy, batch.plain, batch.cut])  # batch positions
     parts = []
     if len(batch.greedy):
-        parts.append(biased[on_device(batch.greedy)].argmax(-1))
+        every = len(batch.greedy) == len(batch)
+        parts.append((biased if every else biased[on_device(batch.greedy)]).argmax(-1))
     for kind, is_cut in ((batch.plain, False), (batch.cut, True)):
         if len(kind):
-            scaled = biased[on_device(kind)]
-            scaled = (scaled - scaled.amax(-1, keepdim=True)) \
-                / on_device(batch.temperature[kind].astype(np.float32))[:, None]
+            # Advanced indexing copies, so the in-place steps below touch only this copy.
+            probs = biased[on_device(kind)]
+            top = probs.amax(-1) if len(batch.bias_at) else high[on_device(kind)]
+            temperature = on_device(batch.temperature[kind].astype(np.float32))
+            probs.sub_(top[:, None]).div_(temperature[:, None]).exp_()  # head: exp(0) = 1
             uniform = on_device(batch.uniform[kind].astype(np.float32))
-            parts.append(_draw_cut(scaled, batch, kind, uniform) if is_cut
-                         else _inverse_cdf(scaled.exp(), uniform))
+            parts.append(_draw_cut(probs, batch, kind, uniform) if is_cut
+                         else _inverse_cdf(probs, uniform))
     tokens = torch.empty(len(batch), dtype=torch.int64, device=device)
     tokens[on_device(order)] = torch.cat(parts)
-    chosen = x.gather(-1, tokens[:, None])[:, 0] - lse
-    floats, ints = [chosen[:, None]], [tokens[:, None], torch.isfinite(x).all(-1)[:, None].long()]
-    if batch.max_top:
-        top_values, top_ids = x.topk(batch.max_top, -1)
-        floats.append(top_values - lse[:, None])
-        ints.append(top_ids)
-    floats_host = torch.cat(floats, 1).cpu().numpy()
+    ints = [tokens[:, None], finite[:, None].long()]
+    if batch.logprobs:
+        lse = torch.logsumexp(x, -1)  # [n]
+        floats = [x.gather(-1, tokens[:, None]) - lse[:, None]]
+        if batch.max_top:
+            top_values, top_ids = x.topk(batch.max_top, -1)
+            floats.append(top_values - lse[:, None])
+            ints.append(top_ids)
+        floats_host = torch.cat(floats, 1).cpu().numpy()
+    else:
+        floats_host = np.full((len(batch), 1), np.nan, dtype=np.float32)
     ints_host = torch.cat(ints, 1).cpu().numpy()
     return SampledRows(ints_host[:, 0].copy(), floats_host[:, 0].copy(), ints_host[:, 2:],
                        floats_host[:, 1:], ints_host[:, 1].astype(bool))
 
 
-def _draw_cut(scaled: torch.Tensor, batch: SamplingBatch, kind: np.ndarray,
+def _draw_cut(probs: torch.Tensor, batch: SamplingBatch, kind: np.ndarray,
               uniform: torch.Tensor) -> torch.Tensor:
-    """Rows cut by top-k and/or top-p. scaled: [r, vocab], each row's largest 0."""
-    vocab = scaled.shape[-1]
-    device = scaled.device
+    """Rows cut by top-k and/or top-p. probs: [r, vocab] unnormalised, each row's largest 1."""
+    vocab = probs.shape[-1]
+    device = probs.device
     candidates = batch.candidates(vocab, kind)
-    values, ids = scaled.topk(candidates, -1)  # [r, candidates], most likely first
-    probs = values.exp()
+    values, ids = probs.topk(candidates, -1)  # [r, candidates], most likely first
     top_k = torch.from_numpy(batch.top_k[kind]).to(device)
     top_p = torch.from_numpy(batch.top_p[kind]).to(device)[:, None]
     limit = torch.where(top_k > 0, top_k, vocab)[:, None]
-    probs = torch.where(torch.arange(candidates, device=device) < limit, probs, 0.0)
+    values = torch.where(torch.arange(candidates, device=device) < limit, values, 0.0)
     # top-p's mass is within top-k when a row has one, else the whole vocabulary's.
-    total = torch.where(top_k > 0, probs.sum(-1), scaled.exp().sum(-1))[:, None]
-    mass = probs.cumsum(-1) / total
-    keep = (mass - probs / total < top_p) | (top_p >= 1.0)
-    picked = ids.gather(-1, _inverse_cdf(torch.where(keep, probs, 0.0), uniform)[:, None])[:, 0]
+    total = torch.where(top_k > 0, values.sum(-1), probs.sum(-1))[:, None]
+    mass = values.cumsum(-1) / total
+    keep = (mass - values / total < top_p) | (top_p >= 1.0)
+    picked = ids.gather(-1, _inverse_cdf(torch.where(keep, values, 0.0), uniform)[:, None])[:, 0]
     if candidates < vocab:
         beyond = ((top_k == 0) & (mass[:, -1] < top_p[:, 0])).nonzero()[:, 0].cpu().numpy()
         if len(beyond):  # the nucleus reaches past the candidates: sort those rows in full
-            full = _draw_full_sort(scaled[torch.from_numpy(beyond).to(device)],
-                                   top_p[beyond], uniform[beyond])
-            picked[torch.from_numpy(beyond).to(device)] = full
+            rows = torch.from_numpy(beyond).to(device)
+            picked[rows] = _draw_full_sort(probs[rows], top_p[rows], uniform[rows])
     return picked
 
 
-def _draw_full_sort(scaled: torch.Tensor, top_p: torch.Tensor,
+def _draw_full_sort(probs: torch.Tensor, top_p: torch.Tensor,
                     uniform: torch.Tensor) -> torch.Tensor:
-    values, ids = scaled.sort(dim=-1, descending=True, stable=True)
-    probs = values.exp()
-    mass = probs.cumsum(-1) / probs.sum(-1, keepdim=True)
-    keep = mass - probs / probs.sum(-1, keepdim=True) < top_p
-    return ids.gather(-1, _inverse_cdf(torch.where(keep, probs, 0.0), uniform)[:, None])[:, 0]
+    values, ids = probs.sort(dim=-1, descending=True, stable=True)
+    total = values.sum(-1, keepdim=True)
+    mass = values.cumsum(-1) / total
+    keep = mass - values / total < top_p
+    return ids.gather(-1, _inverse_cdf(torch.where(keep, values, 0.0), uniform)[:, None])[:, 0]
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
