@@ -163,3 +163,31 @@ def test_diff_shows_checkpoint_and_backends():
          "/Users/me/models/Qwen3-8B} -> /m/q"),
         "model qwen3-8b: backends [torch-cuda, mlx-metal] -> [torch-cuda]",
     ]
+
+
+REPLICAS = """version: 1
+supervisor: {address: "127.0.0.1:7400", state_dir: /tmp/x}
+nodes: [{name: a}]
+models:
+  - id: m
+    checkpoint: /m
+    context: 64
+    replicas: %s
+"""
+
+
+def test_replicas_is_a_count_or_auto_and_only_it_leaves_the_spec_digest_alone():
+    from supervisor.fleet_config import AUTO_REPLICAS
+    from supervisor.planning import spec_digest
+
+    two, auto = (parse_fleet_config(REPLICAS % v).model("m") for v in ("2", "auto"))
+    assert two.replicas == 2 and auto.replicas == AUTO_REPLICAS and auto.replicas_are_auto
+    one = parse_fleet_config((REPLICAS % "1").replace("    replicas: 1\n", "")).model("m")
+    assert one.replicas == 1
+    assert spec_digest(one) == spec_digest(two) == spec_digest(auto)
+    changes = diff(parse_fleet_config(REPLICAS % "2"), parse_fleet_config(REPLICAS % "auto"))
+    assert changes == ["model m: replicas 2 -> auto"]
+    for bad in ("0", "-1", "many", "true", "1.5"):
+        with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.replicas: expected a "
+                                                   "positive integer or 'auto'"):
+            parse_fleet_config(REPLICAS % bad)
