@@ -1,10 +1,10 @@
 """Sampling a round's rows where the logits are, in torch (CPU, CUDA, MPS): engine.lanes.sampler's rule.
 
 Every kind of row (greedy, drawn from the whole vocabulary, cut by top-k / top-p) runs
-as one batch over its own rows; the kinds are known on the host, so the only decision
-taken on the device's answer is the rare cut row whose nucleus reaches past
-`NUCLEUS_CANDIDATES` tokens (sorted again in full). Two small tensors come back: ids and
-logprobs. float32 throughout (MPS has no float64), so draws match the float64 reference
+as one batch over its own rows; the kinds are known on the host. The rows' numbers go to
+the device in one copy, and one copy of ids (one more of logprobs, when a row asks) comes
+back; the only decision taken on the device's answer is the rare cut row whose nucleus
+reaches past `NUCLEUS_CANDIDATES` tokens, sorted again in full after that copy. float32 throughout (MPS has no float64), so draws match the float64 reference
 except where a uniform lands within float32 rounding of a boundary.
 """
 
@@ -21,37 +21,64 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
     if not len(batch):
         return SampledRows.empty()
     device = logits.device
-
-    def on_device(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values).to(device, non_blocking=True)
-
+    # The rows' numbers go to the device in one copy: [n, 4] temperature, top-p, uniform, top-k.
+    per_row = torch.from_numpy(np.stack([
+        batch.temperature.astype(np.float32), batch.top_p, batch.uniform.astype(np.float32),
+        batch.top_k.astype(np.float32)], 1)).to(device)
     every_row = np.array_equal(batch.rows, np.arange(len(logits)))  # a decode round
-    x = (logits if every_row else logits.index_select(0, on_device(batch.rows))).float()
+    x = (logits if every_row else logits.index_select(0, _on(device, batch.rows))).float()
     low, high = torch.aminmax(x, dim=-1)  # non-finite anywhere shows in one (NaN spreads)
     finite = torch.isfinite(low) & torch.isfinite(high)
     biased = x
     if len(batch.bias_at):
         biased = x.clone()
-        biased.index_put_((on_device(batch.bias_at), on_device(batch.bias_token)),
-                          on_device(batch.bias_value), accumulate=True)
-    order = np.concatenate([batch.greedy, batch.plain, batch.cut])  # batch positions
-    parts = []
-    if len(batch.greedy):
-        every = len(batch.greedy) == len(batch)
-        parts.append((biased if every else biased[on_device(batch.greedy)]).argmax(-1))
-    for kind, is_cut in ((batch.plain, False), (batch.cut, True)):
-        if len(kind):
-            # Advanced indexing copies, so the in-place steps below touch only this copy.
-            probs = biased[on_device(kind)]
-            top = probs.amax(-1) if len(batch.bias_at) else high[on_device(kind)]
-            temperature = on_device(batch.temperature[kind].astype(np.float32))
-            probs.sub_(top[:, None]).div_(temperature[:, None]).exp_()  # head: exp(0) = 1
-            uniform = on_device(batch.uniform[kind].astype(np.float32))
-            parts.append(_draw_cut(probs, batch, kind, uniform) if is_cut
-                         else _inverse_cdf(probs, uniform))
+        biased.index_put_((_on(device, batch.bias_at), _on(device, batch.bias_token)),
+                          _on(device, batch.bias_value), accumulate=True)
     tokens = torch.empty(len(batch), dtype=torch.int64, device=device)
-    tokens[on_device(order)] = torch.cat(parts)
-    ints = [tokens[:, None], finite[:, None].long()]
+    beyond = torch.zeros(len(batch), dtype=torch.bool, device=device)
+    for kind, draw in ((batch.greedy, None), (batch.plain, False), (batch.cut, True)):
+        if not len(kind):
+            continue
+        rows = slice(None) if len(kind) == len(batch) else _on(device, kind)
+        if draw is None:
+            tokens[rows] = biased[rows].argmax(-1)
+            continue
+        probs = _probs(biased, high, per_row, rows, bool(len(batch.bias_at)))
+        uniform = per_row[rows, 2]
+        if draw:
+            tokens[rows], beyond[rows] = _draw_cut(probs, per_row[rows], batch.candidates(
+                probs.shape[-1], kind))
+        else:
+            tokens[rows] = _inverse_cdf(probs, uniform)
+    sampled, wide = _to_host(x, tokens, finite, beyond, batch)
+    if len(wide):  # a nucleus reached past the candidates: sort those rows in full
+        rows = _on(device, wide)
+        probs = _probs(biased, high, per_row, rows, bool(len(batch.bias_at)))
+        tokens[rows] = _draw_full_sort(probs, per_row[rows, 1:2], per_row[rows, 2])
+        sampled, _ = _to_host(x, tokens, finite, torch.zeros_like(beyond), batch)
+    return sampled
+
+
+def _on(device: torch.device, values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(values).to(device, non_blocking=True)
+
+
+def _probs(biased: torch.Tensor, high: torch.Tensor, per_row: torch.Tensor, rows: object,
+           biased_max: bool) -> torch.Tensor:
+    """exp((logit - max) / temperature) of `rows`: [r, vocab], each row's largest 1."""
+    probs = biased[rows]  # an index tensor copies; a slice is a view, so copy it
+    if isinstance(rows, slice):
+        probs = probs.clone()  # the in-place steps below touch only this copy
+    top = probs.amax(-1) if biased_max else high[rows]
+    return probs.sub_(top[:, None]).div_(per_row[rows, 0:1]).exp_()
+
+
+def _to_host(x: torch.Tensor, tokens: torch.Tensor, finite: torch.Tensor,
+             beyond: torch.Tensor, batch: SamplingBatch) -> tuple[SampledRows, np.ndarray]:
+    """One copy of ids (and one of logprobs, when asked) to the host; and the batch
+    positions whose nucleus reached past the candidates."""
+    ints = [tokens[:, None], finite[:, None].long(), beyond[:, None].long()]
+    floats_host = np.full((len(batch), 1), np.nan, dtype=np.float32)
     if batch.logprobs:
         lse = torch.logsumexp(x, -1)  # [n]
         floats = [x.gather(-1, tokens[:, None]) - lse[:, None]]
@@ -60,35 +87,29 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
             floats.append(top_values - lse[:, None])
             ints.append(top_ids)
         floats_host = torch.cat(floats, 1).cpu().numpy()
-    else:
-        floats_host = np.full((len(batch), 1), np.nan, dtype=np.float32)
     ints_host = torch.cat(ints, 1).cpu().numpy()
-    return SampledRows(ints_host[:, 0].copy(), floats_host[:, 0].copy(), ints_host[:, 2:],
-                       floats_host[:, 1:], ints_host[:, 1].astype(bool))
+    sampled = SampledRows(ints_host[:, 0].copy(), floats_host[:, 0].copy(), ints_host[:, 3:],
+                          floats_host[:, 1:], ints_host[:, 1].astype(bool))
+    return sampled, np.flatnonzero(ints_host[:, 2])
 
 
-def _draw_cut(probs: torch.Tensor, batch: SamplingBatch, kind: np.ndarray,
-              uniform: torch.Tensor) -> torch.Tensor:
-    """Rows cut by top-k and/or top-p. probs: [r, vocab] unnormalised, each row's largest 1."""
+def _draw_cut(probs: torch.Tensor, per_row: torch.Tensor,
+              candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows cut by top-k and/or top-p: (tokens, rows whose nucleus reaches past the
+    candidates). probs: [r, vocab] unnormalised, each row's largest 1; per_row: [r, 4]."""
     vocab = probs.shape[-1]
-    device = probs.device
-    candidates = batch.candidates(vocab, kind)
     values, ids = probs.topk(candidates, -1)  # [r, candidates], most likely first
-    top_k = torch.from_numpy(batch.top_k[kind]).to(device)
-    top_p = torch.from_numpy(batch.top_p[kind]).to(device)[:, None]
+    top_k, top_p = per_row[:, 3], per_row[:, 1:2]
     limit = torch.where(top_k > 0, top_k, vocab)[:, None]
-    values = torch.where(torch.arange(candidates, device=device) < limit, values, 0.0)
+    values = torch.where(torch.arange(candidates, device=probs.device) < limit, values, 0.0)
     # top-p's mass is within top-k when a row has one, else the whole vocabulary's.
     total = torch.where(top_k > 0, values.sum(-1), probs.sum(-1))[:, None]
     mass = values.cumsum(-1) / total
     keep = (mass - values / total < top_p) | (top_p >= 1.0)
-    picked = ids.gather(-1, _inverse_cdf(torch.where(keep, values, 0.0), uniform)[:, None])[:, 0]
-    if candidates < vocab:
-        beyond = ((top_k == 0) & (mass[:, -1] < top_p[:, 0])).nonzero()[:, 0].cpu().numpy()
-        if len(beyond):  # the nucleus reaches past the candidates: sort those rows in full
-            rows = torch.from_numpy(beyond).to(device)
-            picked[rows] = _draw_full_sort(probs[rows], top_p[rows], uniform[rows])
-    return picked
+    picked = ids.gather(-1, _inverse_cdf(torch.where(keep, values, 0.0),
+                                         per_row[:, 2])[:, None])[:, 0]
+    beyond = (top_k == 0) & (mass[:, -1] < top_p[:, 0]) & (candidates < vocab)
+    return picked, beyond
 
 
 def _draw_full_sort(probs: torch.Tensor, top_p: torch.Tensor,
