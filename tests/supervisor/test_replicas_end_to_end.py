@@ -1,0 +1,192 @@
+"""Two replicas of one model, and make before break, with real processes on loopback: a
+supervisor and two agents serving a generated checkpoint, one replica a node. Both replicas
+serve and share the requests; `kill -9` of one replica's engine under a client load loses no
+request (the front door hands a refused request to the other) and the replica is placed
+again; with one replica left, `fleetctl drain` of its node under load starts the successor on
+the other node first and drains the old one only once the successor serves: no request
+fails, and no outage is announced. The tests share one fleet and run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from supervisor.local import LocalFleet
+from tests.supervisor.test_end_to_end import engine_records
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "demo"
+FLEET = """version: 1
+supervisor: {{address: "{address}", state_dir: "{state_dir}"}}
+nodes:
+  - {{name: node-a, labels: {{backend: torch-cpu}}}}
+  - {{name: node-b, labels: {{backend: torch-cpu}}}}
+models:
+  - id: demo
+    checkpoint: {checkpoint}
+    backends: [torch-cpu]
+    context: 512
+    parallel: 2
+    chunk: 64
+    replicas: {replicas}
+"""
+LOAD_MAX_REQUESTS = 400  # every load loop stops at this count or its time, whichever first
+LOAD_MAX_S = 150.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from engine.checkpoint.maker import PRESETS, make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("model") / "demo", PRESETS["demo"])
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, checkpoint):
+    root = tmp_path_factory.mktemp("fleet")
+    fleet = LocalFleet(root, supervisor_flags=(
+        "--suspect-after-s", "1.5", "--dead-after-s", "4", "--drain-s", "20",
+        # Nominal timings (no calibration): the two nodes tie, so the replicas spread
+        # whatever a busy machine's calibration would say.
+        "--backoff-first-s", "0.5", "--tick-s", "0.2", "--calibration-budget-s", "0"),
+        agent_settings=dict(heartbeat_interval_s=0.3))
+    try:
+        fleet.start()
+        yield fleet
+    finally:
+        fleet.stop(timeout_s=30)
+
+
+def apply(fleet: LocalFleet, checkpoint: Path, replicas: int):
+    path = fleet.root / f"fleet-{replicas}.yaml"
+    path.write_text(FLEET.format(address=fleet.address, state_dir=fleet.state_dir,
+                                 checkpoint=checkpoint, replicas=replicas))
+    return fleet.fleetctl("apply", str(path))
+
+
+def serving(fleet: LocalFleet) -> list[dict]:
+    return [r for r in fleet.status()["replicas"] if r["state"] == "serving"]
+
+
+def wait_serving(fleet: LocalFleet, count: int, where=lambda r: True,
+                 timeout_s: float = 120.0) -> list[dict]:
+    found: list[dict] = []
+
+    def ready() -> bool:
+        nonlocal found
+        found = [r for r in serving(fleet) if where(r)]
+        return len(found) == count
+    wait_until(ready, within_s=timeout_s, what=f"{count} serving replica(s) of {MODEL}",
+               poll_s=0.3)
+    return found
+
+
+def ask(fleet: LocalFleet) -> tuple[int, str]:
+    """One whole chat through the front door: (status, the replica that answered)."""
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    request = urllib.request.Request(fleet.front_door_url + "/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            json.loads(reply.read())
+            return reply.status, reply.headers.get("X-Ringfleet-Replica", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")[:300]
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, str(exc)
+
+
+class Load(threading.Thread):
+    """Requests one after another until stopped, LOAD_MAX_REQUESTS or LOAD_MAX_S."""
+
+    def __init__(self, fleet: LocalFleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.stop_asked = threading.Event()
+        self.ok: list[str] = []
+        self.failed: list[tuple[int, str]] = []
+
+    def run(self) -> None:
+        deadline = time.monotonic() + LOAD_MAX_S
+        for _ in range(LOAD_MAX_REQUESTS):
+            if self.stop_asked.is_set() or time.monotonic() > deadline:
+                return
+            status, detail = ask(self.fleet)
+            (self.ok.append(detail) if status == 200 else self.failed.append((status, detail)))
+
+    def finish(self) -> None:
+        self.stop_asked.set()
+        self.join(90)
+        assert not self.is_alive()
+
+
+def test_two_replicas_serve_side_by_side_and_share_the_requests(fleet, checkpoint):
+    apply(fleet, checkpoint, replicas=2)
+    pair = wait_serving(fleet, 2)
+    assert sorted(r["stages"][0]["node"] for r in pair) == ["node-a", "node-b"]
+    answered = [ask(fleet) for _ in range(6)]
+    assert all(status == 200 for status, _ in answered), answered
+    assert {replica for _, replica in answered} == {r["id"] for r in pair}
+
+
+def test_kill_9_of_one_replicas_engine_loses_no_request(fleet):
+    before = {r["id"]: r for r in serving(fleet)}
+    victim = next(r for r in before.values() if r["stages"][0]["node"] == "node-b")
+    load = Load(fleet)
+    load.start()
+    try:
+        wait_until(lambda: len(load.ok) >= 5, within_s=60, what="answers before the kill")
+        os.kill(engine_records(fleet)[victim["stages"][0]["engine_id"]], signal.SIGKILL)
+        wait_serving(fleet, 2, where=lambda r: r["id"] != victim["id"])
+        served_after = len(load.ok)
+        wait_until(lambda: len(load.ok) >= served_after + 5, within_s=60,
+                   what="answers after the re-place")
+    finally:
+        load.finish()
+    print(f"kill -9 under load: {len(load.ok)} answered, {len(load.failed)} failed")
+    assert load.failed == [] and len(load.ok) >= 10
+    messages = [e["message"] for e in fleet.status()["events"]]
+    assert any(f"{victim['id']} is failed" in m for m in messages)
+
+
+def test_a_drain_with_room_starts_the_successor_first_and_loses_no_request(fleet, checkpoint):
+    apply(fleet, checkpoint, replicas=1)
+    [old] = wait_serving(fleet, 1, where=lambda r: r["slot"] == 0)
+    wait_until(lambda: len(serving(fleet)) == 1, within_s=60, what="the second replica retired",
+               poll_s=0.3)
+    node = old["stages"][0]["node"]
+    other = "node-b" if node == "node-a" else "node-a"
+    load = Load(fleet)
+    load.start()
+    try:
+        wait_until(lambda: len(load.ok) >= 5, within_s=60, what="answers before the drain")
+        drained = fleet.fleetctl("drain", node)
+        assert "warning" not in drained.stderr  # room on the other node: nothing stops
+        [new] = wait_serving(fleet, 1, where=lambda r: r["id"] != old["id"])
+        wait_until(lambda: old["id"] not in {r["id"] for r in fleet.status()["replicas"]
+                                             if r["state"] in ("serving", "draining")},
+                   within_s=60, what="the old replica drained", poll_s=0.3)
+        served_after = len(load.ok)
+        wait_until(lambda: len(load.ok) >= served_after + 3, within_s=60,
+                   what="answers after the drain")
+    finally:
+        load.finish()
+    print(f"drain under load: {len(load.ok)} answered, {len(load.failed)} failed")
+    assert load.failed == [] and len(load.ok) >= 8
+    assert [s["node"] for s in new["stages"]] == [other] and new["replaces"] == old["id"]
+    messages = [e["message"] for e in fleet.status()["events"]]  # oldest first
+    new_serving = next(i for i, m in enumerate(messages) if f"{new['id']} is serving" in m)
+    old_draining = next(i for i, m in enumerate(messages) if f"{old['id']} is draining" in m)
+    assert new_serving < old_draining  # made before the old one broke
+    fleet.fleetctl("drain", node, "--undo")
