@@ -1,5 +1,7 @@
 """The one-machine fleet demo: a supervisor and two agents on loopback serve a real model
-with one torch-cpu stage and one mlx-cpu stage; a chat goes through the front door.
+in two replicas, each with one torch-cpu stage and one mlx-cpu stage; a chat goes through the
+front door, then a rolling drain of the MLX node under a client load: each replica's successor
+starts and serves before the old one drains, and no request fails.
 
     python scripts/fleet_demo.py [--random | --model DIR] [--no-wait]
 
@@ -10,7 +12,8 @@ checkpoint of yours.
 
 It runs what a real fleet runs, as separate processes: `fleetctl init`, `fleet-supervisor`,
 `fleetctl token` + `fleet-agent join` + `fleet-agent run` per node, `fleetctl apply`, then a
-request with the `openai` client and `fleetctl status`. Ctrl-C stops everything cleanly:
+request with the `openai` client and `fleetctl status`, then `fleetctl drain mlx-node`
+while a client keeps asking, and `fleetctl drain --undo`. Ctrl-C stops everything cleanly:
 the agents drain their engines and say goodbye, then the supervisor stops.
 """
 
@@ -33,7 +36,8 @@ from supervisor.local import LocalFleet, LocalFleetError
 
 console = Console()
 FLEET_YAML = """\
-# Written by scripts/fleet_demo.py: two nodes on this machine, one model, one stage each.
+# Written by scripts/fleet_demo.py: two nodes on this machine, one model in two replicas,
+# each a stage on either node.
 version: 1
 supervisor:
   address: "{address}"
@@ -48,6 +52,7 @@ models:
     context: 1024
     parallel: 2
     chunk: 128
+    replicas: 2
     placement:
       - {{node: torch-node, layers: "0:{half}"}}
       - {{node: mlx-node, layers: "{half}:{layers}"}}
@@ -111,8 +116,9 @@ def main() -> int:
         console.print(f"[bold]$ fleetctl apply {fleet_yaml}[/]")
         print(fleet.fleetctl("apply", str(fleet_yaml)).stdout)
         started = time.monotonic()
-        replica = fleet.wait_replica("demo", timeout_s=180)
-        console.print(f"[bold]{replica['id']} serving[/] after {time.monotonic() - started:.1f} s")
+        pair = wait_serving(fleet, 2, lambda r: True, 180)
+        console.print(f"[bold]{', '.join(r['id'] for r in pair)} serving[/] after "
+                      f"{time.monotonic() - started:.1f} s")
 
         from openai import OpenAI
 
@@ -126,6 +132,7 @@ def main() -> int:
         console.print(f"[bold]reply[/] (placement {reply.system_fingerprint}, "
                       f"{reply.usage.completion_tokens} tokens):")
         console.print(repr(reply.choices[0].message.content), markup=False)
+        rolling_drain(fleet, "mlx-node")
         console.print("[bold]$ fleetctl status[/]")
         print(fleet.fleetctl("status").stdout)
         if not args.no_wait:
@@ -143,6 +150,71 @@ def main() -> int:
         console.print("[bold]stopping[/]: agents drain their engines, then the supervisor")
         fleet.stop()
         console.print("stopped")
+
+
+def wait_serving(fleet: LocalFleet, count: int, where, timeout_s: float) -> list[dict]:
+    """`count` serving replicas of the demo model that `where` accepts."""
+    found: list[dict] = []
+
+    def ready() -> bool:
+        nonlocal found
+        found = [r for r in fleet.status()["replicas"] if r["state"] == "serving" and where(r)]
+        return len(found) == count
+    fleet.wait(ready, timeout_s, f"{count} serving replicas")
+    return found
+
+
+def rolling_drain(fleet: LocalFleet, node: str, max_requests: int = 2000,
+                  max_s: float = 240.0) -> None:
+    """`fleetctl drain NODE` while a client asks one short question after another (at most
+    `max_requests` in `max_s`): the replicas move one at a time, each successor serving
+    before its old replica drains, and every request is answered."""
+    import threading
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=fleet.front_door_url, api_key="none", max_retries=0)
+    done = threading.Event()
+    answered, failed = [], []
+
+    def load() -> None:
+        deadline = time.monotonic() + max_s
+        for _ in range(max_requests):
+            if done.is_set() or time.monotonic() > deadline:
+                return
+            try:
+                client.chat.completions.create(
+                    model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+                answered.append(1)
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                failed.append(f"{type(exc).__name__}: {exc}")
+
+    before = {r["id"] for r in fleet.status()["replicas"] if r["state"] == "serving"}
+    asker = threading.Thread(target=load, daemon=True)
+    asker.start()
+    started = time.monotonic()
+    try:
+        console.print(f"[bold]$ fleetctl drain {node}[/] (a client asks all along)")
+        print(fleet.fleetctl("drain", node).stdout, end="")
+        moved = wait_serving(fleet, 2, lambda r: r["id"] not in before
+                             and all(s["node"] != node for s in r["stages"]), 240)
+        fleet.wait(lambda: not [r for r in fleet.status()["replicas"]
+                                if r["id"] in before and r["state"] == "draining"], 60,
+                   "the old replicas to drain")
+    finally:
+        done.set()
+        asker.join(60)
+    console.print(f"[bold]rolling drain[/] in {time.monotonic() - started:.1f} s: "
+                  f"{', '.join(sorted(before))} -> {', '.join(r['id'] for r in moved)}; "
+                  f"{len(answered)} requests answered, {len(failed)} failed")
+    for line in failed[:5]:
+        console.print(f"  [red]failed:[/] {line}", markup=True)
+    events = [e["message"] for e in fleet.status()["events"]
+              if e["kind"] == "replica" and ("serving" in e["message"]
+                                             or "draining" in e["message"])]
+    for message in events[-4:]:
+        console.print(f"  {message}", markup=False)
+    fleet.fleetctl("drain", node, "--undo")
 
 
 if __name__ == "__main__":
