@@ -39,7 +39,7 @@ from supervisor.membership import (
 )
 from supervisor.memory import ModelShape
 from supervisor.orphans import DrainOrphan, orphaned_engines
-from supervisor.planning import plan_model, spec_digest
+from supervisor.planning import plan_replicas, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
 from supervisor.settings import SupervisorSettings
@@ -387,12 +387,16 @@ class Supervisor:
             if not isinstance(shape, ModelShape):
                 out.append({"model": spec.id, "error": shape})
                 continue
-            plan = plan_model(spec, shape, config, self.members, self.measurer.snapshot())
-            if plan.placement is None:
+            plan = plan_replicas(spec, shape, config, self.members, self.measurer.snapshot(),
+                                 spec.replicas)
+            if not plan.placements:
                 out.append({"model": spec.id, "error": plan.error})
-            else:
-                out.append({"model": spec.id, "ring": list(plan.placement.ring),
-                            "note": plan.note, "placement": plan.placement.to_dict()})
+                continue
+            first = plan.placements[0]
+            out.append({"model": spec.id, "ring": list(first.ring), "note": plan.note,
+                        "placement": first.to_dict()})
+            if len(plan.placements) > 1:  # placed together: every replica's placement
+                out[-1]["replicas"] = [p.to_dict() for p in plan.placements]
         return out
 
     def apply_desired(self, text: str, source: str, *, dry_run: bool = False,

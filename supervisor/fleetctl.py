@@ -251,7 +251,11 @@ def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:
                     out.print("[yellow]provisional[/]: placed on nominal numbers while the "
                               "nodes are measured; the supervisor places again once the "
                               "measurements land")
-                out.print(render_plan(plan["placement"]))
+                replicas = plan.get("replicas") or [plan["placement"]]
+                for i, placement in enumerate(replicas):
+                    if len(replicas) > 1:
+                        out.print(f"replica {i + 1} of {len(replicas)}:")
+                    out.print(render_plan(placement))
         if args.command == "apply" and data.get("changes"):
             out.print("applied" if data.get("applied") else "not applied (dry run)")
         warn_outages(data)

@@ -132,7 +132,12 @@ class Load(threading.Thread):
 
 
 def test_two_replicas_serve_side_by_side_and_share_the_requests(fleet, checkpoint):
-    apply(fleet, checkpoint, replicas=2)
+    applied = apply(fleet, checkpoint, replicas=2)
+    assert "replica 2 of 2" in applied.stdout and "warning" not in applied.stderr
+    planned = json.loads(fleet.fleetctl("--json", "plan", str(fleet.root / "fleet-2.yaml")
+                                        ).stdout)
+    rings = [p["stages"][0]["node"] for p in planned["plans"][0]["replicas"]]
+    assert sorted(rings) == ["node-a", "node-b"]  # placed together, one replica a node
     pair = wait_serving(fleet, 2)
     assert sorted(r["stages"][0]["node"] for r in pair) == ["node-a", "node-b"]
     answered = [ask(fleet) for _ in range(6)]
