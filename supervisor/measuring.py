@@ -43,14 +43,11 @@ CALIBRATION, PROBE = "calibration", "probe"
 
 def backend_versions(member: Member, backend: str) -> str:
     """What a calibration of `backend` on `member` was measured with: the framework and its
-    version (and CUDA's) as the agent reports them, and the engine's version."""
+    version as the agent reports them (agent/facts.py's BackendFacts), and the engine's."""
     facts = member.facts or {}
     found = next((b for b in facts.get("backends", ()) if b.get("backend") == backend), {})
-    parts = [f"{found.get('framework', '?')} {found.get('version', '?')}"]
-    if found.get("cuda"):
-        parts.append(f"cuda {found['cuda']}")
-    parts.append(f"engine {facts.get('engine_version', '?')}")
-    return ", ".join(parts)
+    return (f"{found.get('framework', '?')} {found.get('framework_version', '?')}, "
+            f"engine {facts.get('engine_version', '?')}")
 
 
 def link_versions(a: Member, b: Member) -> str:

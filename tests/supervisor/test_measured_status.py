@@ -68,6 +68,7 @@ def test_apply_marks_a_nominal_placement_provisional_and_shows_the_one_that_runs
     assert {k.split("|")[1] for k in measured["calibrations"]} == {"node-a", "node-b"}
     for calibration in measured["calibrations"].values():
         assert calibration["age_s"] >= 0 and "engine" in calibration["versions"]
+        assert "?" not in calibration["versions"], calibration  # read from the agent's facts
 
     # Applied again unchanged: nothing to place, nothing provisional, no wait.
     again = fleet.fleetctl("apply", str(fleet.root / "fleet.yaml"))

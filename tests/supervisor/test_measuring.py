@@ -37,7 +37,7 @@ def test_why_measure_again():
 
 def member(name: str, torch_version: str = "2.5.0") -> Member:
     facts = {"engine_version": "0.3", "backends": [
-        {"backend": "torch-cpu", "framework": "torch", "version": torch_version,
+        {"backend": "torch-cpu", "framework": "torch", "framework_version": torch_version,
          "present": True, "devices": [{"memory_usable_bytes": 8 << 30}]}]}
     return Member(name, f"https://127.0.0.1:{7700 + ord(name)}", ALIVE, 0.0, 0.0, facts, "d")
 
