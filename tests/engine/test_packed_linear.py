@@ -59,10 +59,12 @@ def test_packed_matmul_is_the_dense_product(device, dtype, out_features, in_feat
             # summation order: float32 noise on outputs of size ~1.
             torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
         else:
-            # The output rounded to bfloat16 (2**-9 relative) and, at 5 to 8 bits, two
-            # rounded passes added: a few bfloat16 ulps of the output.
-            error = (got.double() - want).abs().max().item()
-            assert error <= 0.02 * max(want.abs().max().item(), 1.0)
+            # bfloat16 keeps 8 bits: the kernel rounds weights, products or partial sums
+            # to it (CUDA's more than the CPU's), and at 5 to 8 bits adds two rounded
+            # passes. A dot product's rounding error scales with the sum of |x| * |w|, not
+            # with its result (terms cancel): a few bfloat16 steps (2**-8) of that.
+            magnitude = x[:rows].double().abs() @ dense.abs().T
+            assert ((got.double() - want).abs() <= 2**-6 * magnitude + 1e-3).all()
     # The matmul is not a dense matrix in disguise: the packed bytes are about the stored
     # ones (a nibble a code, twice for 5 to 8 bits, and padding to 16 rows).
     passes = 1 if bits <= 4 else 2

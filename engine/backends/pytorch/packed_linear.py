@@ -77,6 +77,8 @@ class PackedWeight:
         if not self.passes:
             raise TypeError("this packed weight holds rows for lookups only, not a matmul")
         flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] == 0:  # CUDA's kernel refuses an empty grid
+            return x.new_empty(*x.shape[:-1], self.out_features)
         out = None
         for one in self.passes:
             y = _int4_mm(flat, one, self.params.group_size)
@@ -150,7 +152,7 @@ def _pack_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     else:
         # CUDA and MPS take two codes a byte, the even one in the high nibble, and tile K by
         # inner_k_tiles * 16: the largest of 8, 4, 2 that divides the width.
-        pairs = ((codes[:, ::2] << NIBBLE) | codes[:, 1::2]).to(torch.uint8).to(device)
+        pairs = ((codes[:, ::2] << NIBBLE) | codes[:, 1::2]).to(device, torch.uint8)
         tiles = next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
     return Int4Pass(packed.to(device), scales_and_zeros.to(device))
@@ -181,8 +183,8 @@ def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: 
     in_features = stored.shape[1] * 8 // params.bits
     passes: tuple[Int4Pass, ...] = ()
     if matmul:
-        codes = unpack_codes(stored.cpu(), params.bits)  # packing happens on the host
-        passes = int4_passes(codes, scales.cpu(), biases.cpu(), params, device)
+        codes = unpack_codes(stored, params.bits)  # on the device: a GPU unpacks fast
+        passes = int4_passes(codes, scales, biases, params, device)
     rows = (stored, scales, biases) if lookup else None
     return PackedWeight(out_features, in_features, params, scales.dtype, passes, rows)
 
