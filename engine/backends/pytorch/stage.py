@@ -31,6 +31,11 @@ class TorchStage(Stage):
         self.device = device
         self.dtype = torch_dtype(self.row_format)
         self.graphs = None
+        if device.type == "cuda":
+            # cuDNN's attention built an execution plan on every masked call here (0.3 s of
+            # host time a call on an H200, torch 2.11: the fixed cost of eager rounds); the
+            # other SDPA kernels need no plan. One stage a process, so the switch is ours.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if device.type == "cuda" and spec.cuda_graphs:
             recurrent = model.cache.recurrent if config.is_hybrid else None
             self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, recurrent,
