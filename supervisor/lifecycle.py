@@ -107,7 +107,11 @@ def _model(s: Snapshot, spec: ModelSpec) -> list[Action]:
         if not live:
             last = in_slot[-1] if in_slot else None
             if last is None or s.now >= last.next_attempt_at:
-                actions.append(Record(roll.new(s, spec, digest, slot, count, last)))
+                # After a drain (break before make) the new generation still changes this
+                # slot: the other slots wait until it serves.
+                after = last.id if last is not None and last.state == STOPPED else ""
+                roll.busy = roll.busy or bool(after)
+                actions.append(Record(roll.new(s, spec, digest, slot, count, last, after)))
             continue
         for replica in live:
             if replica.state == PLACING:

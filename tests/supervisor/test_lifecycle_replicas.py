@@ -152,3 +152,24 @@ def test_no_room_forecasts_an_outage_with_its_reason_and_bound():
     assert outage.max_s == 30.0 + 100.0 and "the last start took 7 s" in outage.text()
     roomy = replace(after, members=ready([serving]))
     assert lc.outages(roomy) == []  # make before break: nothing stops
+
+
+def test_without_room_a_change_breaks_one_replica_at_a_time():
+    pair = serving_pair()
+    changed = config(parallel=3)
+    # each node holds one replica, at the old parallel (17.8 MB) or the new (19.9 MB)
+    tight = ready(pair.values(), memory_bytes=20_000_000)
+    actions = lc.decide(snap(list(pair.values()), members=tight, cfg=changed))
+    [drained] = only(actions, lc.Record)
+    assert (drained.replica.id, drained.replica.state) == ("demo-g1", lc.DRAINING)
+    assert lc.outages(snap(list(pair.values()), members=tight, cfg=changed)) == []  # g2 serves
+    stopped = replace(drained.replica, state=lc.STOPPED)
+    [new] = only(lc.decide(snap([stopped, pair["demo-g2"]], members=tight, cfg=changed)),
+                 lc.Record)
+    assert new.replica.slot == 0 and new.replica.replaces == "demo-g1"
+    # slot 0's new generation is on its way: slot 1 keeps serving until it serves
+    actions = lc.decide(snap([stopped, pair["demo-g2"], new.replica], members=tight,
+                             cfg=changed))
+    assert [a.replica.id for a in only(actions, lc.StartStages)] == [new.replica.id]
+    assert not [a for a in only(actions, lc.Record) if a.replica.id == "demo-g2"]
+    assert not only(actions, lc.StopEngines)
