@@ -65,6 +65,11 @@ def why_measure_again(measured_with: str, now_with: str, measured_at: float, now
     return ""
 
 
+def host_of(member: Member) -> str:
+    """The machine an agent runs on, as its facts name it ("" before they come)."""
+    return str(((member.facts or {}).get("host") or {}).get("hostname") or "")
+
+
 def link_key(a: str, b: str) -> str:
     return f"{a} -> {b}"
 
@@ -82,6 +87,7 @@ class Measurer:
         # key (timing key or link_key) -> (versions measured with, measured_at), measured only
         self.provenance: dict[str, tuple[str, float]] = {}
         self.again: dict[str, str] = {}  # key -> why it is being measured again
+        self.waiting: frozenset[str] = frozenset()  # nodes whose machine is measuring another
         self.reused = self._load()
 
     def _load(self) -> str:
@@ -128,25 +134,38 @@ class Measurer:
             self.store.put_measurement(StoredMeasurement(key, kind, versions, now, record))
 
     def snapshot(self) -> Measured:
-        pending = frozenset(n for nodes in self.running.values() for n in nodes)
+        pending = frozenset(n for nodes in self.running.values() for n in nodes) | self.waiting
         return Measured(dict(self.timings), dict(self.links), pending)
+
+    def _busy_hosts(self, members: Mapping[str, Member]) -> set[str]:
+        return {host_of(members[n]) for nodes in self.running.values() for n in nodes
+                if n in members} - {""}
 
     def start_missing(self, desired: FleetConfig, members: Mapping[str, Member],
                       spawn: Callable[[Coroutine], None]) -> None:
-        """Start the calibrations and link probes that placement lacks."""
+        """Start the calibrations and link probes that placement lacks, one at a time per
+        machine: two agents on one host (a one-machine fleet) measured at once would each
+        time the other's load, several times their real cost on a few cores. Those left
+        waiting count as pending, so placement waits for them too."""
         pairs: set[tuple[str, str]] = set()
+        busy = self._busy_hosts(members)
+        self.waiting = frozenset()
         for spec in desired.models:
             found = candidates(spec, desired, members)
             names = [m.node for m, _ in found]
             pairs |= {(a, b) for i, a in enumerate(names) for b in names[i + 1:]}
             missing = [(member, backend, key) for member, backend in found
                        if (key := timing_key(spec, member.node, backend)) not in self.running
-                       and (key not in self.timings
+                       and (key not in self.timings or key in self.again
                             or self._again(key, backend_versions(member, backend)))]
             config = read_config(spec) if missing else ""
             if isinstance(config, str):
                 continue  # placement says why it has no shape
             for member, backend, key in missing:
+                if host_of(member) in busy:
+                    self.waiting |= {member.node}
+                    continue
+                busy |= {host_of(member)} - {""}
                 self.running[key] = (member.node,)
                 body = calibration_body(config[0], spec, backend, self.budget_s)
                 spawn(self._calibrate(key, spec, member, body,
@@ -156,9 +175,16 @@ class Measurer:
                 continue
             versions = link_versions(members[a], members[b])
             have = [pair for pair in ((a, b), (b, a)) if pair in self.links]
-            if not have or any(self._again(link_key(*pair), versions) for pair in have):
-                self.running[(a, b)] = (a, b)
-                spawn(self._probe(a, members[a].url, b, members[b].url, versions))
+            if have and not any(link_key(*pair) in self.again or
+                                self._again(link_key(*pair), versions) for pair in have):
+                continue
+            hosts = {host_of(members[a]), host_of(members[b])} - {""}
+            if hosts & busy:
+                self.waiting |= {a, b}
+                continue
+            busy |= hosts
+            self.running[(a, b)] = (a, b)
+            spawn(self._probe(a, members[a].url, b, members[b].url, versions))
 
     async def _calibrate(self, key: str, spec: ModelSpec, member: Member, body: dict,
                          versions: str) -> None:
@@ -210,7 +236,8 @@ class Measurer:
                 "links": {link_key(a, b): v if isinstance(v, str)
                           else dict(vars(v), **age(link_key(a, b)))
                           for (a, b), v in self.links.items()},
-                "running": sorted(map(str, self.running))}
+                "running": sorted(map(str, self.running)),
+                "waiting": sorted(self.waiting)}
 
 
 def stored_timing(record: Mapping[str, Any]) -> NodeTiming:

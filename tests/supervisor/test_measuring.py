@@ -35,8 +35,9 @@ def test_why_measure_again():
     assert why_measure_again("torch 2.5", "", 100.0, 101.0, 60.0) == ""  # facts not in yet
 
 
-def member(name: str, torch_version: str = "2.5.0") -> Member:
-    facts = {"engine_version": "0.3", "backends": [
+def member(name: str, torch_version: str = "2.5.0", hostname: str = "") -> Member:
+    facts = {"engine_version": "0.3", "host": {"hostname": hostname or f"host-{name}"},
+             "backends": [
         {"backend": "torch-cpu", "framework": "torch", "framework_version": torch_version,
          "present": True, "devices": [{"memory_usable_bytes": 8 << 30}]}]}
     return Member(name, f"https://127.0.0.1:{7700 + ord(name)}", ALIVE, 0.0, 0.0, facts, "d")
@@ -98,8 +99,9 @@ def test_a_new_measurer_reuses_what_the_state_keeps(tmp_path: Path, fleet):
 
     stale = Measurer(None, 5.0, 60.0, lambda *_: None, store=state,  # type: ignore[arg-type]
                      max_age_s=1e-9)
-    assert started(stale, fleet, members) == sorted(
-        [str(("a", "b")), key, timing_key(spec, "b", "torch-cpu")])
+    assert started(stale, fleet, members) == sorted([key, timing_key(spec, "b", "torch-cpu")])
+    assert set(stale.again) == {key, timing_key(spec, "b", "torch-cpu"), "a -> b"}  # the
+    # probe is due too; it waits for the machines' calibrations
 
 
 def test_a_record_the_code_cannot_read_is_measured_again(tmp_path: Path, fleet):
@@ -111,3 +113,26 @@ def test_a_record_the_code_cannot_read_is_measured_again(tmp_path: Path, fleet):
     assert key not in measurer.timings and measurer.reused == ""
     members = {"a": member("a")}
     assert started(measurer, fleet, members) == [key]
+
+
+def test_agents_on_one_machine_are_measured_one_at_a_time(fleet):
+    spec = fleet.model("m")
+    members = {"a": member("a", hostname="box"), "b": member("b", hostname="box")}
+    measurer = Measurer(None, 5.0, 60.0, lambda *_: None)  # type: ignore[arg-type]
+    key_a, key_b = (timing_key(spec, n, "torch-cpu") for n in ("a", "b"))
+    assert started(measurer, fleet, members) == [key_a]
+    assert measurer.snapshot().pending == {"a", "b"}  # b waits, and placement with it
+    assert measurer.to_dict()["waiting"] == ["a", "b"]  # b's calibration; the a-b probe
+    assert started(measurer, fleet, members) == []  # a's still runs
+
+    del measurer.running[key_a]  # a's calibration is in
+    measurer.timings[key_a] = NodeTiming(1.0, 2.0, 30.0)
+    assert started(measurer, fleet, members) == [key_b]
+    del measurer.running[key_b]
+    measurer.timings[key_b] = NodeTiming(1.0, 2.0, 30.0)
+    assert started(measurer, fleet, members) == [str(("a", "b"))]  # the probe last
+
+    apart = {"a": member("a"), "b": member("b")}  # two machines: calibrated at once (the
+    # probe, which uses both, follows them)
+    assert started(Measurer(None, 5.0, 60.0, lambda *_: None),  # type: ignore[arg-type]
+                   fleet, apart) == [key_a, key_b]
