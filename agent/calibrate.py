@@ -213,7 +213,8 @@ class TorchTimer:
         self.dtype = dtypes[config.dtype]
         self.config = config
         generator = torch.Generator(device="cpu").manual_seed(0)
-        from engine.backends.quant_policy import runs_packed
+        from engine.backends.pytorch.packed_linear import quantize_and_pack
+        from engine.backends.quant_policy import packed_params, runs_packed
         packed = quant is not None and runs_packed(backend, config.dtype)
 
         def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -223,9 +224,9 @@ class TorchTimer:
                     t = torch.ones(shape)
                 else:
                     t = torch.empty(shape).normal_(0.0, WEIGHT_STD, generator=generator)
-                params = _packed_params(quant, name, shape) if packed else None
+                params = packed_params(quant, name, shape) if packed else None
                 out[name] = (t.to(self.device, self.dtype) if params is None
-                             else _torch_packed(t, params, self.dtype, self.device))
+                             else quantize_and_pack(t, params, self.dtype, self.device))
             return out
 
         # Layer indices from 1 so the range is not the first: no embeddings or head to build.
@@ -276,6 +277,7 @@ class MlxTimer:
             from engine.backends.mlx.llama import LlamaRange, Rope
             from engine.backends.mlx.quant import QuantizedWeight
             from engine.backends.mlx.qwen3_5 import Qwen35Range
+            from engine.backends.quant_policy import packed_params
         except ImportError as exc:
             raise CalibrationError(f"{backend}: MLX or the engine's MLX backend is not "
                                    f"importable ({exc})") from exc
@@ -300,7 +302,7 @@ class MlxTimer:
                     out[name] = mx.ones(shape, dtype=self.dtype)
                 else:
                     out[name] = (mx.random.normal(shape) * WEIGHT_STD).astype(self.dtype)
-                params = _packed_params(quant, name, shape)
+                params = packed_params(quant, name, shape)
                 if params is not None:  # as a quantized checkpoint's stage runs it
                     out[name] = QuantizedWeight(*mx.quantize(out[name], params.group_size,
                                                              params.bits), params.group_size,
@@ -355,28 +357,6 @@ def one_type(config, layer_type: str, layers: int):
         raise CalibrationError(f"layer type {layer_type!r} is not among the model's "
                                f"({', '.join(layer_types(config))})")
     return replace(config, num_hidden_layers=2 + layers, layer_types=(layer_type,) * (2 + layers))
-
-
-def _packed_params(quant, name: str, shape: tuple[int, ...]):
-    """How mlx-lm would pack this weight (its loader's rule), None where it stays dense."""
-    if quant is None or len(shape) != 2 or not name.endswith(".weight"):
-        return None
-    params = quant.params(name.removesuffix(".weight"), quant.default.packs(shape[1]))
-    return params if params is not None and params.packs(shape[1]) else None
-
-
-def _torch_packed(weight, params, dtype, device):
-    """A random dense weight quantized as mlx-lm would and packed as a torch stage holds it."""
-    import torch
-
-    from engine.backends.pytorch.packed_linear import pack_weight
-    from engine.checkpoint.quantize import affine_quantize
-
-    words, scales, biases = affine_quantize(weight.float().numpy(), params.group_size,
-                                            params.bits)
-    return pack_weight(words, torch.from_numpy(scales).to(device, dtype),
-                       torch.from_numpy(biases).to(device, dtype), params, device,
-                       matmul=True, lookup=False)
 
 
 def make_timer(config, backend: str, layers: int, slots: int, context: int, threads: int = 0,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
-from engine.backends.quant_policy import held_bytes, runs_packed
+from engine.backends.quant_policy import held_bytes, packed_params, runs_packed
 from engine.checkpoint.quantize import QuantConfig, QuantConfigError
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
@@ -317,11 +317,8 @@ def packed_weight_bytes(config: ModelConfig, quant: QuantConfig, dtype_bytes: in
     def held(tensors: dict[str, tuple[int, ...]], lookups: dict[str, bool]) -> int:
         total = 0
         for name, shape in tensors.items():
-            path = name.removesuffix(".weight")
-            params = None
-            if len(shape) == 2 and name.endswith(".weight"):
-                params = quant.params(path, quant.default.packs(shape[1]))
-            if params is None or not params.packs(shape[1]):
+            params = packed_params(quant, name, shape)
+            if params is None:
                 total += math.prod(shape) * dtype_bytes
                 continue
             total += max(held_bytes(b, *shape, params, dtype_bytes, packed=packed_on[b],

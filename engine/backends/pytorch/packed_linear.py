@@ -189,6 +189,19 @@ def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: 
     return PackedWeight(out_features, in_features, params, scales.dtype, passes, rows)
 
 
+def quantize_and_pack(weight: torch.Tensor, params: QuantParams, dtype: torch.dtype,
+                      device: torch.device) -> PackedWeight:
+    """A dense float weight [out, in] quantized as mlx-lm would and packed for matmuls
+    (calibration's random weights: timed as a quantized checkpoint's stage runs)."""
+    from engine.checkpoint.quantize import affine_quantize
+
+    words, scales, biases = affine_quantize(weight.float().cpu().numpy(), params.group_size,
+                                            params.bits)
+    return pack_weight(words, torch.from_numpy(scales).to(device, dtype),
+                       torch.from_numpy(biases).to(device, dtype), params, device,
+                       matmul=True, lookup=False)
+
+
 @functools.cache
 def kernel_refusal(device_type: str, dtype: torch.dtype) -> str | None:
     """Why the int4 kernel cannot serve this device and dtype (None: it can).
