@@ -12,12 +12,19 @@ is captured once as a CUDA graph and replayed, as the engine's decode rounds are
 packed time is set against its floor: the packed bytes over the device's bandwidth
 (`--bandwidth-gbs`, an H200's 4,800 GB/s by default). Ratios compare the ways measured in
 this run, so a busy machine slows all of them alike.
+
+`--stage` times whole decode rounds instead: a generated qwen3 checkpoint of the chosen
+layer shape (`--stage-layers` layers, vocabulary 16,000, bfloat16) quantized to 4 bits, one
+torch stage loaded with `FLEET_QUANT=auto` (packed) and one with `dense`, each decoding
+greedily at 1 and 8 streams; it prints ms per round and the bytes each stage's weights hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +108,76 @@ def timed(weights: list, x: torch.Tensor, hidden: int, device: torch.device,
     return median_s(graph.replay, repeats=repeats, warmup=3, sync=torch.cuda.synchronize)
 
 
+class Decoder:
+    """Greedy decode rounds of `batch` streams on one stage, a step at a time."""
+
+    def __init__(self, driver, batch: int) -> None:
+        self.driver, self.batch = driver, batch
+        self.logits = driver.round({s: [1 + s, 2, 3] for s in range(batch)})
+
+    def step_s(self) -> float:
+        start = time.perf_counter()
+        self.logits = self.driver.round({s: [int(np.argmax(row))]
+                                         for s, row in self.logits.items()})
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.driver.close(list(range(self.batch)))
+
+
+def stage_decode(shape: str, layers: int, batches: list[int], device: torch.device,
+                 repeats: int) -> None:
+    """Decode rounds of a packed and a dense torch stage on one 4-bit checkpoint."""
+    from bench.common import ROOT
+    from engine.backends.base import StageSpec, load_stage
+    from engine.checkpoint.maker import CheckpointSpec, make_checkpoint
+    from engine.checkpoint.quantize import quantize_checkpoint
+    from engine.harness.driver import RoundDriver
+    from engine.pipeline.runner import LocalRunner
+
+    hidden, inter, heads, kv_heads, head_dim = SHAPES[shape]
+    out = ROOT / "build" / f"bench-quantized-{shape}-{layers}"
+    dense_dir, packed_dir = out / "dense", out / "q4"
+    if not (packed_dir / "config.json").exists():
+        print(f"# making a 4-bit {shape} checkpoint in {out}", flush=True)
+        make_checkpoint(dense_dir, CheckpointSpec(
+            family="qwen3", hidden_size=hidden, intermediate_size=inter,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            num_hidden_layers=layers, vocab_size=16000, dtype="bfloat16", seed=0),
+            overwrite=True)
+        quantize_checkpoint(dense_dir, packed_dir, 4, 64)
+    drivers, weights = {}, {}
+    for quant in ("auto", "dense"):
+        stage = load_stage(StageSpec(packed_dir, (0, layers), f"torch-{device.type}",
+                                     max(batches), 256, 16, quant=quant))
+        model = stage.model
+        held = [w for layer in model.layers for w in vars(layer).values() if w is not None]
+        held += [model.embed, model.norm] + ([model.head] if model.head is not model.embed
+                                             else [])
+        weights[quant] = sum(int(w.nbytes) for w in held)
+        drivers[quant] = RoundDriver(LocalRunner(stage))
+    rows = []
+    for batch in batches:
+        # The two stages step in turn, so a burst of load on a shared machine lands on both.
+        decoders = {quant: Decoder(driver, batch) for quant, driver in drivers.items()}
+        times: dict[str, list[float]] = {quant: [] for quant in decoders}
+        for i in range(repeats + 2):
+            for quant, decoder in decoders.items():
+                seconds = decoder.step_s()
+                if i >= 2:  # warm-up steps
+                    times[quant].append(seconds)
+        for quant, decoder in decoders.items():
+            decoder.close()
+            rows.append([quant, batch, statistics.median(times[quant]) * 1e3])
+    by = {(q, b): ms for q, b, ms in rows}
+    table(f"decode rounds, qwen3 {shape} x {layers} layers 4-bit bfloat16 on {device.type} "
+          f"({torch.get_num_threads()} threads): weights packed "
+          f"{weights['auto'] / 1e6:.0f} MB, dense {weights['dense'] / 1e6:.0f} MB",
+          ["streams", "dense ms / round", "packed ms / round", "dense / packed"],
+          [[b, by[("dense", b)], by[("auto", b)], by[("dense", b)] / by[("auto", b)]]
+           for b in batches])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
@@ -115,11 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's)")
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="device memory bandwidth for the floor (CUDA)")
+    parser.add_argument("--stage", action="store_true",
+                        help="time a packed and a dense stage's decode rounds instead")
+    parser.add_argument("--stage-layers", type=int, default=4)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shape = args.shape or ("small" if device.type == "cpu" else "8b")
+    if args.stage:
+        stage_decode(shape, args.stage_layers, [int(b) for b in args.batches.split(",")],
+                     device, args.repeats)
+        return 0
     dtype = DTYPES[args.dtype]
     params = QuantParams.checked(args.group_size, args.bits, "bench/quantized.py")
     dense, packed = build(shape, args.layers, params, dtype, device)
