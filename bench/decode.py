@@ -1,8 +1,9 @@
 """Decode speed of our engine against the reference implementation, side by side in one run.
 
     python bench/decode.py --preset demo --backend torch-cpu --batches 1,8
-    python bench/decode.py --preset 8b --backend torch-cuda --batches 1,8     # on a GPU
+    python bench/decode.py --preset 8b --device cuda --batches 1,8           # on a GPU
     python bench/decode.py --preset demo --backend mlx-cpu                   # vs mlx-lm
+    python bench/decode.py --preset demo --contexts 256,32768 --prompt 96 --no-reference
 
 PyTorch backends are compared with transformers' `generate`, MLX backends with mlx-lm's
 `generate_step`, on the same checkpoint, device and dtype. Our decode rounds are timed
@@ -10,11 +11,18 @@ directly after an untimed prompt round (greedy, the logits brought to the host e
 as serving does); the references' time per step is the difference between generating
 N + 1 tokens and 1 token, divided by N, so prompt processing cancels out. On CUDA it also prints ms per token against the
 floor set by weight bytes / memory bandwidth.
+
+The configured context (`--contexts`, FLEET_CONTEXT) is separate from the conversation
+(`--prompt` tokens, then `--steps` decoded): the same conversation is timed under each
+context, so the table shows whether a step's cost follows the conversation (ratio near 1)
+or the context. With CUDA graphs it also times the path before live-length buckets,
+whose captured steps read the whole context, beside the current one in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -25,9 +33,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import checkpoint, median_s, table
+from bench.common import checkpoint, median_s, n_layers, table
+from engine.backends.base import StageSpec, load_stage
 from engine.harness.driver import RoundDriver
-from engine.harness.local_pipeline import whole_runner
+from engine.pipeline.runner import LocalRunner
 
 
 def prompts(batch: int, length: int, vocab: int) -> dict[int, list[int]]:
@@ -35,23 +44,69 @@ def prompts(batch: int, length: int, vocab: int) -> dict[int, list[int]]:
     return {s: rng.integers(0, min(vocab, 256), length).tolist() for s in range(batch)}
 
 
-def ours_ms_per_step(model_dir: Path, backend: str, batch: int, steps: int, prompt: int,
-                     repeats: int, cuda_graphs: bool = True) -> float:
-    """Decode rounds timed directly: the prompt round runs first, untimed."""
-    runner = whole_runner(model_dir, backend=backend, parallel=batch,
-                          context=prompt + steps + 8, chunk=prompt * batch,
-                          cuda_graphs=cuda_graphs)
-    driver = RoundDriver(runner)
-    vocab = runner.stage.config.vocab_size
-    per_step = []
-    for _ in range(repeats + 1):  # the first pass warms up
-        logits = driver.round(prompts(batch, prompt, vocab))
-        start = time.perf_counter()
-        for _ in range(steps):
-            logits = driver.round({s: [int(np.argmax(row))] for s, row in logits.items()})
-        per_step.append((time.perf_counter() - start) * 1000 / steps)
-        driver.close(list(range(batch)))
-    return statistics.median(per_step[1:])
+class Decoding:
+    """One stage serving every stream count of a run (slots [0, batch))."""
+
+    def __init__(self, model_dir: Path, backend: str, parallel: int, context: int, chunk: int,
+                 cuda_graphs: bool = True, live_keys: bool = True) -> None:
+        spec = StageSpec(model_dir, (0, n_layers(model_dir)), backend, parallel, context,
+                         chunk, cuda_graphs, live_keys)
+        self.driver = RoundDriver(LocalRunner(load_stage(spec)))
+
+
+def lockstep_pass(decodings: dict[object, Decoding], batch: int, prompt: int,
+                  steps: int) -> dict[object, float]:
+    """ms/step of each decoding over one conversation: an untimed prompt round each, then
+    `steps` greedy decode rounds, each decoding's round timed in turn, step by step, so a
+    busy machine's slow spells fall on all of them alike; slots closed after."""
+    logits = {key: d.driver.round(prompts(batch, prompt, d.driver.stage.config.vocab_size))
+              for key, d in decodings.items()}
+    spent = dict.fromkeys(decodings, 0.0)
+    for _ in range(steps):
+        for key, decoding in decodings.items():
+            feeds = {s: [int(np.argmax(row))] for s, row in logits[key].items()}
+            start = time.perf_counter()
+            logits[key] = decoding.driver.round(feeds)  # logits reach the host: a sync
+            spent[key] += time.perf_counter() - start
+    for decoding in decodings.values():
+        decoding.driver.close(list(range(batch)))
+    return {key: t * 1000 / steps for key, t in spent.items()}
+
+
+def interleaved_ms_per_step(decodings: dict[object, Decoding], batches: list[int], steps: int,
+                            prompt: int, repeats: int) -> dict[tuple[object, int], float]:
+    """Median ms/step per (decoding, batch) over `repeats` lockstep passes after one
+    untimed pass (warm-up, and graph captures)."""
+    out = {}
+    for batch in batches:
+        lockstep_pass(decodings, batch, prompt, steps)
+        passes = [lockstep_pass(decodings, batch, prompt, steps) for _ in range(repeats)]
+        out.update({(key, batch): statistics.median(p[key] for p in passes)
+                    for key in decodings})
+    return out
+
+
+def ours_ms_per_step(model_dir: Path, backend: str, batches: list[int], steps: int,
+                     prompt: int, repeats: int, *, cuda_graphs: bool = True) -> dict[int, float]:
+    """Decode rounds timed directly, per stream count, with a context the conversation fits."""
+    decoding = Decoding(model_dir, backend, max(batches), prompt + steps + 8,
+                        prompt * max(batches), cuda_graphs)
+    times = interleaved_ms_per_step({None: decoding}, batches, steps, prompt, repeats)
+    del decoding
+    release_device_memory()
+    return {batch: times[None, batch] for batch in batches}
+
+
+def release_device_memory() -> None:
+    """Free a stage's KV cache before the next one is made (32768 positions x 8 slots of
+    an 8B model is 34 GB)."""
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def transformers_ms_per_step(model_dir: Path, device: str, batch: int, steps: int, prompt: int,
@@ -110,27 +165,84 @@ def weight_bytes_per_step(model_dir: Path) -> int:
     return total
 
 
+def context_rows(model_dir: Path, backend: str, batches: list[int], contexts: list[int],
+                 steps: int, prompt: int, repeats: int, graphs: bool) -> list[list[object]]:
+    """ms/step of one conversation under each configured context, timed in lockstep: the
+    live-length path and, where captured graphs exist, the whole-context one after it."""
+    needed = prompt + steps + 1
+    usable = [c for c in contexts if c >= needed]
+    for skipped in sorted(set(contexts) - set(usable)):
+        print(f"# context {skipped} cannot hold a {needed}-position conversation: skipped")
+    times = {}
+    for live_keys in (True, False) if graphs else (True,):
+        decodings = {(c, live_keys): Decoding(model_dir, backend, max(batches), c,
+                                              prompt * max(batches), live_keys=live_keys)
+                     for c in usable}
+        times.update(interleaved_ms_per_step(decodings, batches, steps, prompt, repeats))
+        del decodings
+        release_device_memory()
+    rows = []
+    for batch in batches:
+        for c in usable:
+            live = times[(c, True), batch]
+            row = [backend, batch, prompt, c, live, live / times[(usable[0], True), batch]]
+            if graphs:
+                whole = times[(c, False), batch]
+                row += [whole, whole / times[(usable[0], False), batch], whole / live]
+            else:
+                row += ["-", "-", "-"]
+            rows.append(row)
+            print(f"# context {c}, batch {batch}: {row}", flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path)
     parser.add_argument("--preset", default="demo", help="tiny, demo or 8b (when no --model)")
     parser.add_argument("--backend", default="torch-cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda", "mps"],
+                        help="shorthand for --backend torch-DEVICE")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=32, help="conversation tokens before decode")
+    parser.add_argument("--contexts", default="",
+                        help="configured contexts (FLEET_CONTEXT) to time the same conversation "
+                             "under, e.g. 256,32768; empty: only what the conversation needs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="memory bandwidth for the floor (H200 HBM3e: 4800 GB/s)")
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's CPU threads (FLEET_CPU_THREADS in serving); 0: torch's own")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.device:
+        args.backend = f"torch-{args.device}"
     model_dir = checkpoint(args.model, args.preset)
     device = args.backend.split("-", 1)[1]
     reference = "mlx-lm" if args.backend.startswith("mlx") else "transformers"
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    graphs = args.backend == "torch-cuda"  # the stage captures decode graphs by default
+    if contexts:
+        table(f"decode by configured context, {model_dir.name}, {args.steps} steps after a "
+              f"{args.prompt}-token prompt (ratio: against context {contexts[0]})",
+              ["backend", "batch", "conversation", "context", "ms/step", "ratio",
+               "whole-context graphs ms/step", "whole-context ratio",
+               "whole-context / live"],
+              context_rows(model_dir, args.backend, batches, contexts, args.steps,
+                           args.prompt, args.repeats, graphs))
+        if args.no_reference:
+            return 0
+    ours = ours_ms_per_step(model_dir, args.backend, batches, args.steps, args.prompt,
+                            args.repeats)
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        ours = ours_ms_per_step(model_dir, args.backend, batch, args.steps, args.prompt,
-                                args.repeats)
-        row = [args.backend, batch, ours, batch * 1000 / ours]
+    for batch in batches:
+        row = [args.backend, batch, ours[batch], batch * 1000 / ours[batch]]
         if args.no_reference or (reference == "mlx-lm" and batch != 1):
             row += ["-", "-", "-"]
         else:
@@ -138,15 +250,15 @@ def main() -> int:
                    if reference == "mlx-lm" else
                    transformers_ms_per_step(model_dir, device, batch, args.steps, args.prompt,
                                             args.repeats))
-            row += [ref, batch * 1000 / ref, ref / ours]
+            row += [ref, batch * 1000 / ref, ref / ours[batch]]
         rows.append(row)
         print(f"# batch {batch}: {row}", flush=True)
     table(f"decode, {model_dir.name}, {args.steps} steps after a {args.prompt}-token prompt",
           ["backend", "batch", "ours ms/step", "ours tok/s", f"{reference} ms/step",
            f"{reference} tok/s", f"speed-up vs {reference}"], rows)
     if device == "cuda":
-        eager = ours_ms_per_step(model_dir, args.backend, 1, args.steps, args.prompt,
-                                 args.repeats, cuda_graphs=False)
+        eager = ours_ms_per_step(model_dir, args.backend, [1], args.steps, args.prompt,
+                                 args.repeats, cuda_graphs=False)[1]
         floor_ms = weight_bytes_per_step(model_dir) / (args.bandwidth_gbs * 1e9) * 1000
         table("decode against the memory-bandwidth floor (batch 1)",
               ["weight bytes / bandwidth, ms", "ours ms/token (CUDA graphs)",
