@@ -1,6 +1,7 @@
 """A supervisor and two agents as real processes on loopback, serving a generated checkpoint
 with one torch-cpu stage and one mlx-cpu stage: apply → serving → a request through the front
-door; bad input refused without disturbing it; a change drains a stream in flight first; a
+door; bad input refused without disturbing it; a change starts the new replica beside the
+old one, which then drains its stream in flight; a
 supervisor restart leaves the replica alone; a frozen rank 0 (SIGSTOP) ends its stream and
 new requests within the dead-ring time and is re-placed; `kill -9` of an agent and its engine
 fails the replica fast (the stream ends with an SSE error, a whole request gets 503) and it is
@@ -200,9 +201,14 @@ def test_apply_with_a_change_drains_a_stream_then_replaces(fleet, checkpoint):
     assert not any("error" in e for e in stream.events)
     new = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != old["id"])
     assert new["generation"] > old["generation"]  # a start that failed is retried
+    # Make before break: the new replica served first, then the old one drained its stream.
+    fleet.wait(lambda: any(f"{old['id']} is stopped" in e["message"]
+                           for e in fleet.status()["events"]), 60, f"{old['id']} stopped")
     messages = [e["message"] for e in fleet.status()["events"]]
-    assert any(f"{old['id']} is draining: fleet.yaml changed" in m for m in messages)
-    assert any(f"{old['id']} is stopped" in m for m in messages)
+    draining = next(i for i, m in enumerate(messages)
+                    if f"{old['id']} is draining: fleet.yaml changed" in m)
+    assert new["replaces"] == old["id"]
+    assert any(f"{new['id']} is serving" in m for m in messages[:draining])
     assert chat(fleet, max_tokens=4).choices[0].finish_reason in ("stop", "length")
 
 
