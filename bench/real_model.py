@@ -2,8 +2,10 @@
 transformers' and mlx-lm's own generate in the same run.
 
     python bench/real_model.py [--tokens 200] [--repeats 2] [--placements NAME,...]
+                               [--model DIR]
 
-The model is SmolLM2-135M-Instruct (float32, 30 layers), made once by scripts/real_model.py.
+The model is SmolLM2-135M-Instruct (float32, 30 layers), made once by scripts/real_model.py,
+or any checkpoint `--model` names (split in halves for the two-stage placements).
 Every placement is started with `engine.harness.launch` on loopback, warmed up with one short chat,
 then asked one chat `--repeats` times, streamed and greedy with `ignore_eos`, so each answer
 is exactly `--tokens` tokens. Decode ms/token is the time from the first streamed token to
@@ -15,6 +17,7 @@ their decode ms/token is (time for all tokens - time for one) over the rest.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -28,12 +31,15 @@ from engine.harness.launch import launch, placement_id
 from scripts.real_model import ensure_real_model
 
 QUESTION = "What is the capital of France? Tell me about the city."
-PLACEMENTS = {
-    "torch": ([(0, 30)], ["torch-cpu"]),
-    "torch+torch": ([(0, 15), (15, 30)], ["torch-cpu", "torch-cpu"]),
-    "torch+mlx": ([(0, 15), (15, 30)], ["torch-cpu", "mlx-cpu"]),
-    "mlx": ([(0, 30)], ["mlx-cpu"]),
-}
+PLACEMENTS = ("torch", "torch+torch", "torch+mlx", "mlx")
+
+
+def placement(name: str, layers: int) -> tuple[list[tuple[int, int]], list[str]]:
+    """The stages and backends of a named placement: one stage, or two halves."""
+    backends = [f"{b}-cpu" for b in name.split("+")]
+    if len(backends) == 1:
+        return [(0, layers)], backends
+    return [(0, layers // 2), (layers // 2, layers)], backends
 
 
 def through_api(model_dir: Path, stages, backends, tokens: int, repeats: int,
@@ -140,13 +146,20 @@ def main() -> int:
     parser.add_argument("--placements", default=",".join(PLACEMENTS),
                         help=f"some of {', '.join(PLACEMENTS)}")
     parser.add_argument("--run-dir", type=Path, default=Path("build") / "bench-real-model")
+    parser.add_argument("--model", type=Path, help="a checkpoint (default: the real model)")
     args = parser.parse_args()
-    model_dir = ensure_real_model()
+    unknown = set(args.placements.split(",")) - set(PLACEMENTS)
+    if unknown:
+        parser.error(f"--placements: unknown {', '.join(sorted(unknown))}; "
+                     f"expected some of {', '.join(PLACEMENTS)}")
+    model_dir = args.model or ensure_real_model()
+    layers = json.loads((model_dir / "config.json").read_text())
+    layers = layers.get("text_config", layers)["num_hidden_layers"]
     # Other work on the machine moves every figure; the load says how much there was.
     load_before = os.getloadavg()[0]
     results: dict[str, dict] = {}
     for name in args.placements.split(","):
-        stages, backends = PLACEMENTS[name]
+        stages, backends = placement(name, layers)
         print(f"# {placement_id(stages, backends)} through the API", flush=True)
         results[placement_id(stages, backends) + " (API)"] = through_api(
             model_dir, stages, backends, args.tokens, args.repeats, args.run_dir / name)
@@ -160,7 +173,7 @@ def main() -> int:
     # min_new_tokens forbids the token, the others emit it and carry on): the answer is
     # what comes before it.
     answer = results["transformers generate (torch-cpu)"]["text"]
-    table(f"SmolLM2-135M-Instruct, float32, {args.tokens} tokens, greedy",
+    table(f"{model_dir.name}, {args.tokens} tokens, greedy",
           ["what", "first token ms", "decode ms/token", "tok/s", "answer = transformers'"],
           [[name, round(r["ttft_ms"]), r["decode_ms"], r["tok_s"],
             "yes" if r["text"].startswith(answer) else "NO"]
