@@ -1,0 +1,174 @@
+"""How far the placement's prediction is from what a fleet measures, across placements.
+
+    python bench/placement.py                      # the `small` checkpoint, five placements
+    python bench/placement.py --preset demo --requests 2 --tokens 32
+
+Starts a local fleet as real processes (a supervisor and two agents on loopback, node-a on
+torch-cpu and node-b on mlx-cpu, each calibrated and their link probed as in any fleet),
+then for each placement applies a fleet.yaml with that explicit placement, waits for it to
+serve, sends `--requests` single-stream chats and as many pairs of concurrent ones (the
+model's `parallel` is 2) through the front door, and reads `fleetctl status --json`: the
+predicted decode ms/token for that layout (supervisor/speed.py over supervisor/ring_cost.py)
+beside rank 0's measured mean decode round, by row count. Prints one row per placement with
+the prediction's error, (predicted - measured) / measured, and the mean absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, table
+from engine.checkpoint.maker import PRESETS, CheckpointSpec, make_checkpoint
+from supervisor.local import LocalFleet
+
+# Big enough that a layer's compute, not the per-round overhead, is most of a round on CPU.
+SMALL = CheckpointSpec(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                       vocab_size=2048, dtype="float32", shards=2)
+NODES = {"a": "node-a", "b": "node-b"}
+# Placements as "a:0-4,b:4-8": node-a holds 0:4 (rank 0), node-b 4:8; {n} is the last layer.
+DEFAULT_PLACEMENTS = ("a:0-{n}", "b:0-{n}", "a:0-{h},b:{h}-{n}", "b:0-{h},a:{h}-{n}",
+                      "a:0-{q},b:{q}-{n}")
+FLEET = """version: 1
+supervisor: {{address: "{address}", state_dir: "{state_dir}"}}
+nodes:
+  - {{name: node-a, labels: {{backend: torch-cpu}}}}
+  - {{name: node-b, labels: {{backend: mlx-cpu}}}}
+models:
+  - id: bench
+    checkpoint: {checkpoint}
+    backends: [torch-cpu, mlx-cpu]
+    context: {context}
+    parallel: 2
+    chunk: 64
+    placement:
+{stages}
+"""
+
+
+def checkpoint(preset: str) -> Path:
+    out = ROOT / "build" / f"bench-{preset}"
+    if not (out / "config.json").exists():
+        print(f"# making the {preset!r} checkpoint in {out}", flush=True)
+        make_checkpoint(out, SMALL if preset == "small" else PRESETS[preset], overwrite=True)
+    return out
+
+
+def parse_layout(text: str, n_layers: int) -> tuple[tuple[str, tuple[int, int]], ...]:
+    text = text.format(n=n_layers, h=n_layers // 2, q=n_layers // 4)
+    out = []
+    for part in text.split(","):
+        node, _, layers = part.partition(":")
+        start, _, end = layers.partition("-")
+        out.append((NODES[node], (int(start), int(end))))
+    return tuple(out)
+
+
+def chat(fleet: LocalFleet, tokens: int) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=fleet.front_door_url, api_key="none", max_retries=0, timeout=300)
+    client.chat.completions.create(model="bench", max_tokens=tokens,
+                                   messages=[{"role": "user", "content": "Count to fifty."}],
+                                   extra_body={"ignore_eos": True})
+
+
+def measure(fleet: LocalFleet, layout, requests: int, tokens: int) -> dict:
+    wanted = [(node, list(rng)) for node, rng in layout]
+    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: [
+        (s["node"], s["layer_range"]) for s in r["stages"]] == wanted)
+    chat(fleet, 4)  # warm: the first rounds pay for lazy initialisation
+    for _ in range(requests):
+        chat(fleet, tokens)
+    for _ in range(requests):
+        pair = [threading.Thread(target=chat, args=(fleet, tokens)) for _ in range(2)]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join()
+    # The supervisor reads rank 0's metrics every 2 s: wait for the last rounds to show.
+    expected = 4 + requests * tokens - requests - 1
+    deadline = time.monotonic() + 30
+    while True:
+        speed = next(r for r in fleet.status()["replicas"] if r["id"] == replica["id"])["speed"]
+        if speed["measured"].get("1", {}).get("rounds", 0) >= expected or \
+                time.monotonic() > deadline:
+            return speed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small", choices=["small", *PRESETS])
+    p.add_argument("--placements", default=";".join(DEFAULT_PLACEMENTS),
+                   help="';'-separated, each 'a:0-4,b:4-8' ({n}: layers, {h}: half, {q}: a "
+                        "quarter)")
+    p.add_argument("--requests", type=int, default=3, help="of each kind, per placement")
+    p.add_argument("--tokens", type=int, default=48, help="generated per request")
+    p.add_argument("--calibration-budget-s", type=float, default=40.0,
+                   help="per node: a budget spent before the planned runs cut them short")
+    p.add_argument("--context", type=int, default=128,
+                   help="the model's context: calibration times decode over this many keys, "
+                        "so keep it near what the requests reach (prompt + --tokens)")
+    args = p.parse_args()
+    model = checkpoint(args.preset)
+    from bench.common import n_layers
+
+    n = n_layers(model)
+    layouts = [parse_layout(text, n) for text in args.placements.split(";")]
+    rows, errors = [], []
+    calibrations: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-placement-") as root:
+        fleet = LocalFleet(Path(root), supervisor_flags=(
+            "--tick-s", "0.2", "--drain-s", "5",
+            "--calibration-budget-s", str(args.calibration_budget_s)),
+            agent_settings=dict(heartbeat_interval_s=0.5))
+        try:
+            fleet.start()
+            for i, layout in enumerate(layouts):
+                stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
+                                   for node, (a, b) in layout)
+                path = fleet.root / f"fleet-{i}.yaml"
+                path.write_text(FLEET.format(address=fleet.address, state_dir=fleet.state_dir,
+                                             checkpoint=model, stages=stages,
+                                             context=args.context))
+                fleet.fleetctl("apply", str(path), "--wait-s", "600")
+                speed = measure(fleet, layout, args.requests, args.tokens)
+                name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in layout)
+                row: list[object] = [name]
+                for rows_in_round in ("1", "2"):
+                    seen = speed["measured"].get(rows_in_round, {})
+                    predicted = seen.get("predicted_ms_per_token")
+                    row += [predicted if predicted is not None else "-",
+                            seen.get("ms_per_token", "-"), seen.get("rounds", 0),
+                            f"{seen['error_pct']:+.1f}" if "error_pct" in seen else "-"]
+                    if "error_pct" in seen:
+                        errors.append(abs(seen["error_pct"]))
+                rows.append(row)
+                print(f"# {name}: {row[1:]}", flush=True)
+            calibrations = fleet.status()["measured"]["calibrations"]
+        finally:
+            fleet.stop(timeout_s=30)
+    for key, timing in calibrations.items():  # the inputs the predictions stand on
+        if isinstance(timing, dict):
+            node, backend = key.split("|")[1:3]
+            print(f"# calibrated {node} ({backend}): decode {timing['decode_ms_per_layer']:.3g}"
+                  f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows")
+    table(f"Predicted against measured decode ms/token ({args.preset}, torch-cpu node-a, "
+          "mlx-cpu node-b)",
+          ["placement", "predicted 1 stream", "measured", "rounds", "error %",
+           "predicted 2 streams", "measured", "rounds", "error %"], rows)
+    if errors:
+        print(f"\nmean absolute error: {sum(errors) / len(errors):.1f} % "
+              f"(largest {max(errors):.1f} %) over {len(errors)} figures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
