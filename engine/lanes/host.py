@@ -56,6 +56,8 @@ class TokenMetrics(Protocol):
 
     def token(self, *, first: bool, since_s: float) -> None: ...
 
+    def round_done(self, *, decode_rows: int, seconds: float) -> None: ...
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -226,6 +228,8 @@ class LaneHost:
                 await self._wake.wait()
                 continue
             plan, token_ids = built.plan, built.token_ids
+            decode_rows = self._decode_rows(plan)
+            started_s = time.monotonic()
             draws = self._draws(plan)
             batch = SamplingBatch.of(list(draws.values()), keep_logits=self.on_round is not None)
             try:
@@ -235,9 +239,26 @@ class LaneHost:
                 log.error("round failed", round=plan.round_no, error=str(exc))
                 self.fail(f"round {plan.round_no} failed: {exc}")
                 return
+            if self.metrics is not None:
+                self.metrics.round_done(decode_rows=decode_rows,
+                                        seconds=time.monotonic() - started_s)
             if self.on_round:
                 self.on_round(plan, sampled.logits)
             self._deliver(plan, sampled, list(draws))
+
+    def _decode_rows(self, plan: RoundPlan) -> int:
+        """The round's row count when every row is a decode row (one row per stream, each
+        past its prompt), else 0: a prompt chunk's round is not what decode ms/token means."""
+        rows = 0
+        for entry in plan.entries:
+            if entry.rows == 0:
+                continue
+            stream = self.slots[entry.stream_id]
+            if (entry.rows != 1 or stream is None
+                    or entry.first < len(stream.request.prompt_ids)):
+                return 0
+            rows += 1
+        return rows
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
