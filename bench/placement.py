@@ -124,37 +124,33 @@ def main() -> int:
     layouts = [parse_layout(text, n) for text in args.placements.split(";")]
     rows, errors = [], []
     calibrations: dict = {}
-    with tempfile.TemporaryDirectory(prefix="bench-placement-") as root:
-        fleet = LocalFleet(Path(root), supervisor_flags=(
-            "--tick-s", "0.2", "--drain-s", "5",
-            "--calibration-budget-s", str(args.calibration_budget_s)),
-            agent_settings=dict(heartbeat_interval_s=0.5))
-        try:
-            fleet.start()
-            for i, layout in enumerate(layouts):
-                stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
-                                   for node, (a, b) in layout)
-                path = fleet.root / f"fleet-{i}.yaml"
-                path.write_text(FLEET.format(address=fleet.address, state_dir=fleet.state_dir,
-                                             checkpoint=model, stages=stages,
-                                             context=args.context))
-                fleet.fleetctl("apply", str(path), "--wait-s", "600")
-                speed = measure(fleet, layout, args.requests, args.tokens)
-                name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in layout)
-                row: list[object] = [name]
-                for rows_in_round in ("1", "2"):
-                    seen = speed["measured"].get(rows_in_round, {})
-                    predicted = seen.get("predicted_ms_per_token")
-                    row += [predicted if predicted is not None else "-",
-                            seen.get("ms_per_token", "-"), seen.get("rounds", 0),
-                            f"{seen['error_pct']:+.1f}" if "error_pct" in seen else "-"]
-                    if "error_pct" in seen:
-                        errors.append(abs(seen["error_pct"]))
-                rows.append(row)
-                print(f"# {name}: {row[1:]}", flush=True)
-            calibrations = fleet.status()["measured"]["calibrations"]
-        finally:
-            fleet.stop(timeout_s=30)
+    flags = ("--tick-s", "0.2", "--drain-s", "5",
+             "--calibration-budget-s", str(args.calibration_budget_s))
+    with (tempfile.TemporaryDirectory(prefix="bench-placement-") as root,
+          LocalFleet(Path(root), supervisor_flags=flags,
+                     agent_settings=dict(heartbeat_interval_s=0.5)) as fleet):
+        for i, layout in enumerate(layouts):
+            stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
+                               for node, (a, b) in layout)
+            path = fleet.root / f"fleet-{i}.yaml"
+            path.write_text(FLEET.format(address=fleet.address, state_dir=fleet.state_dir,
+                                         checkpoint=model, stages=stages,
+                                         context=args.context))
+            fleet.fleetctl("apply", str(path), "--wait-s", "600")
+            speed = measure(fleet, layout, args.requests, args.tokens)
+            name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in layout)
+            row: list[object] = [name]
+            for rows_in_round in ("1", "2"):
+                seen = speed["measured"].get(rows_in_round, {})
+                predicted = seen.get("predicted_ms_per_token")
+                row += [predicted if predicted is not None else "-",
+                        seen.get("ms_per_token", "-"), seen.get("rounds", 0),
+                        f"{seen['error_pct']:+.1f}" if "error_pct" in seen else "-"]
+                if "error_pct" in seen:
+                    errors.append(abs(seen["error_pct"]))
+            rows.append(row)
+            print(f"# {name}: {row[1:]}", flush=True)
+        calibrations = fleet.status()["measured"]["calibrations"]
     for key, timing in calibrations.items():  # the inputs the predictions stand on
         if isinstance(timing, dict):
             node, backend = key.split("|")[1:3]

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -175,6 +175,18 @@ class LocalFleet:
         for proc in self.agents.values():
             _stop(proc, signal.SIGTERM, timeout_s)
         self.stop_supervisor()
+
+    def __enter__(self) -> Self:
+        """Started, and stopped again whatever happens after (a half-started fleet too)."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop(timeout_s=30)
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop(timeout_s=30)
 
 
 def _stop(proc: subprocess.Popen | None, sig: int, timeout_s: float) -> int | None:

@@ -17,7 +17,6 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -34,13 +33,6 @@ DRAIN_S = 60
 # In flight for several of the supervisor's health probes (1 s apart; 250 tokens took 18 s
 # on two busy cores), done well within the drain.
 STREAM_TOKENS = 150
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from engine.checkpoint.maker import PRESETS, make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "demo", PRESETS["demo"])
 
 
 @pytest.fixture(scope="module")

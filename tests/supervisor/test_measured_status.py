@@ -32,19 +32,12 @@ models:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    from engine.checkpoint.maker import PRESETS, make_checkpoint
-
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("model") / "demo", PRESETS["demo"])
-    fleet = LocalFleet(tmp_path_factory.mktemp("fleet"), supervisor_flags=FLAGS,
-                       agent_settings=dict(heartbeat_interval_s=0.3))
-    try:
-        fleet.start()
+def fleet(tmp_path_factory, checkpoint):
+    with LocalFleet(tmp_path_factory.mktemp("fleet"), supervisor_flags=FLAGS,
+                    agent_settings=dict(heartbeat_interval_s=0.3)) as fleet:
         (fleet.root / "fleet.yaml").write_text(FLEET.format(
             address=fleet.address, state_dir=fleet.state_dir, checkpoint=checkpoint))
         yield fleet
-    finally:
-        fleet.stop(timeout_s=30)
 
 
 def events(fleet: LocalFleet, after: int = 0) -> list[dict]:

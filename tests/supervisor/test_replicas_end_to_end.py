@@ -45,26 +45,15 @@ LOAD_MAX_S = 150.0
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from engine.checkpoint.maker import PRESETS, make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "demo", PRESETS["demo"])
-
-
-@pytest.fixture(scope="module")
 def fleet(tmp_path_factory, checkpoint):
     root = tmp_path_factory.mktemp("fleet")
-    fleet = LocalFleet(root, supervisor_flags=(
+    with LocalFleet(root, supervisor_flags=(
         "--suspect-after-s", "1.5", "--dead-after-s", "4", "--drain-s", "20",
         # Nominal timings (no calibration): the two nodes tie, so the replicas spread
         # whatever a busy machine's calibration would say.
         "--backoff-first-s", "0.5", "--tick-s", "0.2", "--calibration-budget-s", "0"),
-        agent_settings=dict(heartbeat_interval_s=0.3))
-    try:
-        fleet.start()
+        agent_settings=dict(heartbeat_interval_s=0.3)) as fleet:
         yield fleet
-    finally:
-        fleet.stop(timeout_s=30)
 
 
 def apply(fleet: LocalFleet, checkpoint: Path, replicas: int):

@@ -45,22 +45,11 @@ MODELS = """models:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from engine.checkpoint.maker import PRESETS, make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("model") / "demo", PRESETS["demo"])
-
-
-@pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    fleet = LocalFleet(tmp_path_factory.mktemp("fleet"), supervisor_flags=(
+    with LocalFleet(tmp_path_factory.mktemp("fleet"), supervisor_flags=(
         "--tick-s", "0.2", "--calibration-budget-s", "0", "--drain-s", "5"),
-        agent_settings=dict(heartbeat_interval_s=0.3))
-    try:
-        fleet.start()
+        agent_settings=dict(heartbeat_interval_s=0.3)) as fleet:
         yield fleet
-    finally:
-        fleet.stop(timeout_s=30)
 
 
 @pytest.fixture(scope="module")
