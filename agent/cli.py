@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.config import AgentConfig, ConfigError, default_config_path, write_settings
+from agent.config import (
+    AgentConfig,
+    ConfigError,
+    default_config_path,
+    read_settings,
+    write_settings,
+)
 from engine.addresses import AddressError, parse_host_port
 
 
@@ -270,17 +276,7 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 def _file_settings(path: Path) -> dict[str, Any]:
     """The settings the config file at `path` holds ({} when there is none)."""
-    import yaml
-
-    if not path.is_file():
-        return {}
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings at the top")
-    return raw
+    return read_settings(path) if path.is_file() else {}
 
 
 def _daemon_user(platform: str, system: bool) -> str | None:

@@ -161,16 +161,7 @@ class AgentConfig:
     @classmethod
     def load(cls, path: Path | None, **overrides: Any) -> AgentConfig:
         """Read `path` (a missing default file means all defaults), then apply overrides."""
-        raw: dict[str, Any] = {}
-        if path is not None:
-            try:
-                raw = yaml.safe_load(Path(path).read_text()) or {}
-            except FileNotFoundError as exc:
-                raise ConfigError(f"{path}: no such file") from exc
-            except (OSError, yaml.YAMLError) as exc:
-                raise ConfigError(f"{path}: cannot read: {exc}") from exc
-            if not isinstance(raw, dict):
-                raise ConfigError(f"{path}: expected a mapping of settings at the top")
+        raw = read_settings(path) if path is not None else {}
         raw.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(raw, str(path or "<defaults>"))
 
@@ -183,19 +174,25 @@ class AgentConfig:
         return out
 
 
+def read_settings(path: Path) -> dict[str, Any]:
+    """The settings the YAML file at `path` holds; a ConfigError says what is wrong with it."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such file") from exc
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top")
+    return raw
+
+
 def write_settings(path: Path, **settings: Any) -> AgentConfig:
     """Set `settings` (those not None) in the YAML file at `path`, keeping its other keys;
     a missing file is created (0600). Returns the config the file now holds, checked first:
     a bad value leaves the file as it was."""
     path = Path(path)
-    raw: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{path}: cannot read: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of settings at the top")
+    raw = read_settings(path) if path.is_file() else {}
     raw.update({k: str(v) if isinstance(v, Path) else v
                 for k, v in settings.items() if v is not None})
     config = AgentConfig.from_dict(raw, str(path))
