@@ -7,6 +7,10 @@ taking the median of several runs inside a time budget, and caches the numbers o
 Each layer type is timed on its own (a hybrid's DeltaNet and full-attention layers cost
 differently, and the gap moves with context and rows): a range of layers all of that type.
 Numbers are reported as measured: no smoothing, so the supervisor plans with what it got.
+The CPU threads are decided as the engine's are (the request's count, else OMP_NUM_THREADS,
+which the agent passes to its engines, else the framework's default) and are part of the
+cache key: on a machine whose cores are shared, a layer on all of them costs 2-3x what it
+does on one, so a number taken under one setting predicts nothing under the other.
 
 Run as a child (`python -m agent.calibrate REQUEST.json CACHE_DIR`) it reports progress and
 the result as JSON lines; `fleet-agent calibrate` runs it in-process with a progress bar.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -115,12 +120,21 @@ class CalibrationRequest:
                          layer_types=layer_types(config))
         return shape
 
+    def thread_setting(self) -> str:
+        """What decides the CPU threads timed, as it decides the engine's: "N" asked for,
+        "OMP_NUM_THREADS=N", or "" (the framework's default, all the cores it sees)."""
+        if self.threads:
+            return str(self.threads)
+        omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+        return f"OMP_NUM_THREADS={omp}" if omp else ""
+
     def key(self, engine_version: str) -> str:
         """Cache key: the family shape, dtype, backend, engine version and what is measured."""
         config = self.model_config()
         what = {"shape": self.shape(), "dtype": config.dtype, "backend": self.backend,
                 "engine_version": engine_version, "contexts": list(self.contexts),
-                "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows}
+                "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
+                "threads": self.thread_setting()}
         if self.quant() is not None:  # packed weights time differently (a dense key stays)
             what["quantization"] = self.config.get("quantization") or \
                 self.config.get("quantization_config")
@@ -158,6 +172,7 @@ class Calibration:
     elapsed_s: float
     measured_at: float
     budget_exhausted: bool = False
+    threads: int = 0  # the torch timer's intra-op threads; 0: not a torch timer (MLX's own)
     cached: bool = field(default=False, compare=False)
 
     def decode_ms(self, context: int, rows: int, layer_type: str | None = None) -> float:
@@ -210,6 +225,7 @@ class TorchTimer:
         self.torch = torch
         if threads:
             torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()  # what the rounds run on, as recorded
         self.dtype = dtypes[config.dtype]
         self.config = config
         generator = torch.Generator(device="cpu").manual_seed(0)
@@ -436,7 +452,8 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         dtype=config.dtype, backend=request.backend, engine_version=engine_version,
         timings=tuple(timings), layers_timed=request.layers, warmup=request.warmup,
         elapsed_s=round(time.perf_counter() - started, 3), measured_at=time.time(),
-        budget_exhausted=exhausted)
+        budget_exhausted=exhausted,
+        threads=max(getattr(timer, "threads", 0) for timer in timers.values()))
 
 
 class CalibrationCache:

@@ -152,3 +152,24 @@ def test_a_hybrid_is_calibrated_per_layer_type(backend):
     assert request(config=dict(HYBRID, linear_key_head_dim=32)).key("0.1.0") != \
         request(config=HYBRID).key("0.1.0")
     assert "layer_types" not in request().shape()
+
+
+def test_the_threads_that_decide_the_engines_decide_the_calibration(monkeypatch):
+    """The thread setting is part of the key (a layer on one thread and on every shared core
+    costs 2-3x apart), read as the engine reads it: the request's, else OMP_NUM_THREADS."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    default = request(threads=0).key("0.1.0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = request(threads=0)
+    assert one.thread_setting() == "OMP_NUM_THREADS=1"
+    assert len({default, one.key("0.1.0"), request(threads=1).key("0.1.0"),
+                request(threads=2).key("0.1.0")}) == 4
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = calibrate(request(threads=1, contexts=(SHORT,), runs=1), "0.1.0")
+        assert result.threads == 1 == torch.get_num_threads()
+        assert calibrate(request("mlx-cpu", contexts=(SHORT,), runs=1), "0.1.0").threads == 0
+    finally:
+        torch.set_num_threads(before)
