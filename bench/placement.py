@@ -11,11 +11,19 @@ model's `parallel` is 2) through the front door, and reads `fleetctl status --js
 predicted decode ms/token for that layout (supervisor/speed.py over supervisor/ring_cost.py)
 beside rank 0's measured mean decode round, by row count. Prints one row per placement with
 the prediction's error, (predicted - measured) / measured, and the mean absolute error.
+
+`--threads` (default 1) is each process's OpenMP threads (OMP_NUM_THREADS, which the agents
+pass to their calibrations and engines): two agents on one small machine each running all
+its cores spin against each other and against whatever else runs there, and a layer then
+costs 2-3x what it does on one thread, by an amount that moves with the load, so the
+calibration taken at one moment says little of the rounds run at another. 0: the
+frameworks' defaults. The load average is printed at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -71,6 +79,10 @@ def parse_layout(text: str, n_layers: int) -> tuple[tuple[str, tuple[int, int]],
     return tuple(out)
 
 
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def chat(fleet: LocalFleet, tokens: int) -> None:
     from openai import OpenAI
 
@@ -116,7 +128,12 @@ def main() -> int:
     p.add_argument("--context", type=int, default=128,
                    help="the model's context: calibration times decode over this many keys, "
                         "so keep it near what the requests reach (prompt + --tokens)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OpenMP threads of every process of the fleet (0: the defaults)")
     args = p.parse_args()
+    if args.threads:  # before LocalFleet copies the environment for its processes
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    print(f"# load average at the start: {load_average()}", flush=True)
     model = checkpoint(args.preset)
     from bench.common import n_layers
 
@@ -160,6 +177,8 @@ def main() -> int:
           "mlx-cpu node-b)",
           ["placement", "predicted 1 stream", "measured", "rounds", "error %",
            "predicted 2 streams", "measured", "rounds", "error %"], rows)
+    print(f"# load average at the end: {load_average()}; threads: "
+          f"{args.threads or 'the defaults'}")
     if errors:
         print(f"\nmean absolute error: {sum(errors) / len(errors):.1f} % "
               f"(largest {max(errors):.1f} %) over {len(errors)} figures")
