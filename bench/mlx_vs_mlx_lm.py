@@ -91,17 +91,18 @@ class MlxLm:
 
 
 def lockstep_pass(ours: Ours, theirs: MlxLm, ids: list[int], steps: int) -> tuple[float, float]:
-    """ms/step of each side over one conversation, their steps alternating."""
+    """Median ms/step of each side over one conversation, their steps alternating (a median,
+    not a mean: on a shared machine a few steps land on another process's burst)."""
     tokens = [ours.prompt(ids), theirs.prompt(ids)]
-    spent = [0.0, 0.0]
+    spent: list[list[float]] = [[], []]
     for _ in range(steps):
         for side, decoder in enumerate((ours, theirs)):
             start = time.perf_counter()
             tokens[side] = decoder.step(tokens[side])
-            spent[side] += time.perf_counter() - start
+            spent[side].append(time.perf_counter() - start)
     ours.close()
     theirs.close()
-    return spent[0] * 1000 / steps, spent[1] * 1000 / steps
+    return statistics.median(spent[0]) * 1000, statistics.median(spent[1]) * 1000
 
 
 def measure(shape: str, dtype: str, prompt: int, steps: int, repeats: int

@@ -16,6 +16,7 @@ mlx-lm's affine quantization (`quant.py`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 
@@ -70,9 +71,15 @@ def attention(x: mx.array, w: LayerWeights, config: ModelConfig, rope: Rope, cac
     return linear(out.reshape(rows, config.q_width), w.o)
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    # Compiled as mlx-lm's `swiglu` is: one fused elementwise kernel instead of three ops,
+    # each of which costs a dispatch on the CPU whatever its size.
+    return gate * mx.sigmoid(gate) * up
+
+
 def mlp(x: mx.array, w: LayerWeights) -> mx.array:
-    gate = linear(x, w.gate)
-    return linear(gate * mx.sigmoid(gate) * linear(x, w.up), w.down)
+    return linear(swiglu(linear(x, w.gate), linear(x, w.up)), w.down)
 
 
 def block(x: mx.array, w: LayerWeights, config: ModelConfig, rope: Rope, cache: KVCache,
