@@ -76,6 +76,12 @@ class TextCodec:
             raise ChatTemplateError(f"chat template: {exc}") from exc
 
 
+# Tokens the decoder holds unsettled before it hands text out anyway, keeping the last
+# CHARACTER_TOKENS (each token is at least a byte; a character is at most four).
+MAX_UNSETTLED = 32
+CHARACTER_TOKENS = 4
+
+
 class IncrementalDecoder:
     """Token ids to text one token at a time, at a cost that does not grow with the output.
 
@@ -90,7 +96,10 @@ class IncrementalDecoder:
     that decoder turns a whole run of byte tokens into U+FFFDs when the run is not valid
     UTF-8, so a later byte can change text an earlier one made. Joined with
     `flush`, the pieces are exactly the full decode. The window grows only while text
-    stays unstable (a run of byte tokens, an invalid sequence).
+    stays unstable (a run of byte tokens, an invalid sequence), and at most to
+    MAX_UNSETTLED tokens: past that the text is handed out, so garbage output still
+    streams; a byte-fallback run that long may then show its U+FFFDs differently from a
+    full decode (a valid start of the run as its characters).
 
     `tokenizers`' own DecodeStream does the same windowing, but has no flush for a tail
     that never becomes stable and hands out a byte-fallback run before it is final.
@@ -115,6 +124,11 @@ class IncrementalDecoder:
         self.window.append(token_id)
         if token_id not in self.skipped:
             self.in_byte_run = token_id in self.byte_tokens
+        if len(self.window) - self.context > MAX_UNSETTLED:
+            # Output that never settles (a model emitting invalid bytes): hand out all but
+            # the last few tokens, which one character's bytes could still be arriving in,
+            # so the stream keeps flowing and the window stays bounded.
+            return self._settle(len(self.window) - CHARACTER_TOKENS)
         if self.in_byte_run:
             return ""
         text = self._decode(self.window)
@@ -123,6 +137,14 @@ class IncrementalDecoder:
         self.window = self.window[self.context:]
         self.context = len(self.window)
         added, self.context_text = text[len(self.context_text):], self._decode(self.window)
+        return added
+
+    def _settle(self, upto: int) -> str:
+        """Hand out the text of window[:upto] past the context; those tokens become it."""
+        added = self._decode(self.window[:upto])[len(self.context_text):]
+        self.window = self.window[self.context:]
+        self.context = upto - self.context
+        self.context_text = self._decode(self.window[:self.context])
         return added
 
     def flush(self) -> str:

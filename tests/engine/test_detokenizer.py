@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from engine.lanes.text import IncrementalDecoder, TextCodec, TextStream, byte_fallback_ids
+from engine.lanes.text import (
+    MAX_UNSETTLED,
+    IncrementalDecoder,
+    TextCodec,
+    TextStream,
+    byte_fallback_ids,
+)
 
 REAL = Path(__file__).resolve().parents[2] / "build" / "smollm2-135m-instruct"
 
@@ -92,6 +98,23 @@ def test_an_invalid_tail_comes_out_at_flush(make_model):
     ids = tokenizer.encode("ok ").ids + [lead]
     pushed = "".join(decoder.push(t) for t in ids)
     assert pushed == "ok " and decoder.flush() == "\ufffd"
+
+
+def test_output_that_never_settles_still_streams_in_a_bounded_window(make_model):
+    """A model emitting a lone UTF-8 byte over and over: text that never stops ending in
+    U+FFFD comes out every few tokens, not at the end, and the window stays bounded."""
+    tokenizer = Tokenizer.from_file(str(make_model("qwen3") / "tokenizer.json"))
+    lone = next(i for i in range(tokenizer.get_vocab_size())
+                if tokenizer.decode([i]) == "\ufffd")
+    decoder = IncrementalDecoder(tokenizer)
+    ids = tokenizer.encode("ok ").ids + [lone] * 500
+    pieces, longest = [], 0
+    for t in ids:
+        pieces.append(decoder.push(t))
+        longest = max(longest, len(decoder.window))
+    assert sum(1 for p in pieces[:100] if p) >= 3  # "ok ", then more before the end
+    assert longest <= 2 * MAX_UNSETTLED
+    assert "".join(pieces) + decoder.flush() == tokenizer.decode(ids)
 
 
 class CountingTokenizer:
