@@ -11,13 +11,15 @@ nothing else of the host's distribution starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.waiting import wait_until
 
 SYSTEMD = Path("/lib/systemd/systemd")
 STAND_IN_TARGETS = ("sysinit", "basic", "shutdown", "network-online", "network", "multi-user",
@@ -81,19 +83,17 @@ class SystemdInNamespace:
         with open(self.boot_log, "ab") as log:
             self.unshare = subprocess.Popen(["sh", "-c", script], env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        state = ""
-        while time.monotonic() < deadline:
+        def running() -> bool:
             if self.unshare.poll() is not None:
                 raise RuntimeError(f"systemd exited {self.unshare.returncode}: {self.log_tail()}")
             self.init_pid = self.init_pid or self._child_of(self.unshare.pid)
-            if self.init_pid:
-                state = self.systemctl("is-system-running", check=False).stdout.strip()
-                if state in ("running", "degraded"):
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"systemd did not come up in {timeout_s} s (state {state!r}): "
-                           f"{self.log_tail()}")
+            return bool(self.init_pid) and self.systemctl(
+                "is-system-running", check=False).stdout.strip() in ("running", "degraded")
+
+        try:
+            wait_until(running, within_s=timeout_s, what="systemd running", poll_s=0.2)
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}: {self.log_tail()}") from exc
 
     @staticmethod
     def _child_of(pid: int) -> int:
@@ -145,15 +145,15 @@ class SystemdInNamespace:
             except subprocess.TimeoutExpired:
                 self.unshare.kill()
                 self.unshare.wait(10)
-        deadline = time.monotonic() + 30
-        while self.cgroup.exists() and time.monotonic() < deadline:
+        def removed() -> bool:
+            """Each cgroup below ours, deepest first, then ours: empty once its processes left."""
             for directory in sorted(self.cgroup.rglob("*"), key=lambda p: -len(p.parts)):
                 if directory.is_dir():
-                    try:
+                    with contextlib.suppress(OSError):
                         directory.rmdir()
-                    except OSError:
-                        pass
-            try:
+            with contextlib.suppress(OSError):
                 self.cgroup.rmdir()
-            except OSError:
-                time.sleep(0.1)  # processes still leaving the cgroup
+            return not self.cgroup.exists()
+
+        wait_until(removed, within_s=30, what=f"the test's cgroup {self.cgroup} removed",
+                   poll_s=0.1)
