@@ -15,6 +15,12 @@ from engine.lanes.text import TextCodec
 from tests.waiting import wait_until_async
 
 
+def hybrid_prompts(count: int) -> list[list[int]]:
+    """`count` prompts of 150, 139, 128, ... tokens: several chunks each, ending apart."""
+    rng = np.random.default_rng(count)
+    return [rng.integers(0, 300, 150 - 11 * i).tolist() for i in range(count)]
+
+
 @contextmanager
 def pipeline(model_dir: Path, stages, tmp_path: Path, *, extra_env=None, **kwargs):
     """Followers as fleet-engine processes; rank 0's runner here, in the test process.

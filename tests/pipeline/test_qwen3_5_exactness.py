@@ -7,19 +7,13 @@ attention layer. Each stage keeps the KV and recurrent state of its own layers o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine.harness.local_pipeline import whole_runner
-from tests.pipeline.conftest import greedy_trace, pipeline
+from tests.pipeline.conftest import greedy_trace, hybrid_prompts, pipeline
 
 CHUNK = 48  # a 150-token prompt spans four chunks, each starting from the last one's state
 STEPS = 24
-
-
-def prompts(count: int) -> list[list[int]]:
-    rng = np.random.default_rng(count)
-    return [rng.integers(0, 300, 150 - 11 * i).tolist() for i in range(count)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -27,11 +21,11 @@ def prompts(count: int) -> list[list[int]]:
 def test_pipeline_logits_equal_one_process(make_model, tmp_path, cut, dtype):
     model_dir = make_model("qwen3_5", dtype=dtype, num_hidden_layers=5)
     whole = whole_runner(model_dir, chunk=CHUNK)
-    expected = {n: greedy_trace(whole, model_dir, prompts(n), steps=STEPS, chunk=CHUNK)
+    expected = {n: greedy_trace(whole, model_dir, hybrid_prompts(n), steps=STEPS, chunk=CHUNK)
                 for n in (1, 4)}
     with pipeline(model_dir, [(0, cut), (cut, 5)], tmp_path, chunk=CHUNK) as runner:
         for n in (1, 4):
-            got = greedy_trace(runner, model_dir, prompts(n), steps=STEPS, chunk=CHUNK)
+            got = greedy_trace(runner, model_dir, hybrid_prompts(n), steps=STEPS, chunk=CHUNK)
             assert [plan for plan, _ in got] == [plan for plan, _ in expected[n]]
             for (plan, logits), (_, want) in zip(got, expected[n], strict=True):
                 assert logits == want, f"round {plan.round_no} differs ({n} streams)"

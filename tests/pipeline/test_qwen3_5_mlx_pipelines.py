@@ -9,13 +9,12 @@ layer (the next stage starts with attention and holds KV only for its own layers
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx.core")
 
 from engine.harness.local_pipeline import whole_runner
-from tests.pipeline.conftest import greedy_trace, pipeline
+from tests.pipeline.conftest import greedy_trace, hybrid_prompts, pipeline
 
 LAYERS = 5
 CHUNK = 48  # a 150-token prompt spans four chunks, each starting from the last one's state
@@ -25,22 +24,17 @@ STEPS = 16
 SHAPE = dict(num_hidden_layers=LAYERS, linear_key_head_dim=16, linear_value_head_dim=16)
 
 
-def prompts(count: int) -> list[list[int]]:
-    rng = np.random.default_rng(count)
-    return [rng.integers(0, 300, 150 - 11 * i).tolist() for i in range(count)]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("cut", [1, 2], ids=["after-deltanet", "after-attention"])
 def test_mlx_pipeline_logits_equal_one_mlx_process(make_model, tmp_path, cut, dtype):
     model_dir = make_model("qwen3_5", dtype=dtype, **SHAPE)
     whole = whole_runner(model_dir, backend="mlx-cpu", chunk=CHUNK)
-    expected = {n: greedy_trace(whole, model_dir, prompts(n), steps=STEPS, chunk=CHUNK)
+    expected = {n: greedy_trace(whole, model_dir, hybrid_prompts(n), steps=STEPS, chunk=CHUNK)
                 for n in (1, 4)}
     with pipeline(model_dir, [(0, cut), (cut, LAYERS)], tmp_path, chunk=CHUNK,
                   backends=["mlx-cpu", "mlx-cpu"]) as runner:
         for n in (1, 4):
-            got = greedy_trace(runner, model_dir, prompts(n), steps=STEPS, chunk=CHUNK)
+            got = greedy_trace(runner, model_dir, hybrid_prompts(n), steps=STEPS, chunk=CHUNK)
             assert [plan for plan, _ in got] == [plan for plan, _ in expected[n]]
             for (plan, logits), (_, want) in zip(got, expected[n], strict=True):
                 assert logits == want, f"round {plan.round_no} differs ({n} streams)"
