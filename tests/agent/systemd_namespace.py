@@ -50,8 +50,16 @@ def why_systemd_cannot_run() -> str:
             return f"{tool} is not installed (util-linux)"
     if not os.access(SYSTEMD, os.X_OK):
         return f"{SYSTEMD} is not there (apt-get install -y systemd)"
-    if cgroup2_mount() is None:
+    cgroups = cgroup2_mount()
+    if cgroups is None:
         return "no cgroup v2 hierarchy is mounted (systemd needs one to track a unit's processes)"
+    if not os.access(cgroups, os.W_OK):
+        return f"{cgroups} is read-only here (a container without its own cgroups?)"
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--cgroup", "true"],
+                           capture_output=True, text=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        return ("new PID, mount and cgroup namespaces are not allowed here: "
+                f"{probe.stderr.strip()}")
     return ""
 
 
