@@ -88,6 +88,13 @@ class ModelSpec:
     placement: tuple[ExplicitStage, ...] = ()  # empty: auto
     rank0: str | None = None  # the node that must be rank 0
     replicas: int = 1  # copies served side by side; AUTO_REPLICAS: as many as fit
+    prompt_tokens: int | None = None  # the prompt the placement costs; None: `context`
+
+    @property
+    def prompt_length(self) -> int:
+        """The prompt length placement predicts the time to first token of (and minimises
+        it for, with `objective: prompt`): `prompt_tokens`, else the whole context."""
+        return self.prompt_tokens or self.context
 
     @property
     def placement_is_auto(self) -> bool:
@@ -320,7 +327,7 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
 
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "chunk", "objective",
-                 "placement", "rank0", "replicas")
+                 "prompt_tokens", "placement", "rank0", "replicas")
 
 
 def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
@@ -334,6 +341,10 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     parallel = f["parallel"].integer() if "parallel" in f else DEFAULT_PARALLEL
     chunk = f["chunk"].integer() if "chunk" in f else DEFAULT_CHUNK
     objective = f["objective"].choice(OBJECTIVES, "objective") if "objective" in f else "decode"
+    prompt_tokens = f["prompt_tokens"].integer() if "prompt_tokens" in f else None
+    if prompt_tokens is not None and prompt_tokens > context:
+        raise f["prompt_tokens"].error(f"a prompt of {prompt_tokens} tokens does not fit the "
+                                       f"context of {context} positions", prompt_tokens)
     placement: tuple[ExplicitStage, ...] = ()
     if "placement" in f:
         placement = _parse_placement(f["placement"], node_names, checkpoint, backends)
@@ -347,7 +358,7 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     replicas = _parse_replicas(f["replicas"]) if "replicas" in f else 1
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
                      parallel=parallel, chunk=chunk, objective=objective, placement=placement,
-                     rank0=rank0, replicas=replicas)
+                     rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens)
 
 
 def _parse_replicas(at: _Field) -> int:

@@ -218,9 +218,9 @@ def render_plan(p: dict[str, Any]) -> Table:
                       f"{s['decode_ms']:.2f}", f"{s['hop_decode_ms']:.2f}",
                       f"{s['prefill_chunk_ms']:.1f}", f"{s['hop_chunk_ms']:.1f}")
     summary = (f"decode: {p['decode_ms_per_token']:.2f} ms per token at {p['parallel']} "
-               f"stream(s), {p['decode_ms_per_token_single']:.2f} ms alone; prompt of "
-               f"{p['prompt_tokens']} tokens: {p['prompt_ms']:.0f} ms; objective: "
-               f"{p['objective']}")
+               f"stream(s), {p['decode_ms_per_token_single']:.2f} ms alone; time to first "
+               f"token of a {p['prompt_tokens']}-token prompt: {p['prompt_ms']:.0f} ms; "
+               f"objective: {p['objective']}")
     per_type = [f"{s['node']} ms per layer (decode 1 row / {p['parallel']} rows / chunk): "
                 + "; ".join(f"{t['layer_type']} {t['decode_ms_per_layer']:.3g} / "
                             f"{t['decode_batch_ms_per_layer']:.3g} / "
@@ -292,7 +292,11 @@ def speed_line(speed: dict[str, Any] | None) -> str:
                      f"({seen['rounds']} rounds{error})")
     if not speed.get("measured"):
         parts.append("measured: no decode rounds yet")
-    return "decode ms/token: " + "; ".join(parts)
+    line = "decode ms/token: " + "; ".join(parts)
+    if "predicted_ttft_ms" in speed:
+        line += (f"\ntime to first token: predicted {speed['predicted_ttft_ms']:.0f} ms for a "
+                 f"prompt of {speed['prompt_tokens']} tokens")
+    return line
 
 
 def wait_for_measurements(client: Client, wait_s: float) -> bool:

@@ -131,7 +131,7 @@ def candidates(spec: ModelSpec, shape: ModelShape,
     rings = [r for r in ring_orders(rank0s, names) if len(r) <= shape.n_layers]
     if sum(math.comb(shape.n_layers - 1, len(r) - 1) for r in rings) > MAX_CANDIDATES:
         return None
-    problem = RingCosts(spec, shape, nodes, spec.context)
+    problem = RingCosts(spec, shape, nodes, spec.prompt_length)
     usable = {n.name: n.usable_memory_bytes for n in nodes}
     out = []
     for ring in rings:

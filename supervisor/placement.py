@@ -118,14 +118,14 @@ def place(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
           prompt_tokens: int | None = None) -> Placement:
     """The placement of `spec` on the live `nodes` that minimises its objective.
 
-    `prompt_tokens` sizes the predicted prompt time (and the prompt objective); the spec's
-    context when None. Raises `DoesNotFit` when nothing fits, `PlacementError` when the
+    `prompt_tokens` sizes the predicted time to first token (and the prompt objective); the
+    spec's `prompt_length` when None. Raises `DoesNotFit` when nothing fits, `PlacementError` when the
     inputs contradict each other.
     """
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise PlacementError(f"{spec.id}: node snapshots repeat a name: {names}")
-    problem = RingCosts(spec, shape, nodes, prompt_tokens or spec.context)
+    problem = RingCosts(spec, shape, nodes, prompt_tokens or spec.prompt_length)
     if not spec.placement_is_auto:
         return _explicit(problem)
     excluded = {n.name: why for n in nodes if (why := _excluded(spec, n))}
@@ -173,7 +173,7 @@ def placement_for(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapsh
                   ) -> Placement:
     """The placement of a ring and layer counts chosen elsewhere (the joint search of
     several replicas), costed and explained as `place` costs its own."""
-    problem = RingCosts(spec, shape, nodes, spec.context)
+    problem = RingCosts(spec, shape, nodes, spec.prompt_length)
     return _build(problem, ring, counts, explicit=False, runner_up=None, why=why)
 
 

@@ -1,7 +1,8 @@
 """A replica's decode speed: what the placement's cost model predicts for the layout it runs
 (`supervisor/ring_cost.py`, over the measurements placement reads) beside what its rank 0
 measures (`ringfleet_decode_round_seconds`, engine/api/metrics.py), for `fleetctl status`
-and `bench/placement.py`.
+and `bench/placement.py`; and the time to first token it predicts for the model's prompt
+length (its chunks overlapped across the stages), which nothing measures yet.
 
 The two are the same quantity: one decode round of `rows` rows around the ring, every
 stage's layers and every hop. Rank 0's figure also holds what the model leaves out (the
@@ -34,12 +35,14 @@ SCRAPE_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True)
 class Predicted:
-    """The cost model's decode ms per token for one layout."""
+    """The cost model's decode ms per token for one layout, and its time to first token."""
 
     single_ms: float  # one stream alone: a round of one row
     parallel_ms: float  # `parallel` streams at once: a round of `parallel` rows
     parallel: int
     nominal: tuple[str, ...] = ()  # inputs that were guesses, not measurements
+    prompt_ms: float | None = None  # a prompt of `prompt_tokens`, its chunks overlapped
+    prompt_tokens: int = 0
 
     def ms_for_rows(self, rows: int) -> float | None:
         return {1: self.single_ms, self.parallel: self.parallel_ms}.get(rows)
@@ -64,11 +67,11 @@ def predict(spec: ModelSpec, shape: ModelShape, config: FleetConfig,
         return f"calibrated on another backend than the stage runs: {', '.join(other)}"
     if [rng for _, _, rng in layout] != [(a, b) for a, b in _ranges(layout)]:
         return "the stages' ranges are not contiguous from layer 0"
-    problem = RingCosts(spec, shape, [by_name[n] for n in ring], spec.context)
+    problem = RingCosts(spec, shape, [by_name[n] for n in ring], spec.prompt_length)
     counts = tuple(end - start for _, _, (start, end) in layout)
     return Predicted(problem.decode_ms(ring, counts, 1),
                      problem.decode_ms(ring, counts, spec.parallel), spec.parallel,
-                     tuple(nominal))
+                     tuple(nominal), problem.prompt_ms(ring, counts), spec.prompt_length)
 
 
 def _ranges(layout: Layout) -> list[tuple[int, int]]:
@@ -109,6 +112,9 @@ def speed_report(predicted: Predicted | str | None,
         out.update(predicted_ms_per_token=round(predicted.single_ms, 3),
                    predicted_ms_per_token_parallel=round(predicted.parallel_ms, 3),
                    parallel=predicted.parallel, nominal=list(predicted.nominal))
+        if predicted.prompt_ms is not None:
+            out.update(predicted_ttft_ms=round(predicted.prompt_ms, 3),
+                       prompt_tokens=predicted.prompt_tokens)
         for rows, seen in out["measured"].items():
             expected = predicted.ms_for_rows(int(rows))
             if expected:
