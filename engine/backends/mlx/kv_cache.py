@@ -6,6 +6,11 @@ rolling back (trim) is only a change of the slot's offset in `engine.slots.SlotT
 positions past it are never read. Each layer is its own array (rather than one
 [layers, ...] array) so that a round's scatter into one layer can update that buffer in
 place: MLX donates an array's memory to the op that replaces it when nothing else holds it.
+
+A prompt span without a sliding window builds no mask: its rows are the last of the keys
+they read, and `mx.fast.scaled_dot_product_attention`'s "causal" mask aligns a shorter
+query to the end of the keys (lower right), which is that causality (tested byte for
+byte against the explicit mask).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ class PromptSpan:
     stop: int
     slot: int
     keys: int  # positions the span can see: [0, keys)
-    mask: mx.array  # [rows, keys] bool, True = attend
+    # [rows, keys] bool, True = attend; None: plain causality (no sliding window cuts in),
+    # the fused kernel's own "causal" mask.
+    mask: mx.array | None
 
 
 @dataclass
@@ -55,9 +62,11 @@ class RoundIndex:
     def build(cls, layout: RowLayout, sliding_window: int | None) -> RoundIndex:
         spans = []
         for span in layout.spans:
-            q = mx.arange(span.first, span.end)[:, None]
-            spans.append(PromptSpan(span.start, span.stop, span.slot, span.end,
-                                    _visible(q, span.end, sliding_window)))
+            mask = None
+            if sliding_window:
+                mask = _visible(mx.arange(span.first, span.end)[:, None], span.end,
+                                sliding_window)
+            spans.append(PromptSpan(span.start, span.stop, span.slot, span.end, mask))
         single, single_slot = layout.single_rows, layout.single_slots
         positions, slots = layout.positions, layout.slots
         single_keys = layout.single_keys
@@ -149,7 +158,8 @@ class KVCache:
             k = cache_k[span.slot:span.slot + 1, :, :span.keys]  # [1, kv_heads, keys, head_dim]
             v = cache_v[span.slot:span.slot + 1, :, :span.keys]
             qs = q[span.start:span.stop].transpose(1, 0, 2)[None]  # [1, heads, rows, head_dim]
-            o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=span.mask)
+            mask = "causal" if span.mask is None else span.mask
+            o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)
             parts.append(o[0].transpose(1, 0, 2))
         out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return out if index.order is None else out[index.order]

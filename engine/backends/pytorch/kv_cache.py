@@ -8,6 +8,11 @@ Attention reads only the keys a round's rows can see, never the whole context, s
 costs what the conversations hold, not what the fleet configured: an eager round reads
 keys [0, its rows' highest position + 1) of each slot it serves (a prompt span its own
 slot's [0, span end)), and a captured decode step reads [0, `key_bucket` of that).
+
+A prompt span without a sliding window builds no mask: its rows are the last of the keys
+they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
+memory-efficient kernel on CUDA (on the CPU it is expanded to the same mask as before:
+the same bytes).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.rounds import RowLayout
 
@@ -28,7 +34,10 @@ class PromptSpan:
     stop: int
     slot: int
     first: int  # position of the first row
-    mask: torch.Tensor  # [rows, first + rows] bool, True = attend
+    keys: int  # positions the span can see: [0, keys), its last row's position + 1
+    # [rows, keys] bool, True = attend; None: plain causality, the rows being the last
+    # `rows` of the keys (no sliding window cuts in), which needs no mask.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -50,9 +59,12 @@ class RoundIndex:
               sliding_window: int | None) -> RoundIndex:
         spans = []
         for span in layout.spans:
-            q = torch.arange(span.first, span.end, device=device)[:, None]
-            spans.append(PromptSpan(span.start, span.stop, span.slot, span.first,
-                                    _visible(q, span.end, sliding_window, device)))
+            mask = None
+            if sliding_window:
+                q = torch.arange(span.first, span.end, device=device)[:, None]
+                mask = _visible(q, span.end, sliding_window, device)
+            spans.append(PromptSpan(span.start, span.stop, span.slot, span.first, span.end,
+                                    mask))
         single_mask = None
         if layout.single_rows:
             q = torch.tensor(layout.single_positions, device=device)[:, None]
@@ -119,6 +131,11 @@ def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
                       run)
 
 
+def visible_keys(q: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility of keys [0, keys) from query positions q [n, 1]."""
+    return _visible(q, keys, window, q.device)
+
+
 def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
     """Causal (and sliding-window) visibility of keys [0, keys) from query positions q [n, 1]."""
     k = torch.arange(keys, device=device)[None, :]
@@ -162,10 +179,13 @@ class KVCache:
                                                enable_gqa=True)
             out[index.single_rows] = o[:, :, 0, :]
         for span in index.spans:
-            keys = span.mask.shape[-1]
+            keys = span.keys
             k = self.k[layer, span.slot, :, :keys][None]  # [1, kv_heads, keys, head_dim]
             v = self.v[layer, span.slot, :, :keys][None]
             qs = q[span.start:span.stop].transpose(0, 1)[None]  # [1, heads, rows, head_dim]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=span.mask, enable_gqa=True)
+            mask = span.mask
+            if mask is None:
+                mask = causal_lower_right(span.stop - span.start, keys)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
             out[span.start:span.stop] = o[0].transpose(0, 1)
         return out
