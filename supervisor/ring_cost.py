@@ -10,20 +10,12 @@ chooses among the rings and explains the choice; docs/placement.md gives the cos
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from supervisor.boundaries import (
-    TIME_TOLERANCE,
-    PromptStart,
-    min_prompt_ms,
-    min_total_ms,
-    prompt_start,
-    stage_times,
-)
+from supervisor.boundaries import TIME_TOLERANCE, min_total_ms, stage_times
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
     ExecutionShape,
@@ -32,6 +24,7 @@ from supervisor.memory import (
     layer_bytes,
     layers_that_fit,
 )
+from supervisor.prompt_search import RingPrompt, search_prompt_rings
 
 # A NodeSnapshot's three times per layer: one row, a round of `parallel` rows, one prompt
 # chunk. (RingCosts' "decode" is "batch" or "single", as the spec's `parallel` says.)
@@ -138,8 +131,7 @@ class RingCosts:
         self.bytes_prefix = list(itertools.accumulate(
             (layer_bytes(layer, self.execution) for layer in shape.layers), initial=0))
         self._time_prefix: dict[tuple[str, str], list[float]] = {}
-        self._stage_times: dict[str, list[float]] = {}
-        self._prompt_starts: dict[tuple[str, ...], PromptStart | None] = {}
+        self._stage_times: dict[frozenset[str], list[float]] = {}
 
     def fit(self, node: NodeSnapshot, is_rank0: bool) -> int:
         """The most layers of a uniform model the node holds; a hybrid's: 0 or 1 (no range
@@ -232,32 +224,23 @@ class RingCosts:
     def _searched_counts(self, ring: tuple[str, ...],
                          give_up_ms: float) -> tuple[int, ...] | None:
         """A hybrid's best ranges for this ring order, by the dynamic program (for the prompt
-        objective, only sought below `give_up_ms`: see `min_prompt_ms`)."""
-        rooms = self.rooms(ring)
-        if self.spec.objective == "decode":
-            found = min_total_ms([self.time_prefix(n, "decode") for n in ring], rooms,
-                                 self.bytes_prefix)
-        else:
-            start = self.prompt_start(ring)
-            hops = self.hops_ms(ring, self.spec.chunk)
-            if start is None or hops is None:
-                return None
-            found = min_prompt_ms([self.time_prefix(n, "prefill") for n in ring], rooms,
-                                  self.bytes_prefix, self.chunks, hops, start, give_up_ms)
-        return None if found is None else found[1]
+        objective, by `supervisor/prompt_search.py`'s search of caps, only sought below
+        `give_up_ms`)."""
+        kind = "decode" if self.spec.objective == "decode" else "prefill"
+        found = min_total_ms([self.time_prefix(n, kind) for n in ring], self.rooms(ring),
+                             self.bytes_prefix)
+        if found is None or kind == "decode" or self.hops_ms(ring, 1) is None:
+            return None if found is None else found[1]
+        return RingPrompt(self, ring, found).solve(give_up_ms)[1]
 
-    def prompt_start(self, ring: tuple[str, ...]) -> PromptStart | None:
-        """Where a hybrid's prompt search on this ring starts, with a lower bound on its
-        cost; None: it cannot fit. Kept, as the search of rings asks for it twice."""
-        if ring not in self._prompt_starts:
-            hops = self.hops_ms(ring, self.spec.chunk)
-            for name in ring:
-                if name not in self._stage_times:
-                    self._stage_times[name] = stage_times(self.time_prefix(name, "prefill"))
-            self._prompt_starts[ring] = None if hops is None else prompt_start(
-                [self.time_prefix(n, "prefill") for n in ring], self.rooms(ring),
-                self.bytes_prefix, [self._stage_times[n] for n in ring], self.chunks, hops)
-        return self._prompt_starts[ring]
+    def ring_stage_times(self, ring: tuple[str, ...]) -> list[float]:
+        """Every time a prompt chunk's stage on a node of `ring` can take, ascending: the caps
+        a hybrid's prompt search tries. Kept per node set."""
+        key = frozenset(ring)
+        if key not in self._stage_times:
+            self._stage_times[key] = sorted({t for n in ring
+                                             for t in stage_times(self.time_prefix(n, "prefill"))})
+        return self._stage_times[key]
 
     def _by_speed(self, names: Sequence[str], kind: str) -> list[str]:
         return sorted(names, key=lambda n: (self.layer_ms(n, kind), self.order[n]))
@@ -320,21 +303,16 @@ class RingCosts:
             suffix_best[i] = best
         return fastest_first, thresholds, suffix_best
 
-    def prompt_lower_bound(self, ring: tuple[str, ...]) -> float | None:
-        """A hybrid's prompt ms on this ring is at least this (the least sum of stage times,
-        the hops, and (chunks - 1) x the least bottleneck or the slowest hop); None: it
-        cannot fit."""
-        if self.hops_ms(ring, 1) is None:
-            return None
-        start = self.prompt_start(ring)
-        return None if start is None else start.lower_bound_ms
-
     def ring_result(self, ring: tuple[str, ...],
                     give_up_ms: float = math.inf) -> RingResult | None:
         """The ring's best ranges and times; with `give_up_ms`, exact only below it."""
         counts = self.best_counts(ring, give_up_ms)
         if counts is None or self.hops_ms(ring, 1) is None:
             return None
+        return self.result_for(ring, counts)
+
+    def result_for(self, ring: tuple[str, ...], counts: tuple[int, ...]) -> RingResult:
+        """The ring with these layer counts, costed and ranked."""
         decode = self.decode_ms(ring, counts, self.spec.parallel)
         prompt = self.prompt_ms(ring, counts)
         objective, other = (decode, prompt) if self.spec.objective == "decode" else (prompt, decode)
@@ -344,68 +322,14 @@ class RingCosts:
 
 def search_rings(problem: RingCosts, rings: list[tuple[str, ...]]) -> tuple[list[RingResult], int]:
     """The rings' results, and how many fit. Every ring's, except for a hybrid's prompt
-    objective, whose search per ring is costly: there, rings are taken by a lower bound on
-    their cost, and a ring is searched only while it could still be the best, the runner-up
-    (best with another node set or rank 0) or the best ring with a node the best leaves out,
-    which are all that `place` reports."""
+    objective, whose search per ring is costly: there, `supervisor/prompt_search.py`
+    searches only the rings that could be what `place` reports (the best, the runner-up,
+    the best ring with each node the best leaves out), each only as far as it could."""
     if problem.uniform or problem.spec.objective == "decode":
         results = [r for ring in rings if (r := problem.ring_result(ring)) is not None]
         return results, len(results)
-    bounded = sorted((bound, i, ring) for i, ring in enumerate(rings)
-                     if (bound := problem.prompt_lower_bound(ring)) is not None)
-    results: list[RingResult] = []
-    best: RingResult | None = None
-    settled = False
-    runner_ms, with_node_ms = math.inf, dict[str, float]()
-
-    def same_set(ring: tuple[str, ...]) -> bool:
-        return best is not None and (ring[0], frozenset(ring)) == (best.nodes[0],
-                                                                    frozenset(best.nodes))
-
-    def note(r: RingResult) -> None:
-        nonlocal runner_ms
-        if not same_set(r.nodes):
-            runner_ms = min(runner_ms, r.objective_ms)
-        for n in r.nodes:
-            with_node_ms[n] = min(with_node_ms.get(n, math.inf), r.objective_ms)
-
-    pending = collections.deque(bounded)
-    deferred: list[tuple[float, int, tuple[str, ...]]] = []  # sought only below the best
-    while pending or (deferred and not settled):
-        if not settled and (not pending or (best is not None and pending[0][0]
-                                            > best.objective_ms + TIME_TOLERANCE)):
-            settled = True  # no ring left can beat or tie the best: what it leaves out is fixed
-            for r in results:
-                note(r)
-            pending.extendleft(reversed(deferred))  # their bounds are the lowest left
-            continue
-        bound, _, ring = pending.popleft()
-        if settled and not (
-                (not same_set(ring) and bound <= runner_ms + TIME_TOLERANCE)
-                or any(n not in best.nodes and bound <= with_node_ms.get(n, math.inf)
-                       + TIME_TOLERANCE for n in ring)):
-            continue
-        # A ring is sought exactly only below the answers it could change: the best so far,
-        # and once settled, the runner-up's and those of the nodes the best leaves out.
-        if not settled:
-            give_up = math.inf if best is None else best.objective_ms + TIME_TOLERANCE
-        else:
-            give_up = max([runner_ms] * (not same_set(ring))
-                          + [with_node_ms.get(n, math.inf) for n in ring if n not in best.nodes],
-                          default=-math.inf) + TIME_TOLERANCE
-        found = problem.ring_result(ring, give_up)
-        if found is None:
-            continue
-        if found.objective_ms >= give_up:  # not the ring's best: it cannot change an answer
-            if not settled:
-                deferred.append((bound, _, ring))  # it may, once the answers are known
-            continue
-        results.append(found)
-        if settled:
-            note(found)
-        elif best is None or found.rank < best.rank:
-            best = found
-    return results, len(bounded)
+    searched, fitting = search_prompt_rings(problem, rings)
+    return [problem.result_for(ring, counts) for ring, counts in searched], fitting
 
 
 def layer_ranges(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
