@@ -48,24 +48,29 @@ def next_stage(best: Sequence[float], prefix: Sequence[float], room: int,
     and each e's start s (-1: none)."""
     n_layers = len(bytes_prefix) - 1
     here, start = [math.inf] * (n_layers + 1), [-1] * (n_layers + 1)
-    window: deque[int] = deque()  # starts s, their best[s] - prefix[s] increasing
+    # The hot loop of every search: plain locals, each start's value computed once.
+    window: deque[int] = deque()  # starts s, their values best[s] - prefix[s] increasing
+    values: deque[float] = deque()
+    inf, limit = math.inf, time_cap_ms + TIME_TOLERANCE
     low, added = 0, j  # every stage before this one holds a layer: s >= j
     for e in range(j + 1, last + 1):
-        while added < e:  # s = e - 1 joins the window
-            if best[added] < math.inf:
+        if added < e:  # s = e - 1 joins the window
+            if best[added] < inf:
                 value = best[added] - prefix[added]
-                while window and best[window[-1]] - prefix[window[-1]] >= value:
+                while values and values[-1] >= value:
+                    values.pop()
                     window.pop()
                 window.append(added)
+                values.append(value)
             added += 1
-        while low < e and (bytes_prefix[e] - bytes_prefix[low] > room
-                           or prefix[e] - prefix[low] > time_cap_ms + TIME_TOLERANCE):
+        floor_bytes, floor_ms = bytes_prefix[e] - room, prefix[e] - limit
+        while low < e and (bytes_prefix[low] < floor_bytes or prefix[low] < floor_ms):
             low += 1
         while window and window[0] < low:
             window.popleft()
+            values.popleft()
         if window:
-            s = window[0]
-            here[e], start[e] = best[s] - prefix[s] + prefix[e], s
+            here[e], start[e] = values[0] + prefix[e], window[0]
     return here, start
 
 

@@ -83,20 +83,23 @@ class RingPrompt:
                 + (self.chunks - 1) * max(self.caps[first], self.hop_max))
 
     def _prune(self) -> None:
-        """Drop the caps that cannot beat the best cut: a cap T costs at least the least sum
-        with no cap, the hops, and (chunks - 1) x T."""
-        if not self.gaps:
-            return
-        limit = (self.best[0] - self.loose_sum - self.hop_sum) / (self.chunks - 1)
+        """Drop the caps that cannot beat the best cut: a cap T in a gap costs at least the
+        least sum above the gap, the hops, and (chunks - 1) x T."""
         kept = []
         for first, end, least_sum in self.gaps:
-            end = min(end, bisect.bisect_left(self.caps, limit, first, end))
+            end = bisect.bisect_left(self.caps, self._cap_limit(least_sum, self.best[0]),
+                                     first, end)
             if first < end and self._gap_bound((first, end, least_sum)) < self.best[0]:
                 kept.append((first, end, least_sum))
         self.gaps = kept
 
-    def refine(self) -> None:
-        """Try the middle cap of the gap of lowest bound."""
+    def _cap_limit(self, least_sum: float, cost_ms: float) -> float:
+        """Caps from this one up, in a gap of this least sum, cost at least `cost_ms`."""
+        return (cost_ms - least_sum - self.hop_sum) / (self.chunks - 1)
+
+    def refine(self, threshold_ms: float = math.inf) -> None:
+        """Try a cap of the gap of lowest bound: the middle of the caps that could cost less
+        than `threshold_ms` (those above are kept apart as a gap of their own)."""
         if not self._listed:  # every stage time of the ring's nodes from the floor up
             times = self.problem.ring_stage_times(self.ring)
             self.caps = [self.floor, *times[bisect.bisect_right(times, self.floor):
@@ -108,11 +111,15 @@ class RingPrompt:
         gap = min(self.gaps, key=self._gap_bound)
         self.gaps.remove(gap)
         first, end, least_sum = gap
-        middle = (first + end - 1) // 2
+        split = bisect.bisect_right(self.caps, self._cap_limit(least_sum, threshold_ms),
+                                    first + 1, end)
+        if split < end:
+            self.gaps.append((split, end, least_sum))
+        middle = split - 1 if split < end else (first + split - 1) // 2
         found = min_total_ms(self.times, self.rooms, self.problem.bytes_prefix,
                              self.caps[middle])
         if found is None:  # nor does any lower cap fit
-            self.gaps.append((middle + 1, end, least_sum))
+            self.gaps.append((middle + 1, split, least_sum))
         else:
             cost = self.cost(found[1])
             if cost < self.best[0]:
@@ -121,7 +128,7 @@ class RingPrompt:
             # (Within the tolerance, its slowest stage may be a hair above the middle cap.)
             below = min(middle, bisect.bisect_left(self.caps, max(self.cost.stage_ms(found[1])),
                                                    first, middle))
-            self.gaps += [(first, below, found[0]), (middle + 1, end, least_sum)]
+            self.gaps += [(first, below, found[0]), (middle + 1, split, least_sum)]
         self._prune()
 
     def solve(self, give_up_ms: float = math.inf) -> Cut:
@@ -193,7 +200,7 @@ def _answer(searches: list[RingPrompt], wanted: Callable[[Ring], bool]) -> list[
         s = searches[i]
         if s.exact:
             continue
-        s.refine()
+        s.refine(least + TIME_TOLERANCE)
         least = min(least, s.best[0])
         heapq.heappush(queue, (s.lower_bound, i))
     return [s for s in searches if wanted(s.ring) and s.exact
