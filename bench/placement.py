@@ -12,6 +12,14 @@ predicted decode ms/token for that layout (supervisor/speed.py over supervisor/r
 beside rank 0's measured mean decode round, by row count. Prints one row per placement with
 the prediction's error, (predicted - measured) / measured, and the mean absolute error.
 
+`--search` times the placement search itself instead, no fleet: `place` for a
+Qwen3.5-27B-shaped model (64 layers, every 4th full attention, bfloat16) on 4 and 6 nodes,
+both objectives, 3, 16 and 40 prompt chunks, nodes of unequal and of equal speed, with
+room to spare (any cut fits, the widest search) and tight (about what the model needs):
+the median ms of `--repeats` calls each (each a search: the answers `place` keeps are
+dropped first), with the ring the search chose and its predicted ms. The supervisor runs this search
+inside its control step, so it is a pause of the loop.
+
 `--threads` (default 1) is each process's OpenMP threads (OMP_NUM_THREADS, which the agents
 pass to their calibrations and engines): two agents on one small machine each running all
 its cores spin against each other and against whatever else runs there, and a layer then
@@ -115,6 +123,75 @@ def measure(fleet: LocalFleet, layout, requests: int, tokens: int) -> dict:
             return speed
 
 
+def search_fleet(count: int, kind: str, seed: int = 64):
+    """`count` nodes for the search bench: "unequal" speeds, or "equal"; "roomy" or "tight"
+    memory (ending in either), every pair linked."""
+    import random
+    from dataclasses import replace
+
+    from supervisor.placement import LayerTypeMs, LinkSnapshot, NodeSnapshot
+
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(count)]
+    gb = 1e9
+    nodes = []
+    for name in names:
+        memory = 200 * gb if kind.endswith("roomy") else rng.uniform(16, 40) * gb
+        linear, full = ((rng.uniform(40, 200), rng.uniform(60, 300)) if kind.startswith("unequal")
+                        else (100.0, 150.0))
+        node = NodeSnapshot(name, int(memory), "torch-cuda", 1.0, 1.2, linear, tuple(
+            LinkSnapshot(peer, 0.3, 1.2e9) for peer in names if peer != name))
+        nodes.append(replace(node, layer_type_ms=(
+            LayerTypeMs("full_attention", 1.5, 1.8, full),)))
+    return nodes
+
+
+def search_times(repeats: int) -> int:
+    """--search: the placement search's own time, no fleet."""
+    from dataclasses import replace
+
+    from bench.common import median_s
+    from engine.checkpoint.maker import CheckpointSpec, config_json
+    from supervisor.fleet_config import CheckpointPaths, ModelSpec
+    from supervisor.memory import model_shape_from_config
+    from supervisor.placement import DoesNotFit, forget_placements, place
+
+    checkpoint = CheckpointSpec(family="qwen3_5", hidden_size=5120, intermediate_size=17408,
+                                num_hidden_layers=64, num_attention_heads=24,
+                                num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                                linear_num_key_heads=16, linear_num_value_heads=48,
+                                linear_key_head_dim=128, linear_value_head_dim=128,
+                                dtype="bfloat16")
+    shape = model_shape_from_config(config_json(checkpoint), 2)
+    base = ModelSpec("qwen3.5-27b", CheckpointPaths(all_nodes="/m"), ("torch-cuda",),
+                     context=32768, parallel=1, chunk=2048)
+    rows = []
+    print(f"# load average at the start: {load_average()}", flush=True)
+    for count in (4, 6):
+        for kind in ("unequal-roomy", "unequal-tight", "equal-roomy"):
+            nodes = search_fleet(count, kind)
+            for objective, chunks in (("decode", 16), ("prompt", 3), ("prompt", 16),
+                                      ("prompt", 40)):
+                spec = replace(base, objective=objective, prompt_tokens=2048 * chunks)
+                try:
+                    found = place(spec, shape, nodes)
+                except DoesNotFit:
+                    continue
+                def search(spec=spec, nodes=nodes) -> None:
+                    forget_placements()  # the search itself, not the answer kept
+                    place(spec, shape, nodes)
+
+                seconds = median_s(search, repeats=repeats, warmup=0)
+                rows.append([count, kind, objective, chunks, seconds * 1000,
+                             " -> ".join(found.ring), found.objective_ms])
+                print(f"# {rows[-1]}", flush=True)
+    table("The placement search's time (Qwen3.5-27B-shaped, 64 layers)",
+          ["nodes", "fleet", "objective", "chunks", "ms (median)", "ring", "predicted ms"],
+          rows)
+    print(f"# load average at the end: {load_average()}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", choices=["small", *PRESETS])
@@ -130,7 +207,12 @@ def main() -> int:
                         "so keep it near what the requests reach (prompt + --tokens)")
     p.add_argument("--threads", type=int, default=1,
                    help="OpenMP threads of every process of the fleet (0: the defaults)")
+    p.add_argument("--search", action="store_true",
+                   help="time the placement search itself (no fleet) instead")
+    p.add_argument("--repeats", type=int, default=3, help="--search: calls per figure")
     args = p.parse_args()
+    if args.search:
+        return search_times(args.repeats)
     if args.threads:  # before LocalFleet copies the environment for its processes
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"# load average at the start: {load_average()}", flush=True)

@@ -119,9 +119,38 @@ def place(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
     """The placement of `spec` on the live `nodes` that minimises its objective.
 
     `prompt_tokens` sizes the predicted time to first token (and the prompt objective); the
-    spec's `prompt_length` when None. Raises `DoesNotFit` when nothing fits, `PlacementError` when the
-    inputs contradict each other.
+    spec's `prompt_length` when None. Raises `DoesNotFit` when nothing fits, `PlacementError`
+    when the inputs contradict each other. The answers for the last `KEPT_PLACEMENTS` inputs
+    are kept: the supervisor asks again with the same inputs (a plan, then the apply that
+    places it; every control step while a replica waits), and a six-node hybrid's search
+    takes seconds.
     """
+    key = (spec, shape, tuple(nodes), prompt_tokens)
+    found = _kept.pop(key, None)
+    if found is None:
+        try:
+            found = _search(spec, shape, nodes, prompt_tokens)
+        except PlacementError as exc:
+            found = exc
+    _kept[key] = found  # the most recent last
+    while len(_kept) > KEPT_PLACEMENTS:
+        del _kept[next(iter(_kept))]
+    if isinstance(found, PlacementError):
+        raise found.with_traceback(None)
+    return found
+
+
+KEPT_PLACEMENTS = 32
+_kept: dict[tuple, Placement | PlacementError] = {}
+
+
+def forget_placements() -> None:
+    """Drop the kept answers (a benchmark times the search itself)."""
+    _kept.clear()
+
+
+def _search(spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
+            prompt_tokens: int | None) -> Placement:
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise PlacementError(f"{spec.id}: node snapshots repeat a name: {names}")

@@ -171,3 +171,24 @@ def test_a_qwen3_5_27b_shaped_model_places_on_four_and_six_nodes():
             every = [r for ring in _rings(names, names)
                      if (r := problem.ring_result(ring)) is not None]
             assert min(r.objective_ms for r in every) == pytest.approx(p.prompt_ms)
+
+
+def test_place_keeps_its_answers_for_the_same_inputs_only():
+    from supervisor.placement import forget_placements
+
+    nodes = mesh([node("a", 500, prefill=10.0), node("b", 500, prefill=4.0)], rtt_ms=0.5)
+    spec_ = replace(SPEC, objective="prompt")
+    first = place(spec_, SHAPE, nodes)
+    assert place(spec_, SHAPE, list(nodes)) is first  # equal inputs: the answer kept
+    longer = place(replace(spec_, prompt_tokens=spec_.chunk * 7), SHAPE, nodes)
+    assert longer is not first and longer.prompt_tokens == spec_.chunk * 7
+    slower = [replace(nodes[1], prefill_ms_per_layer=40.0), nodes[0]]
+    assert place(spec_, SHAPE, slower).prompt_ms != first.prompt_ms
+    forget_placements()
+    again = place(spec_, SHAPE, nodes)
+    assert again is not first and again == first
+    with pytest.raises(DoesNotFit) as one:  # a refusal is kept too, and raised afresh
+        place(spec_, SHAPE, [replace(n, usable_memory_bytes=1000) for n in nodes])
+    with pytest.raises(DoesNotFit) as two:
+        place(spec_, SHAPE, [replace(n, usable_memory_bytes=1000) for n in nodes])
+    assert str(one.value) == str(two.value) and two.value.shortfall_bytes > 0
