@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
-from engine.backends.base import DELTA_KERNELS, StageSpec
+from engine.backends.base import COMPILE_MODES, DELTA_KERNELS, StageSpec
 from engine.backends.quant_policy import QUANT_MODES
 from engine.link.accept_loop import HANDSHAKE_DEADLINE_S
 from engine.link.messages import BACKENDS
@@ -28,6 +28,7 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_CUDA_GRAPHS": "cuda_graphs", "FLEET_HTTP_MAX_CONNECTIONS": "http_max_connections",
           "FLEET_HTTP_HEADER_S": "http_header_s", "FLEET_HTTP_IDLE_S": "http_idle_s",
           "FLEET_HTTP_BODY_S": "http_body_s", "FLEET_DELTA_KERNEL": "delta_kernel",
+          "FLEET_COMPILE": "compile",
           "FLEET_QUANT": "quant"}
 
 
@@ -100,6 +101,7 @@ class EngineEnv:
     cuda_graphs: bool = True  # FLEET_CUDA_GRAPHS=0 runs every round eagerly
     delta_kernel: str = "auto"  # a hybrid's gated delta rule on PyTorch: auto, torch or fla
     quant: str = "auto"  # a PyTorch stage's mlx-lm packed weights: auto, packed or dense
+    compile: str = "auto"  # a PyTorch stage's decode layers compiled: auto (CUDA), off or on
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -163,6 +165,10 @@ class EngineEnv:
         if quant not in QUANT_MODES:
             raise EnvError("FLEET_QUANT", f"FLEET_QUANT={quant!r}: expected one of "
                            f"{', '.join(QUANT_MODES)}")
+        compile_mode = env.get("FLEET_COMPILE", default["compile"])
+        if compile_mode not in COMPILE_MODES:
+            raise EnvError("FLEET_COMPILE", f"FLEET_COMPILE={compile_mode!r}: expected one of "
+                           f"{', '.join(COMPILE_MODES)}")
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:
@@ -208,7 +214,7 @@ class EngineEnv:
             cpu_threads=integer("FLEET_CPU_THREADS", "cpu_threads", 0),
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
-            delta_kernel=delta_kernel, quant=quant,
+            delta_kernel=delta_kernel, quant=quant, compile=compile_mode,
             api_secret_file=api_secret_file, api_secret=api_secret,
             http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
             http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),
@@ -250,4 +256,5 @@ class EngineEnv:
     def stage_spec(self, n_layers: int) -> StageSpec:
         return StageSpec(self.model_dir, self.layer_range or (0, n_layers), self.backend,
                          self.parallel, self.context, self.chunk, self.cuda_graphs,
-                         delta_kernel=self.delta_kernel, quant=self.quant)
+                         delta_kernel=self.delta_kernel, quant=self.quant,
+                         compile=self.compile)

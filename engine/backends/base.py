@@ -36,6 +36,8 @@ class BackendError(RuntimeError):
 
 # Who runs a hybrid's gated delta rule on PyTorch (engine.backends.pytorch.delta_kernels).
 DELTA_KERNELS = ("auto", "torch", "fla")
+# Whether a PyTorch stage's decode layers run compiled (engine.backends.pytorch.compiled_step).
+COMPILE_MODES = ("auto", "off", "on")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class StageSpec:
     live_keys: bool = True
     delta_kernel: str = "auto"  # the gated delta rule's kernels: one of DELTA_KERNELS
     quant: str = "auto"  # FLEET_QUANT: how mlx-lm's packed weights are held (quant_policy)
+    compile: str = "auto"  # FLEET_COMPILE: one of COMPILE_MODES
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def ring_env(tmp_path: Path) -> EngineEnv:
         http=("::1", 29603), context=64, parallel=2, chunk=16, max_waiting=0, model_id="m",
         drain_s=0.25, keepalive_s=0.5, dead_after=5, round_deadline_s=7.5,
         boot_deadline_s=9.0, handshake_deadline_s=1.5, cpu_threads=2, log_level="debug",
-        cuda_graphs=False, api_secret_file=secret, api_secret="s" * 32,
+        cuda_graphs=False, compile="on", api_secret_file=secret, api_secret="s" * 32,
         http_max_connections=10, http_header_s=1.0, http_idle_s=2.0, http_body_s=3.0)
 
 
@@ -81,6 +81,7 @@ def test_a_standalone_contract_reads_back_too(tmp_path):
     ("RANK", "2"), ("FLEET_BACKEND", "torch-tpu"), ("FLEET_LAYOUT", "0:1,1:4"),
     ("FLEET_LISTEN", "0.0.0.0:1"), ("FLEET_HTTP", "::1:80"), ("FLEET_DRAIN_S", "-1"),
     ("MASTER_PORT", "x"), ("FLEET_LOG_LEVEL", "loud"), ("FLEET_LAYERS", "3:3"),
+    ("FLEET_COMPILE", "always"),
 ])
 def test_each_refusal_names_its_variable(tmp_path, variable, value):
     written = ring_env(tmp_path).to_environ()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.pytorch.kv_cache import allocated_positions, decode_index, key_bucket
-from engine.backends.pytorch.llama import LlamaRange
+from engine.backends.pytorch.llama import DecodeBlock, LlamaRange
 from engine.backends.pytorch.recurrent_state import RecurrentState
 
 WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
@@ -54,8 +54,12 @@ class Captured:
 class DecodeGraphs:
     def __init__(self, model: LlamaRange, context: int, window: int | None,
                  recurrent: RecurrentState | None = None, *, live_keys: bool = True,
-                 max_graphs: int = MAX_GRAPHS) -> None:
+                 max_graphs: int = MAX_GRAPHS, step: DecodeBlock | None = None) -> None:
         self.model = model
+        # The compiled decode layer (compiled_step.py), captured like the eager layers:
+        # its first warm-up step compiles (or finds the compiled graph), the capture
+        # records its fused kernels. None: the eager layers.
+        self.step = step
         self.recurrent = recurrent
         self.positions = allocated_positions(context)  # what the cache holds per slot
         self.window = window
@@ -92,6 +96,8 @@ class DecodeGraphs:
     def _step(self, key: GraphKey, rows: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
         run, keys = key
+        if self.step is not None:
+            return self.model.run_decode(rows, positions, run, keys, self.window, self.step)
         return self.model.run_layers(rows, decode_index(positions, run, keys, self.window))
 
     def _capture(self, key: GraphKey, inputs: torch.Tensor,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
+from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, visible_keys
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
 
@@ -77,6 +77,41 @@ def block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope, cac
     return x + mlp(rms_norm(x, w.post_norm, eps), w)
 
 
+def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: torch.Tensor,
+                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One layer of a decode round over consecutive slots, one row each: `block`'s math
+    with every input a tensor (no round index, no layer number), so that one compiled
+    graph serves every layer and every round of a shape (`compiled_step.py`).
+
+    x: [n, hidden]; k_cache, v_cache: [n, kv_heads, positions, head_dim], this layer's
+    run of slots (a view: written in place); positions: [n]; cos, sin: the RoPE tables
+    [context, head_dim]; mask: [n, 1, 1, keys] bool, the keys [0, keys) the rows read.
+    """
+    rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
+    h = rms_norm(x, w.input_norm, eps)
+    q = F.linear(h, w.q, w.q_bias).view(rows, config.num_attention_heads, d)
+    k = F.linear(h, w.k, w.k_bias).view(rows, config.num_key_value_heads, d)
+    v = F.linear(h, w.v, w.v_bias).view(rows, config.num_key_value_heads, d)
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, eps)
+        k = rms_norm(k, w.k_norm, eps)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    slots = torch.arange(rows, device=x.device)
+    k_cache[slots, :, positions] = k
+    v_cache[slots, :, positions] = v
+    keys = mask.shape[-1]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
+                                       v_cache[:, :, :keys], attn_mask=mask, enable_gqa=True)
+    x = x + F.linear(o.reshape(rows, config.q_width), w.o)
+    return x + mlp(rms_norm(x, w.post_norm, eps), w)
+
+
+DecodeBlock = Callable[..., torch.Tensor]  # decode_block, or its compiled form
+
+
 class LlamaRange:
     """Layers [start, end) of a Llama-style model, plus the ends when it is the first range."""
 
@@ -96,6 +131,20 @@ class LlamaRange:
     def run_layers(self, x: torch.Tensor, index: RoundIndex) -> torch.Tensor:
         for layer_slot, w in enumerate(self.layers):
             x = block(x, w, self.config, self.rope, self.cache, layer_slot, index)
+        return x
+
+    def run_decode(self, x: torch.Tensor, positions: torch.Tensor, run: tuple[int, int],
+                   keys: int, window: int | None,
+                   step: DecodeBlock = decode_block) -> torch.Tensor:
+        """A decode round of the slots in `run` [a, b), one row each at `positions`, its
+        rows reading keys [0, keys), layer by layer through `step` (compiled or not).
+        Device tensors only, no host values: it can be captured in a CUDA graph."""
+        a, b = run
+        mask = visible_keys(positions[:, None], keys, window)[:, None, None, :]
+        for layer_slot, w in enumerate(self.layers):
+            x = step(x, w, self.config, self.rope.cos, self.rope.sin,
+                     self.cache.k[layer_slot, a:b], self.cache.v[layer_slot, a:b], positions,
+                     mask)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
 from engine.backends.pytorch import delta_kernels, dequant, packed_linear, sampling
+from engine.backends.pytorch.compiled_step import compiled_decode_block, compiles
 from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
@@ -26,11 +27,15 @@ def torch_dtype(row_format: RowFormat) -> torch.dtype:
 
 class TorchStage(Stage):
     def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange | Qwen35Range,
-                 device: torch.device) -> None:
+                 device: torch.device, *, packed: bool = False) -> None:
         super().__init__(spec, config, model)
         self.device = device
         self.dtype = torch_dtype(self.row_format)
         self.graphs = None
+        # FLEET_COMPILE: decode rounds of consecutive slots run their layers compiled.
+        self.decode_step = None
+        if compiles(spec.compile, device, config, packed, spec.cuda_graphs):
+            self.decode_step = compiled_decode_block()
         if device.type == "cuda":
             # cuDNN's attention built an execution plan on every masked call here (0.3 s of
             # host time a call on an H200, torch 2.11: the fixed cost of eager rounds); the
@@ -39,7 +44,7 @@ class TorchStage(Stage):
         if device.type == "cuda" and spec.cuda_graphs:
             recurrent = model.cache.recurrent if config.is_hybrid else None
             self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, recurrent,
-                                       live_keys=spec.live_keys)
+                                       live_keys=spec.live_keys, step=self.decode_step)
 
     @staticmethod
     def _device(backend: str) -> torch.device:
@@ -83,7 +88,7 @@ class TorchStage(Stage):
                                     kernels)
             else:
                 model = LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)
-        return cls(spec, config, model, device)
+        return cls(spec, config, model, device, packed=packed)
 
     def recurrent_states(self) -> int:
         if self.config.is_hybrid:  # what was preallocated, not what was asked for
@@ -103,6 +108,14 @@ class TorchStage(Stage):
             positions = torch.tensor(layout.single_positions, dtype=torch.int64,
                                      device=self.device)
             return self.graphs.replay(layout.single_run, layout.single_keys, rows, positions)
+        if self.decode_step and layout.single_run and not layout.spans:
+            # Compiled without graphs (the CPU, or CUDA with FLEET_CUDA_GRAPHS=0): the live
+            # keys, whose count the compiled layer takes as a symbolic size.
+            positions = torch.tensor(layout.single_positions, dtype=torch.int64,
+                                     device=self.device)
+            return self.model.run_decode(rows, positions, layout.single_run,
+                                         layout.single_keys, self.config.sliding_window,
+                                         self.decode_step)
         index = RoundIndex.build(layout, self.device, self.config.sliding_window)
         return self.model.run_layers(rows, index)
 

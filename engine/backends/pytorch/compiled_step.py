@@ -1,0 +1,74 @@
+"""The decode step's layer compiled by torch.compile (Inductor), and when a stage uses it.
+
+Eager, a decode layer is some forty small kernels (RMSNorm alone is six, RoPE eight) and
+a CUDA graph replays every one of them; compiled, Inductor fuses each norm, the rotary
+embedding with its table lookup, the cache write and the SwiGLU activation into a few
+kernels, leaving the matmuls and attention to cuBLAS and SDPA. One graph serves every
+layer (a layer's weights and its run of the cache are inputs, not constants) and every
+decode round: the first shape is compiled as it is, and a second run of slots or key
+count recompiles it once with those sizes symbolic (Dynamo's automatic dynamic shapes),
+so a stage compiles two or three times in its life, not once per (run, bucket). On CUDA
+the compiled step is then captured in the stage's own CUDA graphs (graphs.py) exactly as
+the eager one was: compile, then capture.
+
+A cold compile costs seconds to tens of seconds per shape (docs/benchmarks.md has the
+figures); Inductor's caches make a restart cheap, so they live in a directory that
+survives reboots (`inductor_cache_dir`), not the default under /tmp.
+
+FLEET_COMPILE decides (`compiles`): `off` never, `on` wherever the stage's layers can be
+compiled (the CPU included, which is how the tests exercise it), `auto` only where the
+fused kernels pay: CUDA with decode graphs. Hybrids and packed weights run eagerly
+(their kernels are not traceable), and `on` refuses them by name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+from engine.backends.base import BackendError
+from engine.backends.pytorch.llama import DecodeBlock, decode_block
+from engine.config import ModelConfig
+
+COMPILE_ENV = "FLEET_COMPILE"
+# Recompiles Dynamo allows the layer before it gives up on compiling (its default is 8);
+# a stage needs two or three (above), but the count is the process's, shared by every
+# stage and model config in it (a bench or a test loads several).
+RECOMPILE_LIMIT = 64
+
+
+def compiles(mode: str, device: torch.device, config: ModelConfig, packed: bool,
+             cuda_graphs: bool) -> bool:
+    """Whether a stage runs its decode layers compiled: FLEET_COMPILE's decision."""
+    unsupported = ("a hybrid's layers" if config.is_hybrid
+                   else "packed weights" if packed else None)
+    if mode == "on" and unsupported:
+        raise BackendError(f"{COMPILE_ENV}=on: {unsupported} cannot be compiled; set "
+                           f"{COMPILE_ENV}=auto or off")
+    if mode == "on":
+        return True
+    return (mode == "auto" and not unsupported and device.type == "cuda" and cuda_graphs)
+
+
+def inductor_cache_dir() -> Path:
+    """Where Inductor keeps compiled kernels: TORCHINDUCTOR_CACHE_DIR if the user set it,
+    else the user's cache directory (XDG), which a reboot keeps."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # Inductor writes its own default (under /tmp) back into the variable once it has
+    # looked, so that value is not a choice anyone made.
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "ringfleet" / "inductor"
+
+
+def compiled_decode_block() -> DecodeBlock:
+    """`decode_block` compiled whole (no graph breaks), its caches in `inductor_cache_dir`."""
+    # Inductor reads the variable each time it looks for a cached kernel.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
+    return torch.compile(decode_block, fullgraph=True)

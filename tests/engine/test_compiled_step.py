@@ -1,0 +1,111 @@
+"""The compiled decode step (FLEET_COMPILE): when a stage uses it, and that it computes
+what the eager layers do.
+
+The compiled layer is Inductor's on the CPU here (CUDA only adds capture around the same
+graph): its greedy tokens must equal the eager stage's and its logits agree within the
+dtype's rounding; its eager form must give the captured path's bytes exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends.base import BackendError, StageSpec, load_stage
+from engine.backends.pytorch import compiled_step
+from engine.backends.pytorch.compiled_step import compiles, inductor_cache_dir
+from engine.backends.pytorch.kv_cache import decode_index
+from engine.config import ModelConfig
+from engine.harness.local_pipeline import model_config
+from tests.engine.conftest import stage_driver
+
+PROMPTS = {0: [5, 17, 9, 250, 3, 77, 41], 1: [8, 8, 120, 64], 2: [33] * 13}
+STEPS = 12
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def config_of(make_model, family: str) -> ModelConfig:
+    return model_config(make_model(family))
+
+
+@pytest.mark.parametrize(("mode", "device", "graphs", "expected"), [
+    ("auto", CUDA, True, True),  # where fused kernels pay: inside the decode graphs
+    ("auto", CUDA, False, False),
+    ("auto", CPU, True, False),  # the CPU's path stays eager
+    ("on", CPU, False, True),
+    ("off", CUDA, True, False),
+])
+def test_when_a_dense_stage_compiles(make_model, mode, device, graphs, expected):
+    assert compiles(mode, device, config_of(make_model, "qwen3"), False, graphs) is expected
+
+
+def test_auto_leaves_hybrids_and_packed_weights_eager_and_on_refuses_them(make_model):
+    hybrid, dense = config_of(make_model, "qwen3_5"), config_of(make_model, "qwen3")
+    assert not compiles("auto", CUDA, hybrid, False, True)
+    assert not compiles("auto", CUDA, dense, True, True)
+    with pytest.raises(BackendError, match="FLEET_COMPILE=on: a hybrid's layers"):
+        compiles("on", CPU, hybrid, False, False)
+    with pytest.raises(BackendError, match="FLEET_COMPILE=on: packed weights"):
+        compiles("on", CPU, dense, True, False)
+
+
+def test_the_inductor_cache_survives_reboots_unless_the_user_chose(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled_step.default_cache_dir())
+    assert inductor_cache_dir() == tmp_path / "ringfleet" / "inductor"  # not torch's /tmp
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert inductor_cache_dir() == tmp_path / "ringfleet" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache_dir() == tmp_path / "mine"
+
+
+def make_stage(model_dir, compile_mode: str):
+    layers = model_config(model_dir).num_hidden_layers
+    return load_stage(StageSpec(model_dir, (0, layers), "torch-cpu", 3, 256, 64,
+                                compile=compile_mode))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_the_eager_decode_block_gives_the_captured_paths_bytes(make_model, family):
+    """`run_decode` with the plain layer (what the compiler traces) against `run_layers`
+    over a decode index (what the graphs captured before), over a conversation's cache;
+    mistral's sliding window cuts into the keys read."""
+    stage = make_stage(make_model(family, seed=43), "off")
+    stage_driver(stage).greedy(PROMPTS, STEPS)
+    positions = torch.tensor([len(p) + STEPS for p in PROMPTS.values()])
+    rows = torch.randn(3, stage.hidden_size, generator=torch.Generator().manual_seed(1))
+    keys = int(positions.max()) + 1
+    window = stage.config.sliding_window
+    with torch.inference_mode():
+        before = stage.model.run_layers(rows, decode_index(positions, (0, 3), keys, window))
+        k_before = stage.model.cache.k.clone()
+        decoded = stage.model.run_decode(rows, positions, (0, 3), keys, window)
+    assert torch.equal(decoded, before)
+    assert torch.equal(stage.model.cache.k, k_before)  # it wrote the same K
+
+
+@pytest.mark.parametrize(("family", "dtype", "tolerance"), [
+    ("qwen3", "float32", 1e-4),  # q/k norms, GQA 4:1
+    ("mistral", "bfloat16", 0.1),  # a sliding window, bfloat16 rounding
+])
+def test_compiled_stage_decodes_the_eager_stages_tokens(make_model, family, dtype, tolerance):
+    """Teacher-forced with the eager stage's tokens, every round's logits agree within the
+    dtype's rounding, and so does the greedy token wherever the eager logits' top two are
+    further apart than that (in bfloat16 a tiny random model has exact ties, which a
+    rounding either way breaks differently)."""
+    model_dir = make_model(family, dtype=dtype, seed=43)
+    eager, compiled = make_stage(model_dir, "off"), make_stage(model_dir, "on")
+    assert eager.decode_step is None and compiled.decode_step is not None
+    drivers = (stage_driver(eager), stage_driver(compiled))
+    feeds, decided = PROMPTS, 0
+    for _ in range(STEPS + 1):
+        want, got = (driver.round(feeds) for driver in drivers)
+        for slot, row in want.items():
+            np.testing.assert_allclose(got[slot], row, rtol=0, atol=tolerance)
+            second, first = np.sort(row)[-2:]
+            if first - second > tolerance:
+                assert got[slot].argmax() == row.argmax(), slot
+                decided += 1
+        feeds = {slot: [int(row.argmax())] for slot, row in want.items()}
+    assert decided >= len(PROMPTS) * STEPS * 3 // 4  # ties are rare: most tokens compared
