@@ -139,9 +139,11 @@ class RingPrompt:
         return self.best
 
 
-def least_sum_cuts(problem: RingCosts, rings: Sequence[Ring]) -> dict[Ring, Cut]:
-    """Each ring's cut of least sum of prompt-chunk stage times (no cap), for the rings that
-    fit; over a tree of prefixes, so rings that start alike share their first stages."""
+def least_sum_cuts(problem: RingCosts, rings: Sequence[Ring],
+                   kind: str = "prefill") -> dict[Ring, Cut]:
+    """Each ring's cut of least sum of stage times (no cap; `kind` as `RingCosts.stage_ms`
+    takes it: prompt chunks by default), for the rings that fit; over a tree of prefixes, so
+    rings that start alike share their first stages (a decode search uses it too)."""
     n_layers, bytes_prefix = problem.shape.n_layers, problem.bytes_prefix
     start: list[float] = [0.0] + [math.inf] * n_layers
     programs: dict[Ring, tuple[list[float], list[int]]] = {}
@@ -150,7 +152,7 @@ def least_sum_cuts(problem: RingCosts, rings: Sequence[Ring]) -> dict[Ring, Cut]
         if prefix not in programs:
             before = program(prefix[:-1])[0] if len(prefix) > 1 else start
             j = len(prefix) - 1
-            programs[prefix] = next_stage(before, problem.time_prefix(prefix[-1], "prefill"),
+            programs[prefix] = next_stage(before, problem.time_prefix(prefix[-1], kind),
                                           problem.room(prefix[-1], j == 0), bytes_prefix, j,
                                           n_layers)
         return programs[prefix]

@@ -24,7 +24,7 @@ from supervisor.memory import (
     layer_bytes,
     layers_that_fit,
 )
-from supervisor.prompt_search import RingPrompt, search_prompt_rings
+from supervisor.prompt_search import RingPrompt, least_sum_cuts, search_prompt_rings
 
 # A NodeSnapshot's three times per layer: one row, a round of `parallel` rows, one prompt
 # chunk. (RingCosts' "decode" is "batch" or "single", as the spec's `parallel` says.)
@@ -325,9 +325,12 @@ def search_rings(problem: RingCosts, rings: list[tuple[str, ...]]) -> tuple[list
     objective, whose search per ring is costly: there, `supervisor/prompt_search.py`
     searches only the rings that could be what `place` reports (the best, the runner-up,
     the best ring with each node the best leaves out), each only as far as it could."""
-    if problem.uniform or problem.spec.objective == "decode":
+    if problem.uniform:
         results = [r for ring in rings if (r := problem.ring_result(ring)) is not None]
         return results, len(results)
+    if problem.spec.objective == "decode":  # every ring's least sum, over shared prefixes
+        cuts = least_sum_cuts(problem, rings, "decode")
+        return [problem.result_for(ring, counts) for ring, (_, counts) in cuts.items()], len(cuts)
     searched, fitting = search_prompt_rings(problem, rings)
     return [problem.result_for(ring, counts) for ring, counts in searched], fitting
 
