@@ -27,6 +27,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from supervisor.boundaries import (
     TIME_TOLERANCE,
     PromptCost,
@@ -46,7 +48,10 @@ class RingPrompt:
     """One ring's prompt search: the best cut found (an upper bound on the ring's best) and
     the gaps of caps not yet tried, each (first, end, least sum above it) over `caps`."""
 
-    def __init__(self, problem: RingCosts, ring: Ring, loose: Cut) -> None:
+    def __init__(self, problem: RingCosts, ring: Ring, loose: Cut,
+                 least_bottleneck_ms: float = 0.0) -> None:
+        """`loose`: the ring's cut of least sum; `least_bottleneck_ms`: no cut's slowest
+        stage is faster (0 when not known)."""
         self.ring, self.problem = ring, problem
         self.times = [problem.time_prefix(n, "prefill") for n in ring]
         self.rooms = problem.rooms(ring)
@@ -57,9 +62,10 @@ class RingPrompt:
         self.loose_sum = loose[0]
         self.best: Cut = (self.cost(loose[1]), loose[1])
         # No cut has a stage slower than the slowest hop cheaper than at that hop's time, nor
-        # every stage below the mean: so no cap below the floor is worth a try; nor one at or
-        # above the slowest stage of the cut of least sum, which costs no more than it.
-        self.floor = max(self.hop_max, loose[0] / len(ring))
+        # every stage below the mean or the least bottleneck: so no cap below the floor is
+        # worth a try; nor one at or above the slowest stage of the cut of least sum, which
+        # costs no more than it.
+        self.floor = max(self.hop_max, loose[0] / len(ring), least_bottleneck_ms)
         self.slowest = max(self.cost.stage_ms(loose[1]))
         # Until its first split, the one gap's caps are only named by their floor.
         self.caps: list[float] = [self.floor]
@@ -168,13 +174,46 @@ def least_sum_cuts(problem: RingCosts, rings: Sequence[Ring],
     return out
 
 
+def least_bottlenecks(problem: RingCosts, rings: Sequence[Ring]) -> dict[Ring, float]:
+    """Each ring's least slowest stage (prompt chunks) over every cut that fits, over the same
+    tree of prefixes: stage j's best for layers [0, e) is the least over its starts s of the
+    slower of the stages before (for [0, s)) and its own [s, e), a matrix of every (s, e)
+    at once per node (numpy: a window's least of maxima has no monotone queue)."""
+    n_layers = problem.shape.n_layers
+    span = np.arange(n_layers + 1)
+    sizes = np.asarray(problem.bytes_prefix, dtype=np.int64)
+    # node, is rank 0 -> stage ms of every range [s, e) that fits its room, else inf
+    ranges: dict[tuple[str, bool], np.ndarray] = {}
+    programs: dict[Ring, np.ndarray] = {}
+    start = np.full(n_layers + 1, np.inf)
+    start[0] = 0.0
+
+    def stage(name: str, first: bool) -> np.ndarray:
+        if (name, first) not in ranges:
+            prefix = np.asarray(problem.time_prefix(name, "prefill"))
+            fits = ((span[:, None] < span[None, :])
+                    & (sizes[None, :] - sizes[:, None] <= problem.room(name, first)))
+            ranges[(name, first)] = np.where(fits, prefix[None, :] - prefix[:, None], np.inf)
+        return ranges[(name, first)]
+
+    def program(prefix: Ring) -> np.ndarray:
+        if prefix not in programs:
+            before = program(prefix[:-1]) if len(prefix) > 1 else start
+            programs[prefix] = np.maximum(before[:, None],
+                                          stage(prefix[-1], len(prefix) == 1)).min(axis=0)
+        return programs[prefix]
+
+    return {ring: float(program(ring)[n_layers]) for ring in rings}
+
+
 def search_prompt_rings(problem: RingCosts, rings: Sequence[Ring]
                         ) -> tuple[list[tuple[Ring, tuple[int, ...]]], int]:
     """The rings searched to their best cut, enough to answer what `place` reports exactly
     (the best ring; the best with another node set or rank 0; the best with each node the
     best leaves out), and how many rings fit."""
-    searches = [RingPrompt(problem, ring, cut)
-                for ring, cut in least_sum_cuts(problem, rings).items()]
+    cuts = least_sum_cuts(problem, rings)
+    bottlenecks = least_bottlenecks(problem, list(cuts))
+    searches = [RingPrompt(problem, ring, cut, bottlenecks[ring]) for ring, cut in cuts.items()]
     if not searches:
         return [], 0
 
