@@ -1,25 +1,26 @@
 """The stage link's thin socket transport: listen, connect, accept, a blocking `Link`, handshake.
 
 Everything protocol-shaped lives in the sans-IO modules beside this one; this file only
-moves their bytes with a deadline on every read and write. Sockets stay non-blocking and
-each operation waits with `select` for the time it has left, so one thread may send while
-another receives on the same `Link`. Every `deadline_s` here is a duration in seconds
-from the call, bounding the whole operation (not each syscall). Any `ProtocolError`
-leaves the `Link` failed: later calls raise `ConnectionFailed`.
+moves their bytes with a deadline on every read and write. Sockets block, under kernel
+timeouts armed from each operation's deadline (engine.link.kernel_timeout), so a frame
+costs one system call each way where the bytes allow: a sender's `sendmsg` of header and
+payload views, a receiver's one read of the header with the payload's first bytes landing
+straight in the caller's buffer. One thread may send while another receives on the same
+`Link`. Every `deadline_s` here is a duration in seconds from the call, bounding the whole
+operation (not each syscall). Any `ProtocolError` leaves the `Link` failed: later calls
+raise `ConnectionFailed`.
 
 The link authenticates but does not encrypt: it is for a trusted network only.
 """
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Self, TypeVar
 
-from engine.addresses import wildcard_address
 from engine.link.errors import (
     ConnectionFailed,
     Deadline,
@@ -30,10 +31,10 @@ from engine.link.errors import (
     RowsSizeMismatch,
     TruncatedFrame,
     UnexpectedFrame,
-    WildcardListen,
     error_from_abort,
 )
 from engine.link.frame import (
+    HEADER_BYTES,
     MAX_CONTROL_PAYLOAD_BYTES,
     Buffer,
     Frame,
@@ -45,42 +46,28 @@ from engine.link.frame import (
     encode_header,
 )
 from engine.link.hello import Handshake, Hello
+from engine.link.kernel_timeout import receive_timeout, send_timeout
 from engine.link.messages import (
     Abort,
     Message,
     decode_abort,
     encode_abort,
     encode_message,
-    is_wildcard_host,
 )
+from engine.link.sockets import listen, peer_name, wait_fd
+
+__all__ = ["Link", "accept", "connect", "handshake", "listen"]
 
 T = TypeVar("T")
+
+
 # Frames a peer may send before the handshake has finished.
 _HANDSHAKE_KINDS = (FrameKind.HELLO, FrameKind.PROOF, FrameKind.ABORT)
 # How long `abort` waits for the peer's end of stream after sending ABORT.
 ABORT_LINGER_S = 0.5
-
-
-def listen(host: str, port: int, *, backlog: int = 16) -> socket.socket:
-    """A listening socket on one named address; a wildcard is refused (`WildcardListen`)."""
-    wildcard = wildcard_address(host)  # the one rule every listener applies
-    if wildcard is not None:
-        how = "" if is_wildcard_host(host) else f" (it resolves to {wildcard})"
-        raise WildcardListen(
-            f"refusing to listen on {host!r}:{port}{how}: the stage link binds one named "
-            "address (set FLEET_LISTEN to this machine's address on the fleet network)"
-        )
-    family, kind, proto, _name, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(backlog)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
+# What one read may take beyond a frame's header when the caller gives no buffer of its
+# own: a control frame (a plan, a keep-alive) then arrives in the same system call.
+SPILL_BYTES = 16 * 1024
 
 
 def accept(
@@ -92,7 +79,7 @@ def accept(
     try:
         conn, _address = listener.accept()
     except TimeoutError:
-        raise Deadline(f"no peer connected to {_name(listener, peer=False)} within "
+        raise Deadline(f"no peer connected to {peer_name(listener, peer=False)} within "
                        f"{deadline_s} s") from None
     return Link(conn, max_payload_bytes=max_payload_bytes)
 
@@ -122,26 +109,6 @@ def connect(
         return link
 
 
-def _wait_fd(fd: int, *, writable: bool, timeout_s: float) -> bool:
-    """Wait until `fd` is readable (or writable); False on timeout. poll() where there is
-    one, since select() refuses descriptors past FD_SETSIZE, which a big engine reaches."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT if writable else select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
-    readable, ready, _ = select.select([] if writable else [fd], [fd] if writable else [], [],
-                                       timeout_s)
-    return bool(readable or ready)
-
-
-def _name(sock: socket.socket, *, peer: bool) -> str:
-    try:
-        address = sock.getpeername() if peer else sock.getsockname()
-    except OSError:
-        return "?"
-    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-
-
 class Link:
     """One authenticated TCP connection to a peer stage, carrying frames with deadlines."""
 
@@ -150,8 +117,12 @@ class Link:
         self._sock = sock
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
+        sock.setblocking(True)  # each call bounded by the kernel timeouts below
+        self._recv_timeout = receive_timeout(sock)
+        self._send_timeout = send_timeout(sock)
         self._parser = FrameParser(max_payload_bytes)
+        self._head = memoryview(bytearray(HEADER_BYTES))  # a header's bytes, read here
+        self._spill = memoryview(bytearray(SPILL_BYTES))  # what one read takes beyond it
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._send_broken = False  # a send failed part way: the stream is no longer framed
@@ -159,7 +130,7 @@ class Link:
         self._shut_down = False  # shutdown() or close() was called here
         self.authenticated = False
         self.peer_rank: int | None = None
-        self.peer_address = _name(sock, peer=True)  # accepted: the peer's ephemeral source port
+        self.peer_address = peer_name(sock, peer=True)  # accepted: the peer's source port
         self.peer_listen: str | None = None  # where the peer's rank listens, once known
 
     @property
@@ -183,16 +154,16 @@ class Link:
 
     def send(self, kind: FrameKind, payload: Buffer = b"", round_no: int = 0, rows: int = 0,
              *, deadline_s: float) -> None:
-        """Send one frame; a big payload goes out in place, not copied behind the header."""
+        """Send one frame: header and payload in one `sendmsg`, the payload not copied."""
         end = time.monotonic() + deadline_s
         with self._send_lock:
-            self._guard(lambda: self._send_checked(kind, payload, round_no, rows, end))
+            self._guard(self._send_checked, kind, payload, round_no, rows, end)
 
     def send_message(self, message: Message, *, deadline_s: float) -> None:
         """Send a describe, ready, plan, neighbour or abort message."""
         end = time.monotonic() + deadline_s
         with self._send_lock:
-            self._guard(lambda: self._send_encoded(encode_message(message), end))
+            self._guard(self._send_encoded, encode_message(message), end)
 
     def _send_checked(self, kind: FrameKind, payload: Buffer, round_no: int, rows: int,
                       end: float) -> None:
@@ -201,32 +172,34 @@ class Link:
                                    f"{self.peer} before the handshake")
         view = memoryview(payload).cast("B")
         header = encode_header(kind, view.nbytes, round_no=round_no, rows=rows)
-        self._send_buffers([memoryview(header), view], end)
+        self._send_buffers([header, view], end, HEADER_BYTES + view.nbytes)
 
     def _send_encoded(self, data: bytes, end: float) -> None:
         kind = FrameKind(data[6])
         if not self.authenticated and kind not in _HANDSHAKE_KINDS:
             raise NotAuthenticated(f"cannot send a {kind.name} frame to {self.peer} before "
                                    "the handshake")
-        self._send_buffers([memoryview(data)], end)
+        self._send_buffers([data], end, len(data))
 
-    def _send_buffers(self, views: list[memoryview], end: float) -> None:
-        views = [v for v in views if v.nbytes]
-        total = sum(v.nbytes for v in views)
+    def _send_buffers(self, views: list[Buffer], end: float, total: int) -> None:
         sent = 0
-        while views:
+        while True:
             try:
+                if not self._send_timeout.arm_until(end):
+                    raise self._deadline(f"sending {total} bytes ({sent} sent)", writable=True)
                 n = self._sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
-                self._wait(writable=True, end=end, doing=f"sending {total} bytes ({sent} sent)")
+            except (BlockingIOError, InterruptedError):  # the kernel timeout passed
+                self._send_timeout.expired()
                 continue
             except OSError as error:
                 self._send_broken = True
                 raise self._pending_abort() or PeerClosed(
                     f"{self.peer} closed the connection while we sent: {error}") from None
             sent += n
-            if n:
-                self._send_broken = True  # until the whole frame is out
+            if sent == total:
+                break
+            self._send_broken = True  # until the whole frame is out
+            views = [memoryview(v).cast("B") for v in views if len(v)]
             while n:
                 head = views[0]
                 if n >= head.nbytes:
@@ -243,44 +216,47 @@ class Link:
         """The next frame; ABORT raises the peer's error (remote), EOF raises `PeerClosed`."""
         end = time.monotonic() + deadline_s
         with self._recv_lock:
-            return self._guard(lambda: self._recv_frame(end))
+            return self._guard(self._recv_frame, end)
 
     def recv_rows_into(self, buffer: Buffer, *, deadline_s: float) -> FrameHeader | Frame:
         """Like `recv`, but a ROWS payload lands in `buffer[:header.payload_length]`.
 
         Returns the ROWS frame's header (the payload is in `buffer`), or any other kind of
         frame whole (a keep-alive plan may arrive between rows on a shared connection).
+        Bytes past the payload may be written too (read with it, kept for the next frame).
         """
         end = time.monotonic() + deadline_s
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise ValueError("recv_rows_into needs a writable buffer")
         with self._recv_lock:
-            return self._guard(lambda: self._recv_rows(target, end))
+            return self._guard(self._recv_rows, target, end)
 
     def _recv_rows(self, target: memoryview, end: float) -> FrameHeader | Frame:
-        header = self._read_header(end)
+        header, part, spilled = self._read_header(end, target)
         if header.kind is not FrameKind.ROWS:
-            return self._finish_frame(end)
+            payload = memoryview(bytearray(header.payload_length))
+            self._read_payload(header, part, target, spilled, payload, end)
+            return self._finish_frame(header, payload)
         if header.payload_length > target.nbytes:
             raise RowsSizeMismatch(
                 f"ROWS frame of round {header.round_no} from {self.peer} carries "
                 f"{header.payload_length} bytes; the rows buffer holds {target.nbytes}"
             )
-        header, part = self._parser.detach_payload()
-        target[: len(part)] = part
-        self._read_exact_into(target[len(part): header.payload_length], header, end)
+        if spilled >= header.payload_length:  # the usual decode row: one read took it all
+            if spilled > header.payload_length:  # and the next frame's start: keep it
+                self._parser.feed(target[header.payload_length:spilled])
+            return header
+        self._read_payload(header, part, target, spilled, target, end)
         return header
 
     def _recv_frame(self, end: float) -> Frame:
-        self._read_header(end)
-        return self._finish_frame(end)
+        header, part, spilled = self._read_header(end, self._spill)
+        payload = memoryview(bytearray(header.payload_length))
+        self._read_payload(header, part, self._spill, spilled, payload, end)
+        return self._finish_frame(header, payload)
 
-    def _finish_frame(self, end: float) -> Frame:
-        header, part = self._parser.detach_payload()
-        payload = bytearray(header.payload_length)
-        payload[: len(part)] = part
-        self._read_exact_into(memoryview(payload)[len(part):], header, end)
+    def _finish_frame(self, header: FrameHeader, payload: memoryview) -> Frame:
         frame = Frame(header.kind, header.flags, header.round_no, header.rows, bytes(payload))
         if frame.kind is FrameKind.ABORT:
             abort = decode_abort(frame.payload)
@@ -290,48 +266,84 @@ class Link:
                                   "handshake")
         return frame
 
-    def _read_header(self, end: float) -> FrameHeader:
-        while True:
-            try:
-                header = self._parser.next_header()
-            except ConnectionFailed:
-                raise
-            except ProtocolError as error:  # the sans-IO parser knows no peer: name it here
-                raise self._naming_peer(error) from None
-            if not isinstance(header, NeedMore):
-                break
-            data = self._recv_some(self._parser.bytes_needed(), end, "a frame header")
-            if data:
-                self._parser.feed(data)
-            else:
-                self._parser.feed_eof()
+    def _read_header(self, end: float, spill: memoryview) -> tuple[FrameHeader, bytes, int]:
+        """The next header; the payload's bytes the parser held (`part`); and how many
+        bytes past the header the read left at `spill`'s start (`spilled`).
+
+        A read is made only while the parser holds less than a header, all of it header
+        bytes; the kernel fills the header first, so what lands in `spill` is the payload's
+        start (and maybe the next frame's). At most one of `part` and `spilled` is nonzero.
+        """
+        parser = self._parser
+        try:
+            if parser.at_boundary:  # the usual case: header and payload's start, one read
+                n = self._read([self._head, spill], end, "a frame header")
+                if n >= HEADER_BYTES:
+                    header = parser.parse_detached(self._head)
+                    if self.authenticated:
+                        return header, b"", n - HEADER_BYTES
+                    return self._checked(header), b"", n - HEADER_BYTES
+                if n:
+                    parser.feed(self._head[:n])
+                else:
+                    parser.feed_eof()
+            spilled = 0
+            while isinstance(header := parser.next_header(), NeedMore):
+                need = parser.bytes_needed()
+                n = self._read([self._head[:need], spill], end, "a frame header")
+                if n:
+                    parser.feed(self._head[: min(n, need)])
+                    spilled = max(0, n - need)
+                else:
+                    parser.feed_eof()
+            header, part = parser.detach_payload()
+        except ConnectionFailed:
+            raise
+        except ProtocolError as error:  # the sans-IO parser knows no peer: name it here
+            raise self._naming_peer(error) from None
+        return self._checked(header), part, spilled
+
+    def _checked(self, header: FrameHeader) -> FrameHeader:
         if not self.authenticated and header.kind not in _HANDSHAKE_KINDS:
             raise UnexpectedFrame(f"a {header.kind.name} frame from {self.peer} before the "
                                   "handshake finished")
         return header
 
-    def _read_exact_into(self, view: memoryview, header: FrameHeader, end: float) -> None:
-        got = 0
-        while got < view.nbytes:
-            try:
-                n = self._sock.recv_into(view[got:])
-            except (BlockingIOError, InterruptedError):
-                self._wait(writable=False, end=end,
-                           doing=f"a {header.kind.name} payload ({got} of {view.nbytes} bytes)")
-                continue
-            except OSError as error:
-                raise PeerClosed(f"{self.peer} reset the connection: {error}") from None
+    def _read_payload(self, header: FrameHeader, part: bytes, spill: memoryview, spilled: int,
+                      payload: memoryview, end: float) -> None:
+        """Fill `payload` (the frame's length): what the parser held or the header's read
+        spilled, then the rest from the socket. Spilled bytes past the payload belong to
+        the next frame: the parser keeps them."""
+        length = header.payload_length
+        got = len(part) + min(spilled, length)
+        if part:
+            payload[: len(part)] = part
+        elif spilled and spill is not payload:
+            payload[: got] = spill[: got]
+        if spilled > length:
+            self._parser.feed(spill[length:spilled])
+        while got < length:
+            n = self._read([payload[got:length]], end, "a payload", header, got)
             if n == 0:
-                raise TruncatedFrame(f"{self.peer} closed after {got} of {view.nbytes} "
-                                     f"remaining payload bytes of a {header.kind.name} frame")
+                raise TruncatedFrame(f"{self.peer} closed after {got} of {length} payload "
+                                     f"bytes of a {header.kind.name} frame")
             got += n
 
-    def _recv_some(self, n: int, end: float, doing: str) -> bytes:
+    def _read(self, views: list[memoryview], end: float, doing: str,
+              header: FrameHeader | None = None, got: int = 0) -> int:
+        """One read into `views` in order (0: end of stream), within the deadline."""
         while True:
             try:
-                return self._sock.recv(n)
-            except (BlockingIOError, InterruptedError):
-                self._wait(writable=False, end=end, doing=doing)
+                if not self._recv_timeout.arm_until(end):
+                    if header is not None:
+                        doing = (f"a {header.kind.name} payload ({got} of "
+                                 f"{header.payload_length} bytes)")
+                    raise self._deadline(doing, writable=False)
+                if len(views) == 1:
+                    return self._sock.recv_into(views[0])
+                return self._sock.recvmsg_into(views)[0]
+            except (BlockingIOError, InterruptedError):  # the kernel timeout passed
+                self._recv_timeout.expired()
             except OSError as error:
                 raise PeerClosed(f"{self.peer} reset the connection: {error}") from None
 
@@ -343,27 +355,17 @@ class Link:
 
     # Plumbing ---------------------------------------------------------------------------
 
-    def _wait(self, *, writable: bool, end: float, doing: str) -> None:
-        remaining = end - time.monotonic()
-        fd = self._sock.fileno()
-        if fd < 0:
-            raise LinkClosed(f"the link to {self.peer} was closed locally")
-        if remaining > 0:
-            try:
-                if _wait_fd(fd, writable=writable, timeout_s=remaining):
-                    return
-            except (OSError, ValueError):
-                raise LinkClosed(f"the link to {self.peer} was closed locally") from None
-        raise Deadline(f"deadline passed {doing} {'to' if writable else 'from'} {self.peer}")
+    def _deadline(self, doing: str, *, writable: bool) -> Deadline:
+        return Deadline(f"deadline passed {doing} {'to' if writable else 'from'} {self.peer}")
 
-    def _guard(self, action: Callable[[], T]) -> T:
+    def _guard(self, action: Callable[..., T], *args: object) -> T:
         """Run one operation; a failed or closed link refuses, an error fails the link."""
         if self._shut_down and self._parser.failed is None:
             self._parser.fail(LinkClosed(f"the link to {self.peer} was closed locally"))
         if self._parser.failed is not None:
             raise ConnectionFailed(self._parser.failed)
         try:
-            return action()
+            return action(*args)
         except ProtocolError as error:
             if self._shut_down and not isinstance(error, LinkClosed):
                 # Woken by our own shutdown: say so rather than blame the peer.
@@ -378,22 +380,23 @@ class Link:
         if not self._recv_lock.acquire(blocking=False):
             return None  # another thread is receiving: it will see the ABORT itself
         try:
-            parser = FrameParser(MAX_CONTROL_PAYLOAD_BYTES)
+            # The link's own parser: an earlier read may have taken the ABORT already.
+            parser = self._parser
             end = time.monotonic() + 0.1
             while time.monotonic() < end:
+                for frame in parser:
+                    if frame.kind is FrameKind.ABORT:
+                        abort = decode_abort(frame.payload)
+                        return error_from_abort(abort.error, f"{self.peer}: {abort.reason}")
                 try:
-                    data = self._sock.recv(65536)
+                    data = self._sock.recv(65536, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
-                    _wait_fd(self._sock.fileno(), writable=False,
+                    wait_fd(self._sock.fileno(), writable=False,
                              timeout_s=max(0.0, end - time.monotonic()))
                     continue
                 if not data:
                     return None
                 parser.feed(data)
-                for frame in parser:
-                    if frame.kind is FrameKind.ABORT:
-                        abort = decode_abort(frame.payload)
-                        return error_from_abort(abort.error, f"{self.peer}: {abort.reason}")
         except (OSError, ValueError, ProtocolError):
             return None
         finally:
@@ -418,7 +421,7 @@ class Link:
             try:
                 if not self._send_broken:
                     frame = encode_frame(FrameKind.ABORT, encode_abort(Abort.from_error(error)))
-                    self._send_buffers([memoryview(frame)], end)
+                    self._send_buffers([frame], end, len(frame))
             except (ProtocolError, OSError):
                 pass
             finally:
@@ -438,11 +441,11 @@ class Link:
         """Read and drop whatever the peer still sends, until its end of stream or `end`."""
         while time.monotonic() < end:
             try:
-                if not self._sock.recv(65536):
+                if not self._sock.recv(65536, socket.MSG_DONTWAIT):
                     return
             except (BlockingIOError, InterruptedError):
                 try:
-                    _wait_fd(self._sock.fileno(), writable=False,
+                    wait_fd(self._sock.fileno(), writable=False,
                              timeout_s=max(0.0, end - time.monotonic()))
                 except (OSError, ValueError):
                     return
