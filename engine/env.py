@@ -29,7 +29,7 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_HTTP_HEADER_S": "http_header_s", "FLEET_HTTP_IDLE_S": "http_idle_s",
           "FLEET_HTTP_BODY_S": "http_body_s", "FLEET_DELTA_KERNEL": "delta_kernel",
           "FLEET_COMPILE": "compile",
-          "FLEET_QUANT": "quant"}
+          "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight"}
 
 
 class EnvError(ValueError):
@@ -102,6 +102,9 @@ class EngineEnv:
     delta_kernel: str = "auto"  # a hybrid's gated delta rule on PyTorch: auto, torch or fla
     quant: str = "auto"  # a PyTorch stage's mlx-lm packed weights: auto, packed or dense
     compile: str = "auto"  # a PyTorch stage's decode layers compiled: auto (CUDA), off or on
+    # Rank 0's rounds in flight at once (RFC 6.3 v2/v3); 0: one per stage, so every stage
+    # works at once; 1: each round lands before the next starts (v1).
+    rounds_in_flight: int = 0
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -215,6 +218,7 @@ class EngineEnv:
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
             delta_kernel=delta_kernel, quant=quant, compile=compile_mode,
+            rounds_in_flight=integer("FLEET_ROUNDS_IN_FLIGHT", "rounds_in_flight", 0),
             api_secret_file=api_secret_file, api_secret=api_secret,
             http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
             http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),
@@ -252,6 +256,11 @@ class EngineEnv:
                 env[variable] = (("1" if value else "0") if isinstance(value, bool)
                                  else repr(value) if isinstance(value, float) else str(value))
         return env
+
+    @property
+    def depth(self) -> int:
+        """Rounds rank 0 keeps in flight: FLEET_ROUNDS_IN_FLIGHT, or one per stage."""
+        return self.rounds_in_flight or self.world_size
 
     def stage_spec(self, n_layers: int) -> StageSpec:
         return StageSpec(self.model_dir, self.layer_range or (0, n_layers), self.backend,

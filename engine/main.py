@@ -57,7 +57,7 @@ def run_stage(env: EngineEnv, stage: Stage, codec: TextCodec | None,
     if env.rank != 0:
         return run_follower(env, stage, ring, liveness)
     log.info("ring up", world=env.world_size)
-    runner = PipelineRunner(stage, ring, liveness, env.round_deadline_s)
+    runner = PipelineRunner(stage, ring, liveness, env.round_deadline_s, depth=env.depth)
     return asyncio.run(serve(env, runner, codec, config))
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import numpy as np
-
-from engine.lanes.sampler import SampledRows, SamplingBatch
+from engine.lanes.sampler import SamplingBatch
 from engine.pipeline.runner import LocalRunner
 from engine.rounds import RoundPlan
 
@@ -24,14 +22,10 @@ class StallingRunner(LocalRunner):
         self.free_rounds, self.rounds = free_rounds, 0
         self.stalled, self.release = threading.Event(), threading.Event()
 
-    def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
+    def launch(self, plan: RoundPlan, token_ids: Sequence[int],
+               batch: SamplingBatch | None) -> None:
         self._maybe_stall()
-        return super().run_round(plan, token_ids)
-
-    def sample_round(self, plan: RoundPlan, token_ids: Sequence[int],
-                     batch: SamplingBatch) -> SampledRows:
-        self._maybe_stall()
-        return super().sample_round(plan, token_ids, batch)
+        super().launch(plan, token_ids, batch)
 
     def _maybe_stall(self) -> None:
         self.rounds += 1

@@ -30,8 +30,10 @@ def model_config(model_dir: Path) -> ModelConfig:
 def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path, *,
                    backends: list[str] | None = None, parallel: int = 4, context: int = 512,
                    chunk: int = 64, extra_env: dict[str, str] | None = None,
-                   rank_env: dict[int, dict[str, str]] | None = None) -> Iterator[PipelineRunner]:
-    """Followers as processes, rank 0's `PipelineRunner` here; a clean goodbye at the end."""
+                   rank_env: dict[int, dict[str, str]] | None = None,
+                   depth: int | None = None) -> Iterator[PipelineRunner]:
+    """Followers as processes, rank 0's `PipelineRunner` here; a clean goodbye at the end.
+    `depth`: rounds in flight (None: FLEET_ROUNDS_IN_FLIGHT, else one per stage)."""
     fleet = launch(model_dir, stages, backends, context=context, parallel=parallel, chunk=chunk,
                    run_dir=run_dir, spawn=list(range(1, len(stages))), extra_env=extra_env,
                    rank_env=rank_env)
@@ -45,7 +47,7 @@ def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path
         stage = load_stage(env.stage_spec(config.num_hidden_layers))
         ring = boot_ring(env, stage, config)
         runner = PipelineRunner(stage, ring, LivenessConfig(env.keepalive_s, env.dead_after),
-                                env.round_deadline_s)
+                                env.round_deadline_s, depth=depth or env.depth)
         runner.start()
         yield runner
         runner.stop("done", clean=True)
@@ -58,9 +60,13 @@ def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path
 
 
 def whole_runner(model_dir: Path, *, backend: str = "torch-cpu", parallel: int = 4,
-                 context: int = 512, chunk: int = 64, cuda_graphs: bool = True) -> LocalRunner:
+                 context: int = 512, chunk: int = 64, cuda_graphs: bool = True,
+                 depth: int = 1) -> LocalRunner:
+    """The whole model in this process; `depth` groups rounds as a pipeline of that many
+    stages would (the same row batches, so a pipeline can be held to it byte for byte)."""
     env = EngineEnv.from_environ({"FLEET_MODEL": str(model_dir), "FLEET_BACKEND": backend,
                                   "FLEET_PARALLEL": str(parallel), "FLEET_CONTEXT": str(context),
                                   "FLEET_CHUNK": str(chunk),
                                   "FLEET_CUDA_GRAPHS": "1" if cuda_graphs else "0"})
-    return LocalRunner(load_stage(env.stage_spec(model_config(model_dir).num_hidden_layers)))
+    return LocalRunner(load_stage(env.stage_spec(model_config(model_dir).num_hidden_layers)),
+                       depth=depth)

@@ -9,6 +9,14 @@ loop stays free for HTTP while the model computes; its rows are sampled inside t
 on the head's device (`SamplingBatch` says how each row draws), and only token ids and
 logprobs come back: the loop turns them into text and events.
 
+Rounds overlap on a pipeline: the host launches rounds until the runner's `depth` are in
+flight, then lands the oldest. A stream whose next input a launched round decides (its
+next token, or its slot's release) is busy and rides nothing until that round lands; a
+prompt's next chunk needs nothing from the last one, so while stage 1 runs chunk k, rank 0
+runs chunk k+1 (v2). Decode rows are split into `depth` groups of at most
+ceil(decoding streams / depth) rows, so the groups occupy different stages at once (v3).
+With depth 1 (one process) every round lands before the next is built, as before.
+
 Whatever goes wrong while sampling or detokenizing one stream ends that stream alone (a
 `Failed` event with `per_request` set, its slot cancelled next round); only a failed round
 or a bug in the loop itself fails the engine.
@@ -17,6 +25,7 @@ or a bug in the loop itself fails the engine.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -70,6 +79,16 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Launched:
+    """A round in flight, as the host needs it when it lands."""
+
+    plan: RoundPlan
+    drawn: list[int]  # the stream ids of the round's draws, in the batch's order
+    decode_rows: int  # its rows, when all are decode rows (else 0): the metrics' measure
+    started_s: float
+
+
+@dataclass(frozen=True)
 class Token:
     token_id: int
     text: str  # the text this token adds (may be empty while a stop string is undecided)
@@ -108,6 +127,15 @@ class Stream:
     failed: bool = False  # this stream alone failed; the slot is cancelled next round
     created_s: float = field(default_factory=time.monotonic)
     last_token_s: float | None = None
+    # The round in flight that decides this stream's next rows (0: none); it rides no
+    # round until that one lands.
+    busy_in: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt and still generating: a decode row each round it rides."""
+        return (self.fed >= len(self.request.prompt_ids)
+                and not (self.finished or self.cancelled))
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -128,6 +156,8 @@ class Stream:
 
         At most `chunk` prompt rows: no round carries more, and a long prompt is not copied
         whole every round."""
+        if self.busy_in:
+            return Lane((), self.position)  # holds its slot, rides nothing
         if self.finished or self.cancelled:
             abandoned = self.failed or (self.cancelled and not self.finished)
             return Lane((), self.position, ending=Op.CANCEL if abandoned else Op.CLOSE)
@@ -142,6 +172,7 @@ class LaneHost:
                  metrics: TokenMetrics | None = None,
                  on_round: Callable[[RoundPlan, np.ndarray], None] | None = None) -> None:
         self.runner = runner
+        self.depth = runner.depth  # rounds in flight at once
         self.codec = codec
         self.chunk = chunk
         self.max_waiting = max_waiting
@@ -220,55 +251,81 @@ class LaneHost:
 
     async def _run_rounds(self) -> None:
         loop = asyncio.get_running_loop()
+        in_flight: deque[Launched] = deque()
         while not self.failure:
-            built = build_round(self._round_inputs())
-            self._apply(built)
-            if built.plan is None:
-                self._wake.clear()
-                await self._wake.wait()
+            while len(in_flight) < self.depth and not self.failure:
+                built = build_round(self._round_inputs())
+                self._apply(built)
+                if built.plan is None:
+                    break
+                launched, batch = self._launched(built.plan)
+                try:
+                    await loop.run_in_executor(self._executor, self.runner.launch,
+                                               built.plan, built.token_ids, batch)
+                except Exception as exc:  # noqa: BLE001 - any failed round is fatal: fail fast
+                    return self._round_failed(built.plan, exc)
+                in_flight.append(launched)
+            if not in_flight:
+                if not self.failure:
+                    self._wake.clear()
+                    await self._wake.wait()
                 continue
-            plan, token_ids = built.plan, built.token_ids
-            decode_rows = self._decode_rows(plan)
-            started_s = time.monotonic()
-            draws = self._draws(plan)
-            batch = SamplingBatch.of(list(draws.values()), keep_logits=self.on_round is not None)
+            launched = in_flight.popleft()
             try:
-                sampled = await loop.run_in_executor(
-                    self._executor, self.runner.sample_round, plan, token_ids, batch)
+                sampled = await loop.run_in_executor(self._executor, self.runner.land)
             except Exception as exc:  # noqa: BLE001 - any failed round is fatal: fail fast
-                log.error("round failed", round=plan.round_no, error=str(exc))
-                self.fail(f"round {plan.round_no} failed: {exc}")
-                return
+                return self._round_failed(launched.plan, exc)
             if self.metrics is not None:
-                self.metrics.round_done(decode_rows=decode_rows,
-                                        seconds=time.monotonic() - started_s)
+                self.metrics.round_done(decode_rows=launched.decode_rows,
+                                        seconds=time.monotonic() - launched.started_s)
             if self.on_round:
-                self.on_round(plan, sampled.logits)
-            self._deliver(plan, sampled, list(draws))
+                self.on_round(launched.plan, sampled.logits)
+            self._deliver(launched, sampled)
 
-    def _decode_rows(self, plan: RoundPlan) -> int:
-        """The round's row count when every row is a decode row (one row per stream, each
-        past its prompt), else 0: a prompt chunk's round is not what decode ms/token means."""
-        rows = 0
+    def _round_failed(self, plan: RoundPlan, exc: Exception) -> None:
+        log.error("round failed", round=plan.round_no, error=str(exc))
+        self.fail(f"round {plan.round_no} failed: {exc}")
+
+    def _launched(self, plan: RoundPlan) -> tuple[Launched, SamplingBatch]:
+        """Mark what launching `plan` does to its streams: prompt rows are fed, and every
+        stream whose next input the round decides is busy until it lands. Returns the
+        round's record and the draws its head makes (stream id -> draw, for each stream
+        whose returned row predicts its next token: a decode row, or a prompt's last chunk)."""
+        draws: dict[int, RowDraw] = {}
+        decode_rows, returned = 0, 0
         for entry in plan.entries:
-            if entry.rows == 0:
-                continue
             stream = self.slots[entry.stream_id]
-            if (entry.rows != 1 or stream is None
-                    or entry.first < len(stream.request.prompt_ids)):
-                return 0
-            rows += 1
-        return rows
+            stream.busy_in = plan.round_no
+            if entry.op in (Op.CLOSE, Op.CANCEL):
+                continue
+            row = returned
+            returned += 1
+            prompt = len(stream.request.prompt_ids)
+            if decode_rows >= 0:
+                decode_rows = decode_rows + 1 if entry.rows == 1 and entry.first >= prompt else -1
+            if stream.fed < prompt:
+                stream.fed += entry.rows
+                if stream.fed < prompt:
+                    stream.busy_in = 0  # a mid-prompt chunk: the next chunk may follow it
+                    continue
+            if not (stream.cancelled or stream.finished):
+                draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs)
+        batch = SamplingBatch.of(list(draws.values()), keep_logits=self.on_round is not None)
+        return Launched(plan, list(draws), max(decode_rows, 0), time.monotonic()), batch
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _round_inputs(self) -> RoundInputs:
+        decode_rows = None
+        if self.depth > 1:  # groups of decode rows, one per stage, to keep every stage busy
+            decoding = sum(s is not None and s.decoding for s in self.slots)
+            decode_rows = max(1, math.ceil(decoding / self.depth))
         return RoundInputs(
             round_no=self.round_no + 1,
             lanes=tuple(None if s is None else s.lane(self.chunk) for s in self.slots),
             slots=self.runner.slots.snapshot(), chunk=self.chunk,
-            waiting=tuple(s.lane(self.chunk) for s in self.waiting))
+            waiting=tuple(s.lane(self.chunk) for s in self.waiting), decode_rows=decode_rows)
 
     def _apply(self, built: BuiltRound) -> None:
         """Take the admitted waiters into their lanes, empty the released lanes."""
@@ -281,42 +338,24 @@ class LaneHost:
             self.round_no = built.plan.round_no
         self._note_settled()
 
-    def _draws(self, plan: RoundPlan) -> dict[int, RowDraw]:
-        """Stream id -> its draw, for every stream whose returned row this round predicts
-        its next token (a decode row, or the chunk that ends its prompt)."""
-        draws: dict[int, RowDraw] = {}
-        returned = 0
-        for entry in plan.entries:
-            if entry.op in (Op.CLOSE, Op.CANCEL):
-                continue
-            stream, row = self.slots[entry.stream_id], returned
-            returned += 1
-            if stream.fed + entry.rows < len(stream.request.prompt_ids):
-                continue  # a mid-prompt chunk: its last row predicts nothing we need
-            if not (stream.cancelled or stream.finished):
-                draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs)
-        return draws
-
-    def _deliver(self, plan: RoundPlan, sampled: SampledRows, drawn: list[int]) -> None:
-        """drawn: the stream ids of the round's draws, in the batch's order."""
+    def _deliver(self, launched: Launched, sampled: SampledRows) -> None:
+        """Hand each stream of a landed round its token; its streams are no longer busy."""
         now = time.monotonic()
-        at = {stream_id: i for i, stream_id in enumerate(drawn)}
-        for entry in plan.entries:
+        at = {stream_id: i for i, stream_id in enumerate(launched.drawn)}
+        for entry in launched.plan.entries:
             stream = self.slots[entry.stream_id]
+            if stream.busy_in == launched.plan.round_no:
+                stream.busy_in = 0
             if entry.op in (Op.CLOSE, Op.CANCEL):
                 self.slots[entry.stream_id] = None
                 continue
-            if stream.fed < len(stream.request.prompt_ids):
-                stream.fed += entry.rows
-                if stream.fed < len(stream.request.prompt_ids):
-                    continue  # a mid-prompt chunk: its last row predicts nothing we need
             if stream.cancelled or stream.finished or entry.stream_id not in at:
-                continue
+                continue  # ended meanwhile, or a mid-prompt chunk: nothing to hand out
             try:
                 self._take(stream, sampled, at[entry.stream_id], now)
             except Exception as exc:  # noqa: BLE001 - one stream's fault ends that stream only
-                log.warning("stream failed", round=plan.round_no, stream=entry.stream_id,
-                            error=f"{type(exc).__name__}: {exc}")
+                log.warning("stream failed", round=launched.plan.round_no,
+                            stream=entry.stream_id, error=f"{type(exc).__name__}: {exc}")
                 stream.fail(f"generating this reply failed: {type(exc).__name__}: {exc}")
         if any(s is not None for s in self.slots) or self.waiting:
             self._wake.set()

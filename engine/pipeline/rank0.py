@@ -3,6 +3,12 @@
 Rank 0 embeds and runs its own range, sends the rows to rank 1, and gets back from the
 last rank only the rows it needs (the last row of each stream in the round). The plan
 goes to every follower before rank 0 computes, so all stages apply it to their slots.
+
+Up to `depth` rounds are in flight: rank 0 launches round k+1 while round k is on the
+next stages (RFC 6.3, v2 prompt chunks and v3 decode groups). Every stage runs the rounds
+in the order of their plans and rows arrive over TCP in that order, so each slot's state
+sees its rounds in order on every stage; the lane host never puts a stream into a round
+while a round that decides its next input is in flight.
 """
 
 from __future__ import annotations
@@ -10,18 +16,19 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import structlog
 
 from engine.backends.base import Stage
-from engine.lanes.sampler import SampledRows, SamplingBatch
+from engine.lanes.sampler import SamplingBatch
 from engine.link.errors import ProtocolError, UnexpectedFrame
 from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
 from engine.pipeline.ring import Ring
 from engine.pipeline.rows import receive_rows
+from engine.pipeline.runner import Head, LaunchAndLand, head_of
 from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
 
@@ -30,10 +37,23 @@ log = structlog.get_logger()
 T = TypeVar("T")
 
 
-class PipelineRunner:
+@dataclass(frozen=True)
+class InFlight:
+    """A launched round: its plan, what its head makes of the returned rows, its phases."""
+
+    plan: RoundPlan
+    head: Head
+    clock: RoundClock
+
+
+class PipelineRunner(LaunchAndLand):
     def __init__(self, stage: Stage, ring: Ring, liveness: LivenessConfig,
-                 round_deadline_s: float) -> None:
+                 round_deadline_s: float, *, depth: int = 1) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, not {depth}")
         self.stage = stage
+        self.depth = depth  # rounds in flight at once: one per stage keeps every stage busy
+        self._in_flight: deque[InFlight] = deque()
         self.ring = ring
         self.slots = stage.slots
         self.round_deadline_s = round_deadline_s
@@ -75,27 +95,27 @@ class PipelineRunner:
             return True
         raise UnexpectedFrame(f"a follower sent {frame.kind.name} on the control link")
 
-    def run_round(self, plan: RoundPlan, token_ids: Sequence[int]) -> np.ndarray:
-        """The returned rows' logits on the host (the harness's driver, tests)."""
-        result = self._guarded(plan, token_ids, self.stage.logits)
-        return np.empty((0, 0), dtype=np.float32) if result is None else result
+    def launch(self, plan: RoundPlan, token_ids: Sequence[int],
+               batch: SamplingBatch | None) -> None:
+        """The plan to every follower, rank 0's layers, the rows to rank 1; no waiting for
+        the ring, so the next round can start here while this one runs on the next stage."""
+        self._guarded(lambda: self._launch(plan, token_ids, head_of(self.stage, plan, batch)))
 
-    def sample_round(self, plan: RoundPlan, token_ids: Sequence[int],
-                     batch: SamplingBatch) -> SampledRows:
-        """The batch's draws, sampled on rank 0's device: logits never reach the host."""
-        result = self._guarded(plan, token_ids, lambda back: self.stage.sample(back, batch))
-        return SampledRows.empty() if result is None else result
+    def land(self) -> Any:
+        """The oldest round in flight: wait for its returned rows, run its head."""
+        return self._guarded(self._land)
 
-    def _guarded(self, plan: RoundPlan, token_ids: Sequence[int],
-                 head: Callable[[Any], T]) -> T | None:
+    def _guarded(self, action: Callable[[], T]) -> T:
         try:
-            return self._run_round(plan, token_ids, head)
+            return action()
         except Exception as error:
             self.fate.fail(error)  # every follower learns the reason and exits
             raise
 
-    def _run_round(self, plan: RoundPlan, token_ids: Sequence[int],
-                   head: Callable[[Any], T]) -> T | None:
+    def _launch(self, plan: RoundPlan, token_ids: Sequence[int], head: Head) -> None:
+        if len(self._in_flight) >= self.depth:
+            raise RuntimeError(f"round {plan.round_no} launched with {self.depth} rounds "
+                               "already in flight: land one first")
         clock = RoundClock()
         for link in self.ring.control.values():
             link.send_message(plan, deadline_s=self.round_deadline_s)
@@ -103,18 +123,27 @@ class PipelineRunner:
         clock.mark("plan")
         rows = self.stage.forward(plan, None, token_ids)
         clock.mark("compute")  # on a GPU: launching the kernels
+        if plan.total_rows:
+            data = self.stage.rows_to_bytes(rows)
+            clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
+            self.ring.to_next.send(FrameKind.ROWS, data, plan.round_no, plan.total_rows,
+                                   deadline_s=self.round_deadline_s)
+            clock.mark("send")
+        self._in_flight.append(InFlight(plan, head, clock))
+
+    def _land(self) -> Any:
+        if not self._in_flight:
+            raise RuntimeError("land() with no round in flight")
+        round_ = self._in_flight.popleft()
+        plan, clock = round_.plan, round_.clock
         if not plan.total_rows:
-            return None
-        data = self.stage.rows_to_bytes(rows)
-        clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
-        self.ring.to_next.send(FrameKind.ROWS, data, plan.round_no, plan.total_rows,
-                               deadline_s=self.round_deadline_s)
-        clock.mark("send")
+            return round_.head(None)  # it only closed slots: nothing comes back
+        clock.mark("queued")  # rank 0 launching later rounds, or the lane host between rounds
         back = receive_rows(self.ring.from_prev, self.stage, plan.round_no,
                             len(plan.returned_rows()), self.round_deadline_s,
                             self.ring.rows_buffer)
         clock.mark("ring")  # every other stage, and every hop
-        result = head(back)
+        result = round_.head(back)
         clock.mark("head")  # and sampling, when the head samples
         self.timings.append({"rows": plan.total_rows, **clock.phases_ms})
         return result

@@ -2,8 +2,9 @@
 
 Rank 0's lane host and the harness's round driver both decide rounds here and then apply
 what comes back; nothing here changes a stream, a queue or a slot. Every live lane rides
-every round: a decode row each, and prompt rows up to the round's chunk budget, shared in
-slot order. A lane whose stream has ended closes (or cancels) its open slot, or, if the
+every round: a decode row each (at most `decode_rows` of them, in slot order, when rounds
+are grouped to keep several stages busy), and prompt rows up to the round's chunk budget,
+shared in slot order. A busy lane (its stream waits for a round in flight) rides nothing. A lane whose stream has ended closes (or cancels) its open slot, or, if the
 slot never opened, is simply emptied. Waiters take the lanes that are empty at the start
 of the round, in arrival order, and ride the same round.
 """
@@ -41,6 +42,7 @@ class RoundInputs:
     slots: tuple[Slot, ...]  # the slot table's states, one per slot
     chunk: int | None  # prompt rows a round may carry; None: no budget
     waiting: tuple[Lane, ...] = ()  # streams waiting for a lane, in arrival order
+    decode_rows: int | None = None  # one-row (decode) entries a round may carry; None: all
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ def build_round(inputs: RoundInputs) -> BuiltRound:
     token_ids: list[int] = []
     released: list[int] = []
     budget = inputs.chunk
+    decode_budget = inputs.decode_rows
     for slot, lane in enumerate(lanes):
         if lane is None:
             continue
@@ -81,7 +84,11 @@ def build_round(inputs: RoundInputs) -> BuiltRound:
             rows = min(rows, budget)
             budget -= rows
         if rows == 0:
-            continue  # the budget is spent: this prompt waits for the next round
+            continue  # the budget is spent (this prompt waits for the next round), or busy
+        if not lane.chunked and decode_budget is not None:
+            if decode_budget == 0:
+                continue  # this round's decode group is full: the next round takes it
+            decode_budget -= 1
         if state.open:
             entries.append(StreamEntry(slot, Op.CONTINUE, lane.position, rows, state.last_rows,
                                        0, state.generation))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.harness.local_pipeline import local_pipeline
-from engine.lanes.host import Done, GenerationRequest, LaneHost
+from engine.lanes.host import Done, Failed, GenerationRequest, LaneHost
 from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
 from tests.waiting import wait_until_async
@@ -50,8 +50,8 @@ def greedy_trace(runner, model_dir: Path, prompts: list[list[int]], *, steps: in
                    for p in prompts]
         task = asyncio.create_task(host.run())
         for stream in streams:
-            while not isinstance(await stream.events.get(), Done):
-                pass
+            while not isinstance(event := await stream.events.get(), Done):
+                assert not isinstance(event, Failed), f"a stream failed: {event.reason}"
         # Let the round that closes the last slots run too.
         await wait_until_async(lambda: host.slots_in_use() == 0 or task.done(), within_s=60,
                                what="the round that closes the last slots")

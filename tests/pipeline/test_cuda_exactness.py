@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def test_cuda_pipeline_logits_equal_one_cuda_process(make_model, tmp_path, dtype):
     model_dir = make_model("llama", dtype=dtype, num_hidden_layers=4)
     prompts = [np.random.default_rng(n).integers(0, 300, 200 + n).tolist() for n in range(4)]
-    whole = whole_runner(model_dir, backend="torch-cuda", chunk=64)
+    whole = whole_runner(model_dir, backend="torch-cuda", chunk=64, depth=2)  # as the ring
     expected = greedy_trace(whole, model_dir, prompts, steps=32, chunk=64)
     devices = {1: {"CUDA_VISIBLE_DEVICES": str(min(1, torch.cuda.device_count() - 1))}}
     with pipeline(model_dir, [(0, 1), (1, 4)], tmp_path, backends=["torch-cuda"] * 2,
