@@ -1,0 +1,159 @@
+"""Overlapped rounds (RFC 6.3, v2 prompt chunks and v3 decode groups) against one round at a
+time (v1) and against one stage, served as users are served: through rank 0's lane host.
+
+    python bench/overlap.py                                   # torch-cpu + torch-cpu, 1 thread each
+    python bench/overlap.py --backends torch-cpu,mlx-cpu      # a mixed ring
+    python bench/overlap.py --threads 8                       # 16 cores: stages of 8 threads
+
+Overlap needs stages on separate hardware, so every stage gets its own `--threads` CPU
+threads and the whole model gets one stage's worth: two stages of one thread against one
+stage of one thread on a 2-core machine. Prints, from one run:
+- time to first token of a prompt of `--chunks` chunks: whole, split one round at a time
+  (v1), split overlapped (v2), and v2's speed-up over whole against the ideal 2n/(n+1);
+- the same for a prompt of one chunk (nothing to overlap: the cost of the split itself);
+- aggregate decode tokens/s of `--streams` streams: whole, v1, and v3 (decode groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, n_layers, table
+from engine.checkpoint.maker import PRESETS, make_checkpoint
+from engine.harness.launch import even_stages
+from engine.harness.local_pipeline import local_pipeline, whole_runner
+from engine.lanes.host import Done, Failed, GenerationRequest, LaneHost, Token
+from engine.lanes.sampler import SamplingParams
+from engine.lanes.text import TextCodec
+from engine.pipeline.runner import RoundRunner
+
+# Big enough that a stage's matmuls, not Python, are most of a round on one CPU thread.
+CPU_SHAPE = replace(PRESETS["demo"], hidden_size=1024, intermediate_size=2816,
+                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                    head_dim=64, vocab_size=4096, dtype="float32")
+
+
+def served(runner: RoundRunner, depth: int, model_dir: Path, prompts: list[list[int]],
+           max_tokens: int, chunk: int) -> tuple[float, float]:
+    """(seconds to the first stream's first token, seconds until every stream is done),
+    with `depth` rounds in flight."""
+    runner.depth = depth
+    host = LaneHost(runner, TextCodec(model_dir), chunk=chunk, max_waiting=len(prompts))
+
+    async def go() -> tuple[float, float]:
+        task = asyncio.create_task(host.run())
+        start = time.perf_counter()
+        streams = [host.submit(GenerationRequest(tuple(p), max_tokens=max_tokens,
+                                                 sampling=SamplingParams(temperature=0.0)))
+                   for p in prompts]
+        first = None
+        for stream in streams:
+            while not isinstance(event := await stream.events.get(), Done):
+                if isinstance(event, Failed):
+                    raise RuntimeError(event.reason)  # noqa: TRY004 - a failed stream, not a type
+                if isinstance(event, Token) and first is None:
+                    first = time.perf_counter() - start
+        done = time.perf_counter() - start
+        deadline = time.monotonic() + 60  # the round that closes the last slots
+        while host.slots_in_use() and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        return first or done, done
+
+    try:
+        return asyncio.run(go())
+    finally:
+        host.close()
+
+
+def measure(runner: RoundRunner, depth: int, model_dir: Path, args) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    long_prompt = [rng.integers(0, 1000, args.chunk * args.chunks).tolist()]
+    one_chunk = [rng.integers(0, 1000, args.chunk).tolist()]
+    streams = [rng.integers(0, 1000, 16).tolist() for _ in range(args.streams)]
+
+    def median(action) -> float:
+        action()  # warm-up
+        return statistics.median(action() for _ in range(args.repeats))
+
+    return {
+        "ttft_long": median(lambda: served(runner, depth, model_dir, long_prompt, 1,
+                                           args.chunk)[0]),
+        "ttft_one": median(lambda: served(runner, depth, model_dir, one_chunk, 1,
+                                          args.chunk)[0]),
+        "decode_tps": args.streams * args.tokens / median(
+            lambda: served(runner, depth, model_dir, streams, args.tokens, args.chunk)[1]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="a checkpoint (default: a 1024-wide one)")
+    parser.add_argument("--backends", default="torch-cpu,torch-cpu", help="one per stage")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each stage")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=8, help="chunks of the long prompt")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each stream generates")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model_dir = args.model or ROOT / "build" / "bench-overlap"
+    if not (model_dir / "config.json").exists():
+        print(f"# making the benchmark checkpoint in {model_dir}", flush=True)
+        make_checkpoint(model_dir, CPU_SHAPE, overwrite=True)
+    backends = args.backends.split(",")
+    stages = even_stages(n_layers(model_dir), len(backends))
+    n = len(stages)
+    if args.chunk * args.chunks + args.tokens > args.context:
+        parser.error("--context must hold the long prompt and the reply")
+    shape = dict(parallel=args.streams, context=args.context, chunk=args.chunk)
+    threads = {"FLEET_CPU_THREADS": str(args.threads)}
+    if backends[0].startswith("torch-"):
+        import torch
+
+        torch.set_num_threads(args.threads)  # rank 0 runs in this process
+    whole = measure(whole_runner(model_dir, backend=backends[0], **shape), 1, model_dir, args)
+    print(f"# whole on {backends[0]}: {whole}", flush=True)
+    with (tempfile.TemporaryDirectory() as run_dir,
+          local_pipeline(model_dir, stages, Path(run_dir), backends=backends,
+                         extra_env=threads, **shape) as runner):
+        v1 = measure(runner, 1, model_dir, args)
+        print(f"# v1: {v1}", flush=True)
+        overlapped = measure(runner, n, model_dir, args)
+        print(f"# v2/v3: {overlapped}", flush=True)
+    chunks = args.chunks
+    ideal = n * chunks / (chunks + n - 1)  # n equal stages, `chunks` chunks: RFC 2n/(n+1) at n=2
+    placement = ", ".join(f"{a}:{b}@{be}" for (a, b), be in zip(stages, backends, strict=True))
+    rows = [
+        [f"TTFT s, {chunks} chunks of {args.chunk}", whole["ttft_long"], v1["ttft_long"],
+         overlapped["ttft_long"], whole["ttft_long"] / overlapped["ttft_long"], ideal,
+         whole["ttft_long"] / overlapped["ttft_long"] / ideal],
+        [f"TTFT s, 1 chunk of {args.chunk}", whole["ttft_one"], v1["ttft_one"],
+         overlapped["ttft_one"], whole["ttft_one"] / overlapped["ttft_one"], 1.0,
+         whole["ttft_one"] / overlapped["ttft_one"]],
+        [f"decode tokens/s, {args.streams} streams x {args.tokens}", whole["decode_tps"],
+         v1["decode_tps"], overlapped["decode_tps"],
+         overlapped["decode_tps"] / whole["decode_tps"], float(n),
+         overlapped["decode_tps"] / v1["decode_tps"]],
+    ]
+    table(f"overlapped rounds, {model_dir.name}, {placement}, {args.threads} thread(s) a stage, "
+          f"context {args.context}",
+          ["measure", "whole", "split v1", "split v2/v3", "whole / v2 (speed-up)", "ideal",
+           "of ideal (decode row: v3 / v1)"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
