@@ -1,7 +1,7 @@
 """Status that tells the truth about placement and speed, with a supervisor and two agents
 as real processes: `apply` marks a placement on nominal numbers provisional and shows the
 one that runs once the nodes are measured; `status` shows the serving replica's predicted
-decode ms/token beside rank 0's measured one; a restarted supervisor reuses the
+decode ms/token beside rank 0's measured one, and its predicted time to first token; a restarted supervisor reuses the
 calibrations and probes kept in its state (no agent is asked again), and measures them
 again once they are older than its `--measurement-max-age-s`. The tests share one fleet
 and run in file order.
@@ -89,8 +89,11 @@ def test_status_shows_predicted_beside_measured_decode_ms_per_token(fleet):
         shown["predicted_ms_per_token"]
     assert alone["error_pct"] == round((alone["predicted_ms_per_token"] - alone["ms_per_token"])
                                        / alone["ms_per_token"] * 100, 1)
+    # The time to first token it predicts for the model's prompt length (here the context).
+    assert shown["predicted_ttft_ms"] > 0 and shown["prompt_tokens"] == 512
     table = fleet.fleetctl("status").stdout
     assert "decode ms/token: predicted" in table and "measured" in table and "% off" in table
+    assert "time to first token: predicted" in table and "prompt of 512 tokens" in table
 
 
 def measured_again(fleet: LocalFleet, after: int) -> list[str]:
