@@ -7,11 +7,12 @@ dynamic program of `supervisor/boundaries.py`), a ring's best is the least, over
 a stage time can take, of f(T) + hops + (chunks - 1) x max(T, slowest hop): the best cut's
 own slowest stage is such a T, and no T under-reports its cut's cost. f only grows as T
 falls, so a run of caps not yet tried (a "gap") costs at least f at the cap above it plus
-(chunks - 1) x its lowest cap: a lower bound, which trying the gap's middle cap splits.
+(chunks - 1) x its lowest cap: a lower bound, which trying a cap in the gap splits (the
+highest that could still beat the answer sought, else the middle).
 
-Every ring starts from its cut of least sum (no cap), found for all rings at once over a
-tree of ring prefixes (rings that start alike share their first stages' program), which
-also says which rings fit. Then one queue of rings ordered by lower bound serves each
+Every ring starts from its cut of least sum (no cap) and its least bottleneck (no cap
+below it fits), found for all rings at once over a tree of ring prefixes (rings that start
+alike share their first stages' program), which also says which rings fit. Then one queue of rings ordered by lower bound serves each
 question `place` asks (the best ring; the best with another node set or rank 0; the best
 with each node the best leaves out): the ring of lowest bound has its lowest gap split until
 no ring's bound is below the answer. So only rings that could be an answer are searched,
