@@ -16,12 +16,14 @@ that it also serves as an independent answer for our logits (tests/bench/test_an
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.utils import fresh_inductor_cache
 
 from engine.checkpoint.reader import open_checkpoint
 from engine.config import ModelConfig, rope_inv_freq
@@ -165,11 +167,14 @@ def load_anchor(model_dir: Path, batch: int, max_seq: int, dtype: torch.dtype,
 @dataclass
 class AnchorTiming:
     ms_per_step: float  # median over the repeats
-    cold_start_s: float  # the compiled step's first calls: compile, warm-up, graph record
+    # The compiled step's first calls: compile, warm-up, graph record; from empty caches
+    # when timed `cold`, else whatever Inductor's caches hold.
+    cold_start_s: float
 
 
 def time_anchor(model_dir: Path, device: torch.device, dtype: torch.dtype, batch: int,
-                prompt: int, steps: int, repeats: int, *, compile: bool = True) -> AnchorTiming:
+                prompt: int, steps: int, repeats: int, *, compile: bool = True,
+                cold: bool = False) -> AnchorTiming:
     """ms per decode step of `batch` streams after a `prompt`-token prefill, gpt-fast's way:
     the next token stays on the device and the host waits only at the end of `steps`."""
     model = load_anchor(model_dir, batch, prompt + steps + 1, dtype, device)
@@ -190,17 +195,21 @@ def time_anchor(model_dir: Path, device: torch.device, dtype: torch.dtype, batch
 
         def run() -> float:
             token = first
+            # On the device and advanced in place, gpt-fast's way: a new host tensor each
+            # step would be a copy from pageable memory, which waits for the queue to drain.
+            position = torch.tensor([prompt], device=device)
             start = time.perf_counter()
-            for i in range(steps):
-                position = torch.tensor([prompt + i], device=device)
+            for _ in range(steps):
                 token = step(model, token, position).clone()  # the graph reuses its output
+                position += 1
             sync()
             return time.perf_counter() - start
 
         start = time.perf_counter()
-        for i in range(3):  # compile, warm-up, record (reduce-overhead's first calls)
-            step(model, first, torch.tensor([prompt + i], device=device))
-        sync()
+        with fresh_inductor_cache() if cold else nullcontext():
+            for i in range(3):  # compile, warm-up, record (reduce-overhead's first calls)
+                step(model, first, torch.tensor([prompt + i], device=device))
+            sync()
         cold_start_s = time.perf_counter() - start
         run()
         times = sorted(run() for _ in range(repeats))

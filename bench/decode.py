@@ -4,6 +4,8 @@
     python bench/decode.py --preset 8b --device cuda --batches 1,8           # on a GPU
     python bench/decode.py --preset demo --backend mlx-cpu                   # vs mlx-lm
     python bench/decode.py --preset demo --contexts 256,32768 --prompt 96 --no-reference
+    python bench/decode.py --preset 8b --device cuda --anchor --no-reference  # vs the anchor
+    python bench/decode.py --preset 8b --device cuda --prompt-rate 8192 --no-reference
 
 PyTorch backends are compared with transformers' `generate`, MLX backends with mlx-lm's
 `generate_step`, on the same checkpoint, device and dtype. Our decode rounds are timed
@@ -17,6 +19,20 @@ The configured context (`--contexts`, FLEET_CONTEXT) is separate from the conver
 context, so the table shows whether a step's cost follows the conversation (ratio near 1)
 or the context. With CUDA graphs it also times the path before live-length buckets,
 whose captured steps read the whole context, beside the current one in the same run.
+
+`--anchor` times our stage with its decode layers compiled (FLEET_COMPILE=on) and eager
+(off), in lockstep, then the anchor (bench/anchor.py: a gpt-fast-style step compiled with
+mode="reduce-overhead") in the same process, at each stream count, all three against
+weight bytes / the copy bandwidth measured here; and prints each side's cold start (the
+first pass, compiling and capturing, from empty Inductor caches; the anchor's at the
+first stream count only, later ones find its kernels cached). The anchor keeps its
+tokens on the device and waits at the end of a pass, gpt-fast's way; ours brings the
+logits to the host each step, as serving does.
+
+`--prompt-rate N` times one stream's N-token prompt in rounds of `--chunk` rows and
+prints prompt tokens/s and the share of the device's dense matrix rate it reaches:
+2 x (layer parameters) x tokens (+ the head, once a round) over the time, against
+`--peak-tflops` (an H200's dense bf16: 989). Attention's own FLOPs are left out.
 """
 
 from __future__ import annotations
@@ -48,9 +64,10 @@ class Decoding:
     """One stage serving every stream count of a run (slots [0, batch))."""
 
     def __init__(self, model_dir: Path, backend: str, parallel: int, context: int, chunk: int,
-                 cuda_graphs: bool = True, live_keys: bool = True) -> None:
+                 cuda_graphs: bool = True, live_keys: bool = True,
+                 compile_mode: str = "auto") -> None:
         spec = StageSpec(model_dir, (0, n_layers(model_dir)), backend, parallel, context,
-                         chunk, cuda_graphs, live_keys)
+                         chunk, cuda_graphs, live_keys, compile=compile_mode)
         self.driver = RoundDriver(LocalRunner(load_stage(spec)))
 
 
@@ -165,6 +182,85 @@ def weight_bytes_per_step(model_dir: Path) -> int:
     return total
 
 
+def copy_bandwidth_gbs(device: str, repeats: int = 5) -> float:
+    """The device's memory bandwidth as a large copy sees it: bytes read + written / time
+    (1 GiB on a GPU, 256 MiB on the CPU), the median of `repeats`."""
+    import torch
+
+    size = (1 << 30) if device == "cuda" else (256 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    seconds = median_s(lambda: dst.copy_(src), repeats=repeats, warmup=2, sync=sync)
+    return 2 * size / seconds / 1e9
+
+
+def anchor_rows(model_dir: Path, backend: str, batches: list[int], steps: int, prompt: int,
+                repeats: int) -> list[list[object]]:
+    """Ours compiled and eager (lockstep), then the anchor, per stream count, against the
+    floor: weight bytes / the measured copy bandwidth."""
+    import torch
+    from torch._inductor.utils import fresh_inductor_cache
+
+    from bench.anchor import time_anchor
+
+    device = backend.removeprefix("torch-")
+    decodings = {mode: Decoding(model_dir, backend, max(batches), prompt + steps + 8,
+                                prompt * max(batches), compile_mode=mode)
+                 for mode in ("on", "off")}
+    cold = {}
+    for mode, decoding in decodings.items():  # the first pass compiles and captures
+        start = time.perf_counter()
+        with fresh_inductor_cache():  # a cold start: nothing compiled before
+            lockstep_pass({mode: decoding}, max(batches), prompt, 2)
+        cold[mode] = time.perf_counter() - start
+    ours = interleaved_ms_per_step(decodings, batches, steps, prompt, repeats)
+    del decodings
+    release_device_memory()
+    bandwidth = copy_bandwidth_gbs(device)
+    floor_ms = weight_bytes_per_step(model_dir) / (bandwidth * 1e9) * 1000
+    print(f"# copy bandwidth {bandwidth:.1f} GB/s: floor {floor_ms:.3f} ms/step; our first "
+          f"pass {cold['on']:.1f} s compiled, {cold['off']:.1f} s eager", flush=True)
+    dtype = getattr(torch, json.loads((model_dir / "config.json").read_text()).get(
+        "dtype", "float32"))
+    rows = []
+    for batch in batches:
+        anchor = time_anchor(model_dir, torch.device(device), dtype, batch, prompt, steps,
+                             repeats, cold=batch == batches[0])
+        release_device_memory()
+        compiled, eager = ours["on", batch], ours["off", batch]
+        rows.append([backend, batch, compiled, eager, anchor.ms_per_step,
+                     compiled / anchor.ms_per_step, floor_ms, floor_ms / compiled,
+                     floor_ms / eager, floor_ms / anchor.ms_per_step, anchor.cold_start_s])
+        print(f"# anchor, batch {batch}: {rows[-1]}", flush=True)
+    return rows
+
+
+def prompt_rate_row(model_dir: Path, backend: str, tokens: int, chunk: int, repeats: int,
+                    peak_tflops: float) -> list[object]:
+    """One stream's `tokens`-token prompt in rounds of `chunk` rows: tokens/s, and the
+    share of the peak matrix rate its layers' and head's matmuls reach."""
+    from engine.checkpoint.reader import open_checkpoint
+
+    driver = Decoding(model_dir, backend, 1, tokens + 8, chunk).driver
+    ids = prompts(1, tokens, driver.stage.config.vocab_size)[0]
+
+    def prompt_once() -> None:
+        for start in range(0, tokens, chunk):
+            driver.round({0: ids[start:start + chunk]})  # logits reach the host: a sync
+        driver.close([0])
+
+    seconds = median_s(prompt_once, repeats=repeats)
+    ckpt = open_checkpoint(model_dir)
+    layer_params = sum(int(np.prod(ckpt.tensor_shape(n))) for n in ckpt.tensor_names()
+                       if ".layers." in n)
+    config = json.loads((model_dir / "config.json").read_text())
+    head_params = config["hidden_size"] * config["vocab_size"]
+    flops = 2 * layer_params * tokens + 2 * head_params * -(-tokens // chunk)
+    return [backend, tokens, chunk, seconds * 1000, tokens / seconds,
+            flops / seconds / 1e12, flops / seconds / (peak_tflops * 1e12)]
+
+
 def context_rows(model_dir: Path, backend: str, batches: list[int], contexts: list[int],
                  steps: int, prompt: int, repeats: int, graphs: bool) -> list[list[object]]:
     """ms/step of one conversation under each configured context, timed in lockstep: the
@@ -215,6 +311,14 @@ def main() -> int:
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch's CPU threads (FLEET_CPU_THREADS in serving); 0: torch's own")
+    parser.add_argument("--anchor", action="store_true",
+                        help="time ours compiled and eager against bench/anchor.py's step")
+    parser.add_argument("--prompt-rate", type=int, default=0,
+                        help="time one stream's prompt of this many tokens (0: not)")
+    parser.add_argument("--chunk", type=int, default=2048, help="prompt rows a round")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the device's dense matrix rate in the model's dtype "
+                             "(H200 bf16: 989)")
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -228,6 +332,24 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",") if c]
     graphs = args.backend == "torch-cuda"  # the stage captures decode graphs by default
+    if args.prompt_rate:
+        table(f"prompt rate, {model_dir.name}, one stream (FLOP share: against "
+              f"{args.peak_tflops:g} TFLOP/s)",
+              ["backend", "prompt tokens", "chunk", "ms", "prompt tok/s", "TFLOP/s",
+               "share of peak"],
+              [prompt_rate_row(model_dir, args.backend, args.prompt_rate, args.chunk,
+                               args.repeats, args.peak_tflops)])
+        release_device_memory()
+    if args.anchor:
+        table(f"decode against the anchor, {model_dir.name}, {args.steps} steps after a "
+              f"{args.prompt}-token prompt (floor: weight bytes / measured copy bandwidth)",
+              ["backend", "batch", "ours compiled ms/step", "ours eager ms/step",
+               "anchor ms/step", "ours compiled / anchor", "floor ms", "compiled: floor share",
+               "eager: floor share", "anchor: floor share", "anchor first calls s"],
+              anchor_rows(model_dir, args.backend, batches, args.steps, args.prompt,
+                          args.repeats))
+    if (args.anchor or args.prompt_rate) and args.no_reference and not contexts:
+        return 0
     if contexts:
         table(f"decode by configured context, {model_dir.name}, {args.steps} steps after a "
               f"{args.prompt}-token prompt (ratio: against context {contexts[0]})",
