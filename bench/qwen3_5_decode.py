@@ -8,6 +8,11 @@ graphs and eagerly, with each kernel set for the gated delta rule asked for (our
 fla-core's where installed). The anchors, in the same run: the weight bytes read once per
 step at the device's nominal memory bandwidth, and transformers' `generate` on the same
 checkpoint (`--no-transformers` skips it).
+
+`--split` instead runs the same rounds whole and in two stages on this one GPU (the cut
+after a DeltaNet layer): a chunked prompt and greedy decode rounds for 1 and 4 streams,
+every round's logits compared byte for byte, each process's GPU memory, and decode ms a
+round whole against split (the hop's cost; overlap needs two devices).
 """
 
 from __future__ import annotations
@@ -113,6 +118,72 @@ def profile_eager_decode(driver: RoundDriver, vocab: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
 
 
+def gpu_memory_mib() -> dict[int, int]:
+    """Each process's memory on the GPU (pid -> MiB), as nvidia-smi reports it."""
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         check=True).stdout
+    return {int(pid): int(mib) for pid, mib in
+            (line.split(",") for line in out.strip().splitlines() if line)}
+
+
+def split_rounds(driver: RoundDriver, streams: int, vocab: int) -> tuple[list[bytes], float]:
+    """A 300-token prompt a stream in chunks of 128, then 16 greedy rounds: every round's
+    logits' bytes, and decode ms a round over the last 12."""
+    rng = np.random.default_rng(streams)
+    prompts = {s: rng.integers(3, vocab, 300).tolist() for s in range(streams)}
+    seen: list[bytes] = []
+    last = {}
+    for first in range(0, 300, 128):
+        last = driver.round({s: p[first:first + 128] for s, p in prompts.items()})
+        seen.extend(last[s].tobytes() for s in sorted(last))
+    times = []
+    for _ in range(16):
+        feeds = {s: [int(np.argmax(row))] for s, row in last.items()}
+        start = time.perf_counter()
+        last = driver.round(feeds)
+        times.append(time.perf_counter() - start)
+        seen.extend(last[s].tobytes() for s in sorted(last))
+    driver.close(list(prompts))
+    return seen, float(np.median(times[4:])) * 1e3
+
+
+def split_against_whole(out: Path, layers: int, context: int, vocab: int) -> None:
+    import os
+    import tempfile
+
+    from engine.harness.local_pipeline import local_pipeline, whole_runner
+
+    cut = 1  # right after the first DeltaNet layer: the recurrent state crosses nothing
+    # A round carries up to 4 x 128 prompt rows: the stages take them in one batch.
+    whole = whole_runner(out, backend="torch-cuda", parallel=4, context=context, chunk=512)
+    driver = RoundDriver(whole)
+    expected = {n: split_rounds(driver, n, vocab) for n in (1, 4)}
+    whole_mib = gpu_memory_mib().get(os.getpid(), 0)
+    del driver, whole
+    torch.cuda.empty_cache()
+    print(f"# whole: {whole_mib} MiB on the GPU (this process)", flush=True)
+    print("| streams | rounds compared | byte-identical | decode ms whole | split | "
+          "µs per boundary (2 hops) |")
+    print("|---|---|---|---|---|---|")
+    with (tempfile.TemporaryDirectory() as run_dir,
+          local_pipeline(out, [(0, cut), (cut, layers)], Path(run_dir),
+                         backends=["torch-cuda"] * 2, parallel=4, context=context,
+                         chunk=512) as runner):
+        driver = RoundDriver(runner)
+        for n in (1, 4):
+            got, ms = split_rounds(driver, n, vocab)
+            want, whole_ms = expected[n]
+            same = sum(a == b for a, b in zip(got, want, strict=True))
+            print(f"| {n} | {len(want)} | {same}/{len(want)} | {whole_ms:.2f} | {ms:.2f} | "
+                  f"{(ms - whole_ms) * 500:.0f} |", flush=True)
+        memory = gpu_memory_mib()
+    print(f"# split {0}:{cut} and {cut}:{layers}: rank 0 {memory.get(os.getpid(), 0)} MiB, "
+          f"rank 1 {sum(v for k, v in memory.items() if k != os.getpid())} MiB", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -125,6 +196,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile eager decode rounds (where their fixed cost goes)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--split", action="store_true",
+                        help="whole against two stages on this GPU: bytes, memory, the hop")
     args = parser.parse_args()
     out = args.out or ROOT / "build" / f"bench-qwen3_5-27b-like-{args.layers}"
     spec = CheckpointSpec(**SHAPE, num_hidden_layers=args.layers)
@@ -134,6 +207,9 @@ def main() -> None:
     size = weight_bytes(out)
     print(f"# {args.layers} layers, {size / 2**30:.2f} GiB of bf16 weights read a step; floor "
           f"{size / H200_BYTES_PER_S * 1e3:.3f} ms a step at {H200_BYTES_PER_S / 1e12} TB/s")
+    if args.split:
+        split_against_whole(out, args.layers, args.context, spec.vocab_size)
+        return
     print(f"# context {args.context} positions a slot, 8 slots")
     print("| kernels | decode | streams | ms a round | ms a layer a round (ends included) |")
     print("|---|---|---|---|---|")
