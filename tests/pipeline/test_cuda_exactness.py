@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_pipeline_logits_equal_one_cuda_process(make_model, tmp_path, dtype):
-    model_dir = make_model("llama", dtype=dtype, num_hidden_layers=4)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])  # the hybrid cut after a DeltaNet layer
+def test_cuda_pipeline_logits_equal_one_cuda_process(make_model, tmp_path, family, dtype):
+    model_dir = make_model(family, dtype=dtype, num_hidden_layers=4)
     prompts = [np.random.default_rng(n).integers(0, 300, 200 + n).tolist() for n in range(4)]
     whole = whole_runner(model_dir, backend="torch-cuda", chunk=64, depth=2)  # as the ring
     expected = greedy_trace(whole, model_dir, prompts, steps=32, chunk=64)
