@@ -7,8 +7,10 @@
 
 Prints, from one run: decode ms per step at 1 and 8 streams and prompt time, whole vs
 split, as ratios (a mixed ring against each of its backends alone); the cost of each boundary at decode (split minus whole, over the number
-of hops a round makes, the return to rank 0 included); and the link's throughput for row
-frames against a raw socket moving the same bytes on loopback.
+of hops a round makes, the return to rank 0 included); the link against a raw socket
+moving the same bytes on loopback, two processes (bench/link_hop.py: hop and stream); and
+issue 16's figures: the decode hop per boundary from the phases, and with one chunk
+(--chunk equal to --prompt) the prompt's split / whole against its allowance.
 """
 
 from __future__ import annotations
@@ -16,12 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +28,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import checkpoint, median_s, n_layers, table
+from bench.link_hop import frames_for, link_vs_raw
 from engine.harness.driver import RoundDriver
 from engine.harness.launch import even_stages
 from engine.harness.local_pipeline import local_pipeline, whole_runner
-from engine.link.frame import FrameKind
-from engine.link.hello import Handshake
-from engine.link.transport import accept, connect, handshake, listen
 
 
 def measure(runner, streams: list[int], steps: int, prompt: int, chunk: int,
@@ -77,79 +74,26 @@ def read_events(path: Path) -> list[dict]:
     return events
 
 
-def phase_medians(timings: list[dict]) -> dict[str, float]:
-    """Median of each phase over one-row rounds (one stream decoding)."""
-    decode = [t for t in timings if t.get("rows") == 1]
+def phase_medians(timings: list[dict], rows: int = 1) -> dict[str, float]:
+    """Median of each phase over rounds of `rows` rows (1: one stream decoding)."""
+    decode = [t for t in timings if t.get("rows") == rows]
     names = [k for k in (decode[0] if decode else {}) if k not in ("rows", "round", "event",
                                                                     "level", "timestamp",
                                                                     "rank", "replica")]
     return {k: statistics.median(t[k] for t in decode) for k in names}
 
 
-def link_vs_raw(payload_bytes: int, frames: int) -> tuple[float, float]:
-    """GB/s of ROWS frames over an authenticated link, and of the same bytes on a raw socket."""
-    payload = bytearray(np.random.default_rng(0).bytes(payload_bytes))
+# Rank 0's phases that are not its own work: from its rows leaving (to_host) to the ring's
+# rows back in its tensors. Every follower's compute happens inside them, and every hop.
+RANK0_OWN = ("plan", "compute", "head")
 
-    def pair():
-        listener = listen("127.0.0.1", 0)
-        port = listener.getsockname()[1]
-        box = {}
-        thread = threading.Thread(target=lambda: box.update(server=accept(
-            listener, deadline_s=10, max_payload_bytes=payload_bytes)))
-        thread.start()
-        client = connect("127.0.0.1", port, deadline_s=10, max_payload_bytes=payload_bytes)
-        thread.join()
-        listener.close()
-        key, fp = b"k" * 32, b"f" * 32
-        t = threading.Thread(target=handshake, args=(box["server"], Handshake(
-            rank=1, world=2, fingerprint=fp, key=key)), kwargs={"deadline_s": 10})
-        t.start()
-        handshake(client, Handshake(rank=0, world=2, fingerprint=fp, key=key), deadline_s=10)
-        t.join()
-        return client, box["server"]
 
-    client, server = pair()
-    buffer = bytearray(payload_bytes)
-
-    def receive() -> None:
-        for _ in range(frames):
-            server.recv_rows_into(buffer, deadline_s=30)
-
-    start = time.perf_counter()
-    t = threading.Thread(target=receive)
-    t.start()
-    for i in range(frames):
-        client.send(FrameKind.ROWS, payload, i, 1, deadline_s=30)
-    t.join()
-    link_s = time.perf_counter() - start
-    client.close()
-    server.close()
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(listener.getsockname())
-    b, _ = listener.accept()
-    listener.close()
-    for s in (a, b):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view = memoryview(buffer)
-
-    def raw_receive() -> None:
-        for _ in range(frames):
-            got = 0
-            while got < payload_bytes:
-                got += b.recv_into(view[got:])
-
-    start = time.perf_counter()
-    t = threading.Thread(target=raw_receive)
-    t.start()
-    for _ in range(frames):
-        a.sendall(payload)
-    t.join()
-    raw_s = time.perf_counter() - start
-    a.close()
-    b.close()
-    gb = payload_bytes * frames / 1e9
-    return gb / link_s, gb / raw_s
+def hop_per_boundary_us(phases: list[dict[str, float]]) -> float:
+    """A boundary's cost at decode, device to wire to device: rank 0's time outside its own
+    work, less every follower's compute, over the hops a round makes (the return included)."""
+    transit = sum(v for k, v in phases[0].items() if k not in RANK0_OWN)
+    followers = sum(p.get("compute", 0.0) for p in phases[1:])
+    return (transit - followers) * 1000 / len(phases)
 
 
 def main() -> int:
@@ -198,11 +142,16 @@ def main() -> int:
             split = measure(runner, streams, args.steps, args.prompt, args.chunk,
                             args.repeats)
             row_format = runner.stage.row_format
-            phases = [phase_medians(list(runner.timings))]
+            rank0_timings = list(runner.timings)
+        phases, prompt_phases = [phase_medians(rank0_timings)], []
+        if args.chunk == args.prompt:  # one chunk: where the split's prompt time goes
+            prompt_phases = [phase_medians(rank0_timings, args.chunk)]
         for rank in range(1, len(stages)):
-            phases.append(phase_medians(
-                [e for e in read_events(Path(run_dir) / f"rank{rank}.log")
-                 if e.get("event") == "round timing"]))
+            events = [e for e in read_events(Path(run_dir) / f"rank{rank}.log")
+                      if e.get("event") == "round timing"]
+            phases.append(phase_medians(events))
+            if prompt_phases:
+                prompt_phases.append(phase_medians(events, args.chunk))
     print(f"# split {stages} on {backends}: {split}", flush=True)
     hops = len(stages)  # rank 0 -> 1 -> ... -> last -> rank 0
     rows = []
@@ -213,21 +162,44 @@ def main() -> int:
                          split[key] / whole[key], (split[key] - whole[key]) * 1000 / hops])
         rows.append([f"prompt ms, {args.prompt} tokens", backend, whole["prompt"],
                      split["prompt"], split["prompt"] / whole["prompt"], "-"])
-    table("where a one-stream decode round's time goes, per stage (median ms)",
-          ["rank", "phases"], [[rank, ", ".join(f"{k} {v:.3f}" for k, v in p.items())]
-                               for rank, p in enumerate(phases)])
+    for title, of in (("a one-stream decode round", phases),
+                      (f"a {args.chunk}-row prompt round", prompt_phases)):
+        if of:
+            table(f"where {title}'s time goes, per stage (median ms)", ["rank", "phases"],
+                  [[rank, ", ".join(f"{k} {v:.3f}" for k, v in p.items())]
+                   for rank, p in enumerate(of)])
     placement = ", ".join(f"{a}:{b}@{be}" for (a, b), be in zip(stages, backends, strict=True))
     table(f"split vs whole, {model_dir.name}, {placement}",
           ["measure", "whole on", "whole", "split", "split / whole", "µs per boundary"], rows)
 
+    link = {}
     link_rows = []
-    for rows_per_frame in (1, 8, args.chunk):
+    for rows_per_frame in dict.fromkeys((1, 8, args.chunk)):
         size = row_format.nbytes(rows_per_frame)
-        frames = max(50, min(5000, int(2e8 // size)))
-        link_gbs, raw_gbs = link_vs_raw(size, frames)
-        link_rows.append([rows_per_frame, size, frames, link_gbs, raw_gbs, link_gbs / raw_gbs])
-    table("stage link vs raw loopback socket (same bytes)",
-          ["rows a frame", "bytes", "frames", "link GB/s", "raw GB/s", "link / raw"], link_rows)
+        link[rows_per_frame] = r = link_vs_raw(size, frames_for(size))
+        link_rows.append([rows_per_frame, size, r["link_hop_us"], r["raw_hop_us"],
+                          r["raw_hop_us"] / r["link_hop_us"], r["link_gbs"], r["raw_gbs"],
+                          r["link_gbs"] / r["raw_gbs"]])
+    table("stage link vs raw loopback socket, the two ends in two processes (same bytes)",
+          ["rows a frame", "bytes", "link hop µs", "raw hop µs", "raw / link (hop)",
+           "link GB/s", "raw GB/s", "link / raw (stream)"], link_rows)
+    issue16 = [["decode hop per boundary, µs (goal ≤ 60 on CPU loopback, ≤ 100 on one GPU)",
+                hop_per_boundary_us(phases)],
+               ["link / raw, one-row frames: hop (goal ≥ 0.8)",
+                link[1]["raw_hop_us"] / link[1]["link_hop_us"]],
+               ["link / raw, one-row frames: stream", link[1]["link_gbs"] / link[1]["raw_gbs"]],
+               [f"link / raw, {args.chunk}-row frames: stream",
+                link[args.chunk]["link_gbs"] / link[args.chunk]["raw_gbs"]]]
+    if args.chunk == args.prompt:  # one chunk: the prompt penalty against its allowance
+        # The chunk's rows cross each boundary but the last; one row per stream comes back.
+        wire_ms = ((len(stages) - 1) * row_format.nbytes(args.chunk) / link[args.chunk]["link_gbs"]
+                   / 1e6 + link[1]["link_hop_us"] / 1000)
+        for backend, whole in wholes.items():
+            issue16 += [[f"prompt split / whole, one {args.chunk}-row chunk, whole on {backend}",
+                         split["prompt"] / whole["prompt"]],
+                        [f"  allowed: 1.06 + the wire at the link's speed ({wire_ms:.3f} ms)",
+                         1.06 + wire_ms / whole["prompt"]]]
+    table("issue 16: the hop and the prompt penalty", ["measure", "value"], issue16)
     return 0
 
 

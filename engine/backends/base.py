@@ -196,6 +196,12 @@ class Stage(ABC):
         with self._computing():
             return self._settle(self._rows_from_raw(raw, n_rows))
 
+    def rows_landing(self, buffer: bytearray | memoryview) -> memoryview:
+        """Where the link should receive rows meant for `buffer` (the ring's receive buffer):
+        the buffer itself, or memory of the stage's own of the same size that its device
+        copies from faster (pinned host memory on CUDA), free for the link to write now."""
+        return memoryview(buffer).cast("B")
+
     @abstractmethod
     def rows_to_bytes(self, rows: Any) -> memoryview:
         """Rows as raw little-endian values, plane-major (the row format's dtype, bit for bit)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import LlamaRange, Rope
 from engine.backends.pytorch.qwen3_5 import Qwen35Range, layer_counts
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
+from engine.backends.pytorch.row_transfer import RowTransfer
 from engine.config import ModelConfig
 from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
@@ -126,14 +128,19 @@ class TorchStage(Stage):
         return torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
 
     def rows_to_bytes(self, rows: torch.Tensor) -> memoryview:
-        return memoryview(rows.contiguous().view(torch.uint8).cpu().numpy()).cast("B")
+        return self._row_transfer.to_wire(rows)
+
+    def rows_landing(self, buffer: bytearray | memoryview) -> memoryview:
+        return self._row_transfer.landing(buffer)
 
     def _rows_from_raw(self, raw: memoryview, n_rows: int) -> torch.Tensor:
-        if raw.readonly:  # torch views only writable memory without a warning
-            raw = memoryview(bytearray(raw))
-        rows = torch.frombuffer(raw, dtype=self.dtype).view(n_rows, -1)
-        # frombuffer aliases the receive buffer, which the link reuses: always take a copy.
-        return rows.to(self.device, copy=True)
+        return self._row_transfer.from_wire(raw, n_rows)
+
+    @functools.cached_property
+    def _row_transfer(self) -> RowTransfer:
+        # Pinned staging and landing memory on CUDA, sized for the largest round.
+        bound = self.row_format.nbytes(self.spec.parallel + self.spec.chunk)
+        return RowTransfer(self.device, self.dtype, bound)
 
     def _to_numpy(self, logits: torch.Tensor) -> np.ndarray:
         return logits.cpu().numpy()
