@@ -210,3 +210,23 @@ def test_a_receiver_blocked_in_the_kernel_is_woken_by_shutdown():
     thread.join(5)
     assert type(result.get("error")) is errors.LinkClosed
     assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("past", [1, 10, HEADER_BYTES, HEADER_BYTES + 5, HEADER_BYTES + 300],
+                         ids=["1-byte", "part-header", "header", "header-and-part", "whole"])
+def test_a_read_that_ends_inside_the_next_frame_leaves_it_whole(past):
+    """The first read is made to end `past` bytes into the second frame (its buffer is the
+    first payload plus that much): the second frame still arrives exactly, on either path."""
+    sender, receiver = link_pair()
+    first, second = bytes(range(200)), bytes(reversed(range(256))) + b"tail" * 11
+    frames = (encode_frame(FrameKind.ROWS, first, round_no=1, rows=1)
+              + encode_frame(FrameKind.ROWS, second, round_no=2, rows=1)
+              + encode_frame(FrameKind.GO))
+    sender._sock.sendall(frames)  # all of it waits in the socket before the first read
+    target = bytearray(len(first) + past)
+    header = receiver.recv_rows_into(target, deadline_s=5)
+    assert header.round_no == 1 and bytes(target[: len(first)]) == first
+    again = bytearray(len(second))
+    header = receiver.recv_rows_into(again, deadline_s=5)
+    assert header.round_no == 2 and bytes(again) == second
+    assert receiver.recv(deadline_s=5).kind is FrameKind.GO
