@@ -20,6 +20,8 @@ import time
 SLACK_FRACTION = 0.01
 SLACK_S = 0.002
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds (native longs)
+# The longest timeout written: a longer (or infinite) deadline is waited for in such steps.
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 class KernelTimeout:
@@ -36,7 +38,7 @@ class KernelTimeout:
         if current is not None and current <= remaining_s * (1 + SLACK_FRACTION) + SLACK_S:
             return
         # Zero would mean "no timeout": the shortest real one is a microsecond.
-        micros = max(1, int(remaining_s * 1e6))
+        micros = max(1, int(min(remaining_s, MAX_TIMEOUT_S) * 1e6))
         self._sock.setsockopt(socket.SOL_SOCKET, self._option,
                               _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000))
         self._set_s = micros / 1e6

@@ -230,3 +230,9 @@ def test_a_read_that_ends_inside_the_next_frame_leaves_it_whole(past):
     header = receiver.recv_rows_into(again, deadline_s=5)
     assert header.round_no == 2 and bytes(again) == second
     assert receiver.recv(deadline_s=5).kind is FrameKind.GO
+
+
+def test_an_unbounded_deadline_is_waited_for_in_bounded_kernel_steps():
+    sender, receiver = link_pair()
+    sender.send(FrameKind.GO, deadline_s=float("inf"))
+    assert receiver.recv(deadline_s=float("inf")).kind is FrameKind.GO
