@@ -83,9 +83,11 @@ def phase_medians(timings: list[dict], rows: int = 1) -> dict[str, float]:
     return {k: statistics.median(t[k] for t in decode) for k in names}
 
 
-# Rank 0's phases that are not its own work: from its rows leaving (to_host) to the ring's
-# rows back in its tensors. Every follower's compute happens inside them, and every hop.
-RANK0_OWN = ("plan", "compute", "head")
+# Rank 0's own phases; the others run from its rows leaving (to_host) to the ring's rows
+# back in its tensors, and every follower's compute and every hop happen inside them.
+# "queued" is rank 0 between launching a round and landing it (later rounds' work, when
+# rounds overlap): its own time, not the ring's.
+RANK0_OWN = ("plan", "compute", "queued", "head")
 
 
 def hop_per_boundary_us(phases: list[dict[str, float]]) -> float:
