@@ -83,18 +83,19 @@ def phase_medians(timings: list[dict], rows: int = 1) -> dict[str, float]:
     return {k: statistics.median(t[k] for t in decode) for k in names}
 
 
-# Rank 0's own phases; the others run from its rows leaving (to_host) to the ring's rows
-# back in its tensors, and every follower's compute and every hop happen inside them.
-# "queued" is rank 0 between launching a round and landing it (later rounds' work, when
-# rounds overlap): its own time, not the ring's.
-RANK0_OWN = ("plan", "compute", "queued", "head")
+# A stage's own work: on a GPU "compute" only launches the kernels and "to_host" waits for
+# them to finish (and copies the rows out), so both are the stage's compute. "queued" is rank
+# 0 between launching a round and landing it (later rounds' work, when rounds overlap).
+RANK0_OWN = ("plan", "compute", "to_host", "queued", "head")
+FOLLOWER_OWN = ("compute", "to_host")
 
 
 def hop_per_boundary_us(phases: list[dict[str, float]]) -> float:
-    """A boundary's cost at decode, device to wire to device: rank 0's time outside its own
-    work, less every follower's compute, over the hops a round makes (the return included)."""
+    """A boundary's cost at decode, wire and landing: rank 0's time outside its own work
+    (its rows' send and its wait for the ring), less every follower's own work, over the
+    hops a round makes (the return included)."""
     transit = sum(v for k, v in phases[0].items() if k not in RANK0_OWN)
-    followers = sum(p.get("compute", 0.0) for p in phases[1:])
+    followers = sum(p.get(k, 0.0) for p in phases[1:] for k in FOLLOWER_OWN)
     return (transit - followers) * 1000 / len(phases)
 
 

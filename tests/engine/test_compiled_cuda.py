@@ -15,7 +15,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 @pytest.mark.parametrize(("family", "dtype", "tolerance"), [
     ("qwen3", "float32", 1e-4),
-    ("llama", "bfloat16", 0.1),
+    # bfloat16: Inductor keeps fused norms and RoPE in float32 where eager rounds between
+    # ops, and over 300 positions the two KV caches drift apart by that rounding: measured
+    # up to 0.102 (one logit of 270,000; ~13 bfloat16 steps at 1.0) on an H200.
+    ("llama", "bfloat16", 0.125),
 ])
 def test_compiled_graphs_decode_the_eager_tokens(make_model, family, dtype, tolerance):
     """Teacher-forced with eager rounds' tokens: every round's logits within the dtype's

@@ -47,11 +47,15 @@ def test_cuda_logits_match_transformers_on_cuda(make_model, kernels):
     ids = np.random.default_rng(0).integers(0, 300, 100).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    # fla-core's Triton kernels multiply float32 inputs in TF32 (a 10-bit mantissa) on the
+    # tensor cores: measured up to 1.8e-3 off on this model's logits (of size ~1) on an
+    # H200, where our own kernel stays within 1e-3.
+    atol = 5e-3 if kernels == "fla" else 1e-3
     got = driver.round({0: ids[:70]})[0]  # a prompt chunk, then decode rows
-    np.testing.assert_allclose(got, expected[69], atol=1e-3, rtol=0)
+    np.testing.assert_allclose(got, expected[69], atol=atol, rtol=0)
     for pos in range(70, 100):
         got = driver.round({0: [ids[pos]]})[0]
-        np.testing.assert_allclose(got, expected[pos], atol=1e-3, rtol=0, err_msg=f"{pos}")
+        np.testing.assert_allclose(got, expected[pos], atol=atol, rtol=0, err_msg=f"{pos}")
 
 
 @KERNELS
