@@ -7,6 +7,7 @@ from pathlib import Path
 from engine.backends.base import StageSpec, load_stage
 from engine.harness.driver import RoundDriver
 from engine.pipeline.runner import LocalRunner
+from engine.rounds import RowLayout, RowSpan
 
 
 def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk: int = 64,
@@ -21,3 +22,40 @@ def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk
 def stage_driver(stage) -> RoundDriver:
     """Rounds by hand over a whole-model stage."""
     return RoundDriver(LocalRunner(stage))
+
+
+def layout_of(singles: list[tuple[int, int]], spans: list[tuple[int, int, int]]) -> RowLayout:
+    """singles: (slot, position) decode rows first; spans: (slot, first, end) prompt chunks."""
+    layout = RowLayout([], [], [], [], [], [])
+    for row, (slot, position) in enumerate(singles):
+        layout.positions.append(position)
+        layout.slots.append(slot)
+        layout.single_rows.append(row)
+        layout.single_slots.append(slot)
+        layout.single_positions.append(position)
+    for slot, first, end in spans:
+        start = len(layout.positions)
+        layout.positions.extend(range(first, end))
+        layout.slots.extend([slot] * (end - first))
+        layout.spans.append(RowSpan(start, start + end - first, slot, first, end))
+    return layout
+
+
+def teacher_forced_agreement(drivers, feeds: dict[int, list[int]], rounds: int,
+                             tolerance: float) -> int:
+    """Rounds through (reference, other) drivers, both fed the reference's greedy tokens:
+    every row's logits within `tolerance`, and the same argmax wherever the reference's top
+    two are further apart than it. Returns how many tokens were so compared."""
+    import numpy as np
+
+    decided = 0
+    for _ in range(rounds):
+        want, got = (driver.round(feeds) for driver in drivers)
+        for slot, row in want.items():
+            np.testing.assert_allclose(got[slot], row, rtol=0, atol=tolerance)
+            second, first = np.sort(row)[-2:]
+            if first - second > tolerance:
+                assert got[slot].argmax() == row.argmax(), slot
+                decided += 1
+        feeds = {slot: [int(row.argmax())] for slot, row in want.items()}
+    return decided

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.backends.base import StageSpec, load_stage
-from tests.engine.conftest import stage_driver
+from tests.engine.conftest import stage_driver, teacher_forced_agreement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -31,15 +31,7 @@ def test_compiled_graphs_decode_the_eager_tokens(make_model, family, dtype, tole
                                  compile="off"))
     assert compiled.decode_step is not None and compiled.graphs.step is not None  # auto
     drivers = (stage_driver(eager), stage_driver(compiled))
-    feeds, decided = prompts, 0
-    for _ in range(300):  # past 256 keys: a second key bucket, so a second graph shape
-        want, got = (driver.round(feeds) for driver in drivers)
-        for slot, row in want.items():
-            np.testing.assert_allclose(got[slot], row, rtol=0, atol=tolerance)
-            second, first = np.sort(row)[-2:]
-            if first - second > tolerance:
-                assert got[slot].argmax() == row.argmax(), slot
-                decided += 1
-        feeds = {slot: [int(row.argmax())] for slot, row in want.items()}
+    # 300 rounds: past 256 keys, a second key bucket, so a second graph shape.
+    decided = teacher_forced_agreement(drivers, prompts, 300, tolerance)
     assert {keys for (_run, keys) in compiled.graphs.captured} == {256, 320}
     assert decided >= 3 * 300 * 3 // 4

@@ -8,7 +8,6 @@ dtype's rounding; its eager form must give the captured path's bytes exactly.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from engine.backends.pytorch.compiled_step import compiles, inductor_cache_dir
 from engine.backends.pytorch.kv_cache import decode_index
 from engine.config import ModelConfig
 from engine.harness.local_pipeline import model_config
-from tests.engine.conftest import stage_driver
+from tests.engine.conftest import stage_driver, teacher_forced_agreement
 
 PROMPTS = {0: [5, 17, 9, 250, 3, 77, 41], 1: [8, 8, 120, 64], 2: [33] * 13}
 STEPS = 12
@@ -98,14 +97,5 @@ def test_compiled_stage_decodes_the_eager_stages_tokens(make_model, family, dtyp
     eager, compiled = make_stage(model_dir, "off"), make_stage(model_dir, "on")
     assert eager.decode_step is None and compiled.decode_step is not None
     drivers = (stage_driver(eager), stage_driver(compiled))
-    feeds, decided = PROMPTS, 0
-    for _ in range(STEPS + 1):
-        want, got = (driver.round(feeds) for driver in drivers)
-        for slot, row in want.items():
-            np.testing.assert_allclose(got[slot], row, rtol=0, atol=tolerance)
-            second, first = np.sort(row)[-2:]
-            if first - second > tolerance:
-                assert got[slot].argmax() == row.argmax(), slot
-                decided += 1
-        feeds = {slot: [int(row.argmax())] for slot, row in want.items()}
+    decided = teacher_forced_agreement(drivers, PROMPTS, STEPS + 1, tolerance)
     assert decided >= len(PROMPTS) * STEPS * 3 // 4  # ties are rare: most tokens compared

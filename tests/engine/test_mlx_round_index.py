@@ -17,27 +17,10 @@ import pytest
 from engine.backends.base import StageSpec, load_stage
 from engine.backends.mlx.kv_cache import RoundIndex
 from engine.harness.local_pipeline import model_config
-from engine.rounds import RowLayout, RowSpan
-from tests.engine.conftest import stage_driver
+from engine.rounds import RowLayout
+from tests.engine.conftest import layout_of, stage_driver
 
 PROMPT = [5, 17, 9, 250, 3, 77, 41, 8, 120]
-
-
-def layout_of(singles: list[tuple[int, int]], spans: list[tuple[int, int, int]]) -> RowLayout:
-    """singles: (slot, position) decode rows first; spans: (slot, first, end) prompt chunks."""
-    layout = RowLayout([], [], [], [], [], [])
-    for row, (slot, position) in enumerate(singles):
-        layout.positions.append(position)
-        layout.slots.append(slot)
-        layout.single_rows.append(row)
-        layout.single_slots.append(slot)
-        layout.single_positions.append(position)
-    for slot, first, end in spans:
-        start = len(layout.positions)
-        layout.positions.extend(range(first, end))
-        layout.slots.extend([slot] * (end - first))
-        layout.spans.append(RowSpan(start, start + end - first, slot, first, end))
-    return layout
 
 
 def the_long_way(index: RoundIndex, layout: RowLayout) -> RoundIndex:

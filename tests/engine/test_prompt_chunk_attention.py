@@ -19,26 +19,9 @@ import torch
 
 from engine.backends.mlx import kv_cache as mlx_kv
 from engine.backends.pytorch import kv_cache as torch_kv
-from engine.rounds import RowLayout, RowSpan
+from tests.engine.conftest import layout_of
 
 SLOTS, KV_HEADS, HEADS, HEAD_DIM, CONTEXT = 3, 2, 4, 16, 128
-
-
-def layout_of(singles: list[tuple[int, int]], spans: list[tuple[int, int, int]]) -> RowLayout:
-    """singles: (slot, position) decode rows first; spans: (slot, first, end) prompt chunks."""
-    layout = RowLayout([], [], [], [], [], [])
-    for row, (slot, position) in enumerate(singles):
-        layout.positions.append(position)
-        layout.slots.append(slot)
-        layout.single_rows.append(row)
-        layout.single_slots.append(slot)
-        layout.single_positions.append(position)
-    for slot, first, end in spans:
-        start = len(layout.positions)
-        layout.positions.extend(range(first, end))
-        layout.slots.extend([slot] * (end - first))
-        layout.spans.append(RowSpan(start, start + end - first, slot, first, end))
-    return layout
 
 
 ROUNDS = {
