@@ -45,7 +45,9 @@ class RoundPlan:
     round_no: int
     entries: tuple[StreamEntry, ...]
     # Row offsets across the whole round where a prompt chunk ends (strictly ascending,
-    # inside the round). v1 runs a round as one batch; the cuts are carried for v2.
+    # inside the round), as the wire format (RFC 6.4) carries them. Every stage runs a round
+    # as one batch; overlapped prompts put each chunk in its own round instead (the lane
+    # host, engine/lanes/host.py), so the rounds rank 0 builds carry no cuts.
     cuts: tuple[int, ...] = field(default=())
 
     @property
