@@ -18,6 +18,9 @@ from engine.link.messages import BACKENDS
 MIN_API_SECRET_CHARS = 16
 DEFAULT_HTTP = "127.0.0.1:8000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# How a hop's rows travel (engine.pipeline.hop_transport): auto (NCCL between two CUDA
+# stages, else TCP), tcp, or dist (torch.distributed: NCCL on CUDA, gloo on the CPU).
+HOP_TRANSPORTS = ("auto", "tcp", "dist")
 # The knobs `to_environ` writes only when they differ from their defaults: variable -> field.
 TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_KEEPALIVE_S": "keepalive_s", "FLEET_DEAD_AFTER": "dead_after",
@@ -29,7 +32,8 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_HTTP_HEADER_S": "http_header_s", "FLEET_HTTP_IDLE_S": "http_idle_s",
           "FLEET_HTTP_BODY_S": "http_body_s", "FLEET_DELTA_KERNEL": "delta_kernel",
           "FLEET_COMPILE": "compile",
-          "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight"}
+          "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight",
+          "FLEET_HOP_TRANSPORT": "hop_transport"}
 
 
 class EnvError(ValueError):
@@ -105,6 +109,7 @@ class EngineEnv:
     # Rank 0's rounds in flight at once (RFC 6.3 v2/v3); 0: one per stage, so every stage
     # works at once; 1: each round lands before the next starts (v1).
     rounds_in_flight: int = 0
+    hop_transport: str = "auto"  # FLEET_HOP_TRANSPORT: one of HOP_TRANSPORTS
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -172,6 +177,10 @@ class EngineEnv:
         if compile_mode not in COMPILE_MODES:
             raise EnvError("FLEET_COMPILE", f"FLEET_COMPILE={compile_mode!r}: expected one of "
                            f"{', '.join(COMPILE_MODES)}")
+        hop_transport = env.get("FLEET_HOP_TRANSPORT", default["hop_transport"])
+        if hop_transport not in HOP_TRANSPORTS:
+            raise EnvError("FLEET_HOP_TRANSPORT", f"FLEET_HOP_TRANSPORT={hop_transport!r}: "
+                           f"expected one of {', '.join(HOP_TRANSPORTS)}")
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:
@@ -219,6 +228,7 @@ class EngineEnv:
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
             delta_kernel=delta_kernel, quant=quant, compile=compile_mode,
             rounds_in_flight=integer("FLEET_ROUNDS_IN_FLIGHT", "rounds_in_flight", 0),
+            hop_transport=hop_transport,
             api_secret_file=api_secret_file, api_secret=api_secret,
             http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
             http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),

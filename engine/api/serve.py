@@ -78,8 +78,10 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting))
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
     limits = http_limits(env)
+    ring = getattr(runner, "ring", None)  # a pipeline's: how each hop's rows travel
     app = make_app(host, ApiConfig(served, env.placement, int(time.time()), env.api_secret,
-                                   limits=limits), host.metrics)
+                                   limits=limits, hops=ring.hops.transports if ring else ()),
+                   host.metrics)
     web_runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                keepalive_timeout=limits.idle_s,
                                shutdown_timeout=HANDLERS_FINISH_S)

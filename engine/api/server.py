@@ -50,6 +50,7 @@ class ApiConfig:
     created: int = 0
     api_secret: str = field(default="", repr=False)  # "" (standalone): the API stays open
     limits: HttpLimits = field(default_factory=HttpLimits)
+    hops: tuple[str, ...] = ()  # each hop's transport (tcp, nccl, gloo); () standalone
 
 
 HOST = web.AppKey("host", LaneHost)
@@ -168,8 +169,11 @@ async def health(request: web.Request) -> web.Response:
              "drain_seconds_left": round(seconds_left or 0.0, 1),
              "system_fingerprint": fingerprint},
             status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-    return web.json_response({"status": "ok", "slots_in_use": host.slots_in_use(),
-                              "system_fingerprint": fingerprint})
+    body = {"status": "ok", "slots_in_use": host.slots_in_use(),
+            "system_fingerprint": fingerprint}
+    if request.app[CONFIG].hops:
+        body["hops"] = list(request.app[CONFIG].hops)
+    return web.json_response(body)
 
 
 async def prometheus(request: web.Request) -> web.Response:

@@ -18,7 +18,7 @@ from engine.link.errors import ProtocolError
 from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, plan_of, watch
 from engine.pipeline.ring import Ring
-from engine.pipeline.rows import receive_rows
+from engine.pipeline.rows import receive_ring_rows, send_ring_rows
 from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
 
@@ -95,11 +95,15 @@ def run_round(stage: Stage, ring: Ring, plan: RoundPlan, deadline_s: float) -> N
         stage.forward(plan, None, None)
         return
     clock = RoundClock()
-    rows = receive_rows(ring.from_prev, stage, plan.round_no, plan.total_rows, deadline_s,
-                        ring.rows_buffer)
+    rows = receive_ring_rows(ring, stage, plan.round_no, plan.total_rows, deadline_s)
     clock.mark("wait_rows")  # the stages before this one computing, and the hop
     out = stage.forward(plan, rows, None)
     clock.mark("compute")  # on a GPU: launching the kernels
+    if ring.hops.out is not None:  # torch.distributed: the device's rows, no host copy
+        send_ring_rows(ring, stage, out, plan.round_no, len(out), deadline_s)
+        clock.mark("send")
+        log.debug("round timing", round=plan.round_no, rows=plan.total_rows, **clock.phases_ms)
+        return
     data = stage.rows_to_bytes(out)
     clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
     ring.to_next.send(FrameKind.ROWS, data, plan.round_no, len(out), deadline_s=deadline_s)

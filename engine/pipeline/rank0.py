@@ -27,7 +27,7 @@ from engine.link.errors import ProtocolError, UnexpectedFrame
 from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
 from engine.pipeline.ring import Ring
-from engine.pipeline.rows import receive_rows
+from engine.pipeline.rows import receive_ring_rows, send_ring_rows
 from engine.pipeline.runner import Head, LaunchAndLand, head_of
 from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
@@ -123,7 +123,11 @@ class PipelineRunner(LaunchAndLand):
         clock.mark("plan")
         rows = self.stage.forward(plan, None, token_ids)
         clock.mark("compute")  # on a GPU: launching the kernels
-        if plan.total_rows:
+        if plan.total_rows and self.ring.hops.out is not None:  # torch.distributed hop
+            send_ring_rows(self.ring, self.stage, rows, plan.round_no, plan.total_rows,
+                           self.round_deadline_s)
+            clock.mark("send")
+        elif plan.total_rows:
             data = self.stage.rows_to_bytes(rows)
             clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
             self.ring.to_next.send(FrameKind.ROWS, data, plan.round_no, plan.total_rows,
@@ -139,9 +143,8 @@ class PipelineRunner(LaunchAndLand):
         if not plan.total_rows:
             return round_.head(None)  # it only closed slots: nothing comes back
         clock.mark("queued")  # rank 0 launching later rounds, or the lane host between rounds
-        back = receive_rows(self.ring.from_prev, self.stage, plan.round_no,
-                            len(plan.returned_rows()), self.round_deadline_s,
-                            self.ring.rows_buffer)
+        back = receive_ring_rows(self.ring, self.stage, plan.round_no,
+                                 len(plan.returned_rows()), self.round_deadline_s)
         clock.mark("ring")  # every other stage, and every hop
         result = round_.head(back)
         clock.mark("head")  # and sampling, when the head samples

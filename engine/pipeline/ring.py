@@ -40,6 +40,7 @@ from engine.link.hello import Handshake, read_key_file
 from engine.link.layout import check_descriptions
 from engine.link.messages import Backend, Describe, Neighbour, Ready, decode_message
 from engine.link.transport import Link, connect, handshake, listen
+from engine.pipeline.hop_transport import Hops, setup_hops
 
 log = structlog.get_logger()
 # Pause before dialling again a peer that hung up during the handshake.
@@ -69,6 +70,7 @@ class Ring:
     to_next: Link  # rows to the successor
     from_prev: Link  # rows from the predecessor
     rows_buffer: bytearray = field(init=False)  # where the predecessor's rows land
+    hops: Hops = field(default_factory=Hops)  # hops on torch.distributed instead of the links
 
     def __post_init__(self) -> None:
         self.rows_buffer = bytearray(self.config.rows_bound_bytes)
@@ -105,10 +107,18 @@ def boot_ring(env: EngineEnv, stage: Stage, config: ModelConfig) -> Ring:
                              key, rows_bound, env.boot_deadline_s, env.round_deadline_s,
                              env.handshake_deadline_s)
     if env.rank == 0:
-        return boot_rank0(ring_config, own, n_layers=config.num_hidden_layers,
+        ring = boot_rank0(ring_config, own, n_layers=config.num_hidden_layers,
                           engine_version=ENGINE_VERSION, context=env.context,
                           parallel=env.parallel)
-    return boot_follower(ring_config, own)
+    else:
+        ring = boot_follower(ring_config, own)
+    try:  # the links are up and authenticated: each hop may now move to torch.distributed
+        ring.hops = setup_hops(env.rank, env.world_size, ring.to_next, ring.from_prev,
+                               env.hop_transport, env.placement, env.listen[0])
+    except BaseException:
+        ring.close()
+        raise
+    return ring
 
 
 class _BootClock:

@@ -1,4 +1,6 @@
-"""Receiving a round's rows from the ring predecessor, checked against the plan and format."""
+"""A round's rows between ring neighbours: received from the predecessor (checked against
+the plan and format) and sent to the successor, over the TCP link or the hop's
+torch.distributed group where boot moved the hop there (engine.pipeline.hop_transport)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,29 @@ from typing import Any
 
 from engine.backends.base import Stage
 from engine.link.errors import UnexpectedFrame
-from engine.link.frame import Frame
+from engine.link.frame import Frame, FrameKind
 from engine.link.messages import check_rows_frame
 from engine.link.transport import Link
+from engine.pipeline import hop_transport
+from engine.pipeline.ring import Ring
+
+
+def receive_ring_rows(ring: Ring, stage: Stage, round_no: int, n_rows: int,
+                      deadline_s: float) -> Any:
+    """The rows of `round_no` from the predecessor, over whichever transport its hop uses."""
+    if ring.hops.into is not None:
+        return hop_transport.receive_rows(ring.hops.into, stage, round_no, n_rows, deadline_s)
+    return receive_rows(ring.from_prev, stage, round_no, n_rows, deadline_s, ring.rows_buffer)
+
+
+def send_ring_rows(ring: Ring, stage: Stage, rows: Any, round_no: int, n_rows: int,
+                   deadline_s: float) -> None:
+    """A round's rows to the successor, over whichever transport its hop uses."""
+    if ring.hops.out is not None:
+        hop_transport.send_rows(ring.hops.out, stage, rows, round_no, deadline_s)
+        return
+    ring.to_next.send(FrameKind.ROWS, stage.rows_to_bytes(rows), round_no, n_rows,
+                      deadline_s=deadline_s)
 
 
 def receive_rows(link: Link, stage: Stage, round_no: int, n_rows: int, deadline_s: float,
