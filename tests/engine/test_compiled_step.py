@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from engine.backends.base import BackendError, StageSpec, load_stage
-from engine.backends.pytorch import compiled_step
 from engine.backends.pytorch.compiled_step import compiles, inductor_cache_dir
 from engine.backends.pytorch.kv_cache import decode_index
 from engine.config import ModelConfig
@@ -51,7 +50,9 @@ def test_auto_leaves_hybrids_and_packed_weights_eager_and_on_refuses_them(make_m
 
 def test_the_inductor_cache_survives_reboots_unless_the_user_chose(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled_step.default_cache_dir())
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     assert inductor_cache_dir() == tmp_path / "ringfleet" / "inductor"  # not torch's /tmp
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert inductor_cache_dir() == tmp_path / "ringfleet" / "inductor"

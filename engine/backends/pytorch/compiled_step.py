@@ -27,7 +27,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine.backends.base import BackendError
 from engine.backends.pytorch.llama import DecodeBlock, decode_block
@@ -56,6 +55,9 @@ def compiles(mode: str, device: torch.device, config: ModelConfig, packed: bool,
 def inductor_cache_dir() -> Path:
     """Where Inductor keeps compiled kernels: TORCHINDUCTOR_CACHE_DIR if the user set it,
     else the user's cache directory (XDG), which a reboot keeps."""
+    # Imported here: Inductor's modules add about 74 MB to a process that never compiles.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     # Inductor writes its own default (under /tmp) back into the variable once it has
     # looked, so that value is not a choice anyone made.

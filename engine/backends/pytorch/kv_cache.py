@@ -9,10 +9,11 @@ costs what the conversations hold, not what the fleet configured: an eager round
 keys [0, its rows' highest position + 1) of each slot it serves (a prompt span its own
 slot's [0, span end)), and a captured decode step reads [0, `key_bucket` of that).
 
-A prompt span without a sliding window builds no mask: its rows are the last of the keys
-they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
-memory-efficient kernel on CUDA (on the CPU it is expanded to the same mask as before:
-the same bytes).
+A prompt span on CUDA without a sliding window builds no mask: its rows are the last of
+the keys they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
+memory-efficient kernel. Elsewhere the span carries the explicit mask: the CPU would
+expand `causal_lower_right` to the same mask anyway (the same bytes), and its module
+imports torch._dynamo, about 74 MB resident in a process that never compiles.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.rounds import RowLayout
 
@@ -60,7 +60,7 @@ class RoundIndex:
         spans = []
         for span in layout.spans:
             mask = None
-            if sliding_window:
+            if sliding_window or device.type != "cuda":
                 q = torch.arange(span.first, span.end, device=device)[:, None]
                 mask = _visible(q, span.end, sliding_window, device)
             spans.append(PromptSpan(span.start, span.stop, span.slot, span.first, span.end,
@@ -185,6 +185,8 @@ class KVCache:
             qs = q[span.start:span.stop].transpose(0, 1)[None]  # [1, heads, rows, head_dim]
             mask = span.mask
             if mask is None:
+                from torch.nn.attention.bias import causal_lower_right  # CUDA only: see above
+
                 mask = causal_lower_right(span.stop - span.start, keys)
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)
             out[span.start:span.stop] = o[0].transpose(0, 1)
