@@ -44,7 +44,9 @@ def log_events(path) -> list[dict]:
 def test_choice_per_hop():
     placement = "0-2@torch-cuda,2-4@torch-cuda,4-5@mlx-metal"
     assert placement_backends(placement, 3) == ["torch-cuda", "torch-cuda", "mlx-metal"]
-    assert [kind for kind, _ in hop_plan("auto", placement, 3)] == ["nccl", "tcp", "tcp"]
+    # auto keeps TCP until NCCL hops have run on two GPUs; dist asks for them.
+    assert [kind for kind, _ in hop_plan("auto", placement, 3)] == ["tcp", "tcp", "tcp"]
+    assert [kind for kind, _ in hop_plan("dist", placement, 3)] == ["nccl", "tcp", "tcp"]
     assert [kind for kind, _ in hop_plan("tcp", placement, 3)] == ["tcp"] * 3
     assert [kind for kind, _ in hop_plan("dist", "0-1@torch-cpu,1-2@torch-cpu", 2)] == \
         ["gloo", "gloo"]
@@ -170,13 +172,14 @@ def two_gpus() -> bool:
 
 
 @pytest.mark.skipif(not two_gpus(), reason="NCCL between two stages needs two CUDA devices")
-def test_auto_puts_a_cuda_to_cuda_hop_on_nccl(make_model, tmp_path):
+def test_dist_puts_a_cuda_to_cuda_hop_on_nccl(make_model, tmp_path):
     model_dir = make_model("llama", dtype="bfloat16", num_hidden_layers=4, seed=20)
     whole = whole_runner(model_dir, backend="torch-cuda", chunk=CHUNK, depth=2)
     expected = greedy_trace(whole, model_dir, prompts(4), steps=STEPS, chunk=CHUNK)
     with pipeline(model_dir, [(0, 1), (1, 4)], tmp_path, backends=["torch-cuda"] * 2,
                   chunk=CHUNK, rank_env={1: {"CUDA_VISIBLE_DEVICES": "1"}},
-                  extra_env={"FLEET_ROUND_DEADLINE_S": "60"}) as runner:
+                  extra_env={"FLEET_ROUND_DEADLINE_S": "60",
+                             "FLEET_HOP_TRANSPORT": "dist"}) as runner:
         assert runner.ring.hops.transports == ("nccl", "nccl")
         got = greedy_trace(runner, model_dir, prompts(4), steps=STEPS, chunk=CHUNK)
     assert [plan for plan, _ in got] == [plan for plan, _ in expected]
