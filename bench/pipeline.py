@@ -16,7 +16,6 @@ issue 16's figures: the decode hop per boundary from the phases, and with one ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import checkpoint, median_s, n_layers, table
 from bench.link_hop import frames_for, link_vs_raw
 from engine.harness.driver import RoundDriver
-from engine.harness.launch import even_stages
+from engine.harness.launch import even_stages, log_records
 from engine.harness.local_pipeline import local_pipeline, whole_runner
 
 
@@ -62,16 +61,6 @@ def measure(runner, streams: list[int], steps: int, prompt: int, chunk: int,
 
     out["prompt"] = median_s(prefill, repeats=repeats) * 1000
     return out
-
-
-def read_events(path: Path) -> list[dict]:
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return events
 
 
 def phase_medians(timings: list[dict], rows: int = 1) -> dict[str, float]:
@@ -150,7 +139,7 @@ def main() -> int:
         if args.chunk == args.prompt:  # one chunk: where the split's prompt time goes
             prompt_phases = [phase_medians(rank0_timings, args.chunk)]
         for rank in range(1, len(stages)):
-            events = [e for e in read_events(Path(run_dir) / f"rank{rank}.log")
+            events = [e for e in log_records(Path(run_dir) / f"rank{rank}.log")
                       if e.get("event") == "round timing"]
             phases.append(phase_medians(events))
             if prompt_phases:

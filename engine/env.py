@@ -148,6 +148,12 @@ class EngineEnv:
                                f"{'' if zero_ok else 'positive '}number of seconds")
             return value
 
+        def choice(name: str, attr: str, allowed: Sequence[str]) -> str:
+            value = env.get(name, default[attr])
+            if value not in allowed:
+                raise EnvError(name, f"{name}={value!r}: expected one of {', '.join(allowed)}")
+            return value
+
         def address(name: str, value: str, *, listener: bool = True) -> tuple[str, int]:
             try:
                 return (listen_address if listener else parse_host_port)(value, name)
@@ -161,26 +167,11 @@ class EngineEnv:
         rank, world = integer("RANK", "rank", 0), integer("WORLD_SIZE", "world_size")
         if rank >= world:
             raise EnvError("RANK", f"RANK={rank} must be below WORLD_SIZE={world}")
-        backend = env.get("FLEET_BACKEND", default["backend"])
-        if backend not in BACKENDS:
-            raise EnvError("FLEET_BACKEND", f"FLEET_BACKEND={backend!r}: expected one of "
-                           f"{', '.join(BACKENDS)}")
-        delta_kernel = env.get("FLEET_DELTA_KERNEL", default["delta_kernel"])
-        if delta_kernel not in DELTA_KERNELS:
-            raise EnvError("FLEET_DELTA_KERNEL", f"FLEET_DELTA_KERNEL={delta_kernel!r}: expected "
-                           f"one of {', '.join(DELTA_KERNELS)}")
-        quant = env.get("FLEET_QUANT", default["quant"])
-        if quant not in QUANT_MODES:
-            raise EnvError("FLEET_QUANT", f"FLEET_QUANT={quant!r}: expected one of "
-                           f"{', '.join(QUANT_MODES)}")
-        compile_mode = env.get("FLEET_COMPILE", default["compile"])
-        if compile_mode not in COMPILE_MODES:
-            raise EnvError("FLEET_COMPILE", f"FLEET_COMPILE={compile_mode!r}: expected one of "
-                           f"{', '.join(COMPILE_MODES)}")
-        hop_transport = env.get("FLEET_HOP_TRANSPORT", default["hop_transport"])
-        if hop_transport not in HOP_TRANSPORTS:
-            raise EnvError("FLEET_HOP_TRANSPORT", f"FLEET_HOP_TRANSPORT={hop_transport!r}: "
-                           f"expected one of {', '.join(HOP_TRANSPORTS)}")
+        backend = choice("FLEET_BACKEND", "backend", BACKENDS)
+        delta_kernel = choice("FLEET_DELTA_KERNEL", "delta_kernel", DELTA_KERNELS)
+        quant = choice("FLEET_QUANT", "quant", QUANT_MODES)
+        compile_mode = choice("FLEET_COMPILE", "compile", COMPILE_MODES)
+        hop_transport = choice("FLEET_HOP_TRANSPORT", "hop_transport", HOP_TRANSPORTS)
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:

@@ -44,6 +44,17 @@ def even_stages(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
+def log_records(path: Path) -> list[dict]:
+    """An engine log file's structured (JSON) lines, in order; other lines are skipped."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
 @dataclass
 class LocalFleet:
     """N engine processes of one replica; `url` is rank 0's OpenAI base URL."""
@@ -96,13 +107,7 @@ class LocalFleet:
 
     def events(self, rank: int) -> list[dict]:
         """The rank's structured log lines."""
-        out = []
-        for line in self.log_paths[rank].read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        return out
+        return log_records(self.log_paths[rank])
 
     def stop(self, grace_s: float = 10.0, sig: int = signal.SIGINT) -> list[int | None]:
         """Signal every rank, then kill what is still running after `grace_s`."""

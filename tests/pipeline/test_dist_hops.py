@@ -4,7 +4,6 @@ and failing fast like any broken link."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.env import EngineEnv, EnvError
-from engine.harness.launch import launch
+from engine.harness.launch import launch, log_records
 from engine.harness.local_pipeline import whole_runner
 from engine.pipeline import hop_transport
 from engine.pipeline.hop_transport import choose, hop_plan, placement_backends
@@ -29,16 +28,6 @@ DIST = {"FLEET_HOP_TRANSPORT": "dist", "FLEET_ROUND_DEADLINE_S": "60"}
 def prompts(count: int) -> list[list[int]]:
     rng = np.random.default_rng(count)
     return [rng.integers(0, 300, 150 - 9 * i).tolist() for i in range(count)]
-
-
-def log_events(path) -> list[dict]:
-    events = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return events
 
 
 def test_choice_per_hop():
@@ -84,7 +73,7 @@ def test_dist_hops_give_the_bits_of_one_process(make_model, tmp_path, stages):
     for (plan, logits), (_, want) in zip(got, expected, strict=True):
         assert logits == want, f"round {plan.round_no} differs"
     for rank in range(1, len(stages)):
-        chosen = [e for e in log_events(tmp_path / "run" / f"rank{rank}.log")
+        chosen = [e for e in log_records(tmp_path / "run" / f"rank{rank}.log")
                   if e.get("event") == "hop on torch.distributed"]
         assert len(chosen) == 2, f"rank {rank} did not put both its hops on gloo"
 
@@ -95,7 +84,7 @@ def test_auto_on_cpu_keeps_tcp(make_model, tmp_path):
         assert runner.ring.hops.transports == ("tcp", "tcp")
         assert runner.ring.hops.out is None and runner.ring.hops.into is None
         assert len(greedy_trace(runner, model_dir, prompts(1), steps=4, chunk=CHUNK)) > 4
-    events = log_events(tmp_path / "run" / "rank1.log")
+    events = log_records(tmp_path / "run" / "rank1.log")
     assert not [e for e in events if "hop" in e.get("event", "") and e["event"] != "hop transports"]
     assert [e["hops"] for e in events if e.get("event") == "hop transports"] == [["tcp", "tcp"]]
 
@@ -119,7 +108,7 @@ def test_a_failed_rendezvous_falls_back_to_tcp_on_both_ends(make_model, tmp_path
         assert runner.ring.hops.out is None and runner.ring.hops.into is not None
         got = greedy_trace(runner, model_dir, prompts(2), steps=8, chunk=CHUNK)
     assert [logits for _, logits in got] == [logits for _, logits in expected]
-    fallbacks = [e for e in log_events(tmp_path / "run" / "rank1.log")
+    fallbacks = [e for e in log_records(tmp_path / "run" / "rank1.log")
                  if e.get("event") == "hop falls back to tcp"]
     assert len(fallbacks) == 1 and fallbacks[0]["reason"], fallbacks
 
