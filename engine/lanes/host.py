@@ -292,7 +292,7 @@ class LaneHost:
         round's record and the draws its head makes (stream id -> draw, for each stream
         whose returned row predicts its next token: a decode row, or a prompt's last chunk)."""
         draws: dict[int, RowDraw] = {}
-        decode_rows, returned = 0, 0
+        returned, decode_only = 0, True
         for entry in plan.entries:
             stream = self.slots[entry.stream_id]
             stream.busy_in = plan.round_no
@@ -301,8 +301,7 @@ class LaneHost:
             row = returned
             returned += 1
             prompt = len(stream.request.prompt_ids)
-            if decode_rows >= 0:
-                decode_rows = decode_rows + 1 if entry.rows == 1 and entry.first >= prompt else -1
+            decode_only &= entry.rows == 1 and entry.first >= prompt
             if stream.fed < prompt:
                 stream.fed += entry.rows
                 if stream.fed < prompt:
@@ -311,7 +310,8 @@ class LaneHost:
             if not (stream.cancelled or stream.finished):
                 draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs)
         batch = SamplingBatch.of(list(draws.values()), keep_logits=self.on_round is not None)
-        return Launched(plan, list(draws), max(decode_rows, 0), time.monotonic()), batch
+        decode_rows = returned if decode_only else 0  # one row each entry that returns one
+        return Launched(plan, list(draws), decode_rows, time.monotonic()), batch
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -99,13 +99,5 @@ def run_round(stage: Stage, ring: Ring, plan: RoundPlan, deadline_s: float) -> N
     clock.mark("wait_rows")  # the stages before this one computing, and the hop
     out = stage.forward(plan, rows, None)
     clock.mark("compute")  # on a GPU: launching the kernels
-    if ring.hops.out is not None:  # torch.distributed: the device's rows, no host copy
-        send_ring_rows(ring, stage, out, plan.round_no, len(out), deadline_s)
-        clock.mark("send")
-        log.debug("round timing", round=plan.round_no, rows=plan.total_rows, **clock.phases_ms)
-        return
-    data = stage.rows_to_bytes(out)
-    clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
-    ring.to_next.send(FrameKind.ROWS, data, plan.round_no, len(out), deadline_s=deadline_s)
-    clock.mark("send")
+    send_ring_rows(ring, stage, out, plan.round_no, len(out), deadline_s, clock)
     log.debug("round timing", round=plan.round_no, rows=plan.total_rows, **clock.phases_ms)

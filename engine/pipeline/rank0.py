@@ -123,16 +123,9 @@ class PipelineRunner(LaunchAndLand):
         clock.mark("plan")
         rows = self.stage.forward(plan, None, token_ids)
         clock.mark("compute")  # on a GPU: launching the kernels
-        if plan.total_rows and self.ring.hops.out is not None:  # torch.distributed hop
+        if plan.total_rows:
             send_ring_rows(self.ring, self.stage, rows, plan.round_no, plan.total_rows,
-                           self.round_deadline_s)
-            clock.mark("send")
-        elif plan.total_rows:
-            data = self.stage.rows_to_bytes(rows)
-            clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
-            self.ring.to_next.send(FrameKind.ROWS, data, plan.round_no, plan.total_rows,
-                                   deadline_s=self.round_deadline_s)
-            clock.mark("send")
+                           self.round_deadline_s, clock)
         self._in_flight.append(InFlight(plan, head, clock))
 
     def _land(self) -> Any:

@@ -13,6 +13,7 @@ from engine.link.messages import check_rows_frame
 from engine.link.transport import Link
 from engine.pipeline import hop_transport
 from engine.pipeline.ring import Ring
+from engine.pipeline.timing import RoundClock
 
 
 def receive_ring_rows(ring: Ring, stage: Stage, round_no: int, n_rows: int,
@@ -24,13 +25,16 @@ def receive_ring_rows(ring: Ring, stage: Stage, round_no: int, n_rows: int,
 
 
 def send_ring_rows(ring: Ring, stage: Stage, rows: Any, round_no: int, n_rows: int,
-                   deadline_s: float) -> None:
-    """A round's rows to the successor, over whichever transport its hop uses."""
-    if ring.hops.out is not None:
+                   deadline_s: float, clock: RoundClock) -> None:
+    """A round's rows to the successor, over whichever transport its hop uses; `clock`
+    marks "to_host" (TCP: the rows to host bytes) and "send"."""
+    if ring.hops.out is not None:  # torch.distributed: the device's rows, no host copy
         hop_transport.send_rows(ring.hops.out, stage, rows, round_no, deadline_s)
-        return
-    ring.to_next.send(FrameKind.ROWS, stage.rows_to_bytes(rows), round_no, n_rows,
-                      deadline_s=deadline_s)
+    else:
+        data = stage.rows_to_bytes(rows)
+        clock.mark("to_host")  # on a GPU: the kernels finishing, and the copy
+        ring.to_next.send(FrameKind.ROWS, data, round_no, n_rows, deadline_s=deadline_s)
+    clock.mark("send")
 
 
 def receive_rows(link: Link, stage: Stage, round_no: int, n_rows: int, deadline_s: float,
