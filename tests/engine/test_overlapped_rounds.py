@@ -128,4 +128,6 @@ def test_depth_one_runs_one_round_at_a_time(model_dir):
     serve(runner, model_dir, prompts(3, 40), 6)
     assert max(len(s) for s in in_flight_sets(runner.events)) == 1
     kinds = [kind for kind, _ in runner.events]
-    assert kinds == ["launch", "land"] * (len(kinds) // 2)
+    # Strictly alternating; the last round (a close after the final token) may still be
+    # out when the test stops the host.
+    assert set(kinds[0::2]) == {"launch"} and set(kinds[1::2]) == {"land"}, kinds
