@@ -36,7 +36,7 @@ ENV_FIELDS = {"RANK": "rank", "WORLD_SIZE": "world_size", "MASTER_ADDR": "master
               "FLEET_KEY_FILE": "key_file", "FLEET_PLACEMENT": "placement",
               "FLEET_CONTEXT": "context", "FLEET_PARALLEL": "parallel", "FLEET_CHUNK": "chunk",
               "FLEET_DRAIN_S": "drain_s", "FLEET_MODEL_ID": "model_id",
-              "FLEET_API_SECRET_FILE": "api_secret"}
+              "FLEET_API_SECRET_FILE": "api_secret", "FLEET_HOP_TRANSPORT": "hop_transport"}
 
 
 class SpawnRefused(ValueError):
@@ -77,6 +77,7 @@ class EngineSpec:
     parallel: int = 4
     chunk: int = 256
     drain_s: float | None = None  # None: the agent's drain_s
+    hop_transport: str = "auto"  # how each hop's rows travel (docs/hop-transport.md)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineSpec:
@@ -120,7 +121,8 @@ class EngineSpec:
         optional = {"FLEET_LAYERS": self.layers, "FLEET_LAYOUT": self.layout,
                     "FLEET_LISTEN": self.listen, "FLEET_HTTP": self.http,
                     "FLEET_KEY_FILE": self.key_file, "FLEET_MODEL_ID": self.model_id,
-                    "FLEET_API_SECRET_FILE": self.api_secret_file if self.rank == 0 else ""}
+                    "FLEET_API_SECRET_FILE": self.api_secret_file if self.rank == 0 else "",
+                    "FLEET_HOP_TRANSPORT": self.hop_transport}
         raw.update({k: v for k, v in optional.items() if v})
         from engine.env import EngineEnv, EnvError  # the engine's imports, only when asked
 

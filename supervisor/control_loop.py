@@ -22,6 +22,7 @@ from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
 from supervisor.front_door import ReplicaLoad, Route, by_free_slots
+from supervisor.hops import planned_hops, reported_hops
 from supervisor.issuing import check_pin
 from supervisor.measuring import Measurer
 from supervisor.membership import (
@@ -312,7 +313,8 @@ class Supervisor:
             link_key=self.secrets.make(replica.id, LINK_KEY),
             api_secret=self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
             placement=replica.placement_id, model_id=spec.id, context=spec.context,
-            parallel=spec.parallel, chunk=spec.chunk, drain_s=self.settings.policy.drain_s))
+            parallel=spec.parallel, chunk=spec.chunk, drain_s=self.settings.policy.drain_s,
+            hop_transport=spec.hop_transport))
 
     async def _spawn_all(self, replica: lc.Replica) -> None:
         async def one(stage: lc.StageRecord) -> None:
@@ -394,9 +396,10 @@ class Supervisor:
                 continue
             first = plan.placements[0]
             out.append({"model": spec.id, "ring": list(first.ring), "note": plan.note,
-                        "placement": first.to_dict()})
+                        "placement": planned_hops(first.to_dict(), spec.hop_transport)})
             if len(plan.placements) > 1:  # placed together: every replica's placement
-                out[-1]["replicas"] = [p.to_dict() for p in plan.placements]
+                out[-1]["replicas"] = [planned_hops(p.to_dict(), spec.hop_transport)
+                                       for p in plan.placements]
         return out
 
     def apply_desired(self, text: str, source: str, *, dry_run: bool = False,
@@ -481,7 +484,8 @@ class Supervisor:
         shown = sorted((r for r in self.replicas.values() if r.state in lc.LIVE_STATES
                         or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
                        key=lambda r: (r.model_id, r.generation))
-        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r))
+        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r),
+                         hops=reported_hops(self.rank0_health.get(r.id)))
                     | self.drain_view(r) for r in shown]
         stored = self.state.desired()
         return {"members": members, "replicas": replicas,

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine.addresses import AddressError, parse_host_port
+from engine.env import HOP_TRANSPORTS
 from engine.link.messages import BACKENDS, is_wildcard_host
 
 OBJECTIVES = ("decode", "prompt")
@@ -89,6 +90,7 @@ class ModelSpec:
     rank0: str | None = None  # the node that must be rank 0
     replicas: int = 1  # copies served side by side; AUTO_REPLICAS: as many as fit
     prompt_tokens: int | None = None  # the prompt the placement costs; None: `context`
+    hop_transport: str = "auto"  # its stages' FLEET_HOP_TRANSPORT (docs/hop-transport.md)
 
     @property
     def prompt_length(self) -> int:
@@ -327,7 +329,7 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
 
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "chunk", "objective",
-                 "prompt_tokens", "placement", "rank0", "replicas")
+                 "prompt_tokens", "placement", "rank0", "replicas", "hop_transport")
 
 
 def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
@@ -356,9 +358,12 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
                 f"rank0 {rank0!r} differs from the explicit placement's first stage "
                 f"{placement[0].node!r} (rank 0 is the first stage)", rank0)
     replicas = _parse_replicas(f["replicas"]) if "replicas" in f else 1
+    hop_transport = (f["hop_transport"].choice(HOP_TRANSPORTS, "hop transport")
+                     if "hop_transport" in f else "auto")
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
                      parallel=parallel, chunk=chunk, objective=objective, placement=placement,
-                     rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens)
+                     rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens,
+                     hop_transport=hop_transport)
 
 
 def _parse_replicas(at: _Field) -> int:

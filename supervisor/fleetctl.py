@@ -30,6 +30,7 @@ from rich.table import Table
 
 from agent.pki import MissingCredentials, NodeCredentials, PkiError
 from supervisor.fleet_config import FleetConfigError, load_fleet_config
+from supervisor.hops import hops_text
 from supervisor.memory import format_bytes
 
 # Tables are wide: keep them whole when the output is a pipe or a file.
@@ -173,6 +174,7 @@ def show_status(data: dict[str, Any]) -> None:
         table = Table(title=title, title_justify="left",
                       caption=(f"rank 0: {r['url'] or '-'} (behind the front door: it needs the "
                                f"replica's secret); placement {r['placement_id'] or '-'}"
+                               + (f"\n{hops_text(r['hops'])}" if r.get("hops") else "")
                                + (f"\n{r['reason']}" if r["reason"] else "")
                                + (f"\n{r['note']}" if r.get("note") else "")
                                + (f"\n{line}" if (line := speed_line(r.get("speed"))) else "")),
@@ -226,7 +228,9 @@ def render_plan(p: dict[str, Any]) -> Table:
                             f"{t['decode_batch_ms_per_layer']:.3g} / "
                             f"{t['prefill_ms_per_layer']:.3g}" for t in s["layer_type_ms"])
                 for s in p["stages"]] if typed else []
-    table.caption = "\n".join([summary, *per_type, *p["why"]])
+    hops = [hops_text([h["transport"] for h in p["hops"]]) + " ("
+            + "; ".join(dict.fromkeys(h["why"] for h in p["hops"])) + ")"] if p.get("hops") else []
+    table.caption = "\n".join([summary, *hops, *per_type, *p["why"]])
     table.caption_justify = "left"
     return table
 

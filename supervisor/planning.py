@@ -42,10 +42,11 @@ def spec_digest(spec: ModelSpec) -> str:
     of canonical JSON (sorted keys, no spacing), not of a repr that a Python upgrade or a new
     field's default could change."""
     # The replica count is left out: more or fewer replicas add or retire some, and leave
-    # the serving ones where they are. An unset prompt length is left out too, so the
-    # digests of specs written before it existed stay as they were.
+    # the serving ones where they are. An unset prompt length and the default hop transport
+    # are left out too, so the digests of specs written before they existed stay as they were.
     fields_ = {k: v for k, v in asdict(spec).items()
-               if k != "replicas" and not (k == "prompt_tokens" and v is None)}
+               if k != "replicas" and not (k == "prompt_tokens" and v is None)
+               and not (k == "hop_transport" and v == "auto")}
     canonical = json.dumps(fields_, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

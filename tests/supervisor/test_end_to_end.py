@@ -125,15 +125,20 @@ def test_apply_serves_and_answers_through_the_front_door(fleet, checkpoint):
     applied = fleet.fleetctl("apply", str(fleet_file(fleet, checkpoint, "fleet.yaml")))
     assert "first apply" in applied.stdout and "node-a -> node-b" in applied.stdout
     planned = fleet.fleetctl("--json", "plan", str(fleet.root / "fleet.yaml"))
-    assert json.loads(planned.stdout)["plans"][0]["ring"] == ["node-a", "node-b"]
+    [plan] = json.loads(planned.stdout)["plans"]
+    assert plan["ring"] == ["node-a", "node-b"]
+    assert [h["transport"] for h in plan["placement"]["hops"]] == ["tcp", "tcp"]
     replica = fleet.wait_replica(MODEL, timeout_s=90)
     assert [(s["node"], s["backend"], s["layer_range"]) for s in replica["stages"]] == [
         ("node-a", "torch-cpu", [0, 4]), ("node-b", "mlx-cpu", [4, 8])]
     reply = chat(fleet, max_tokens=8)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.system_fingerprint == "0-4@torch-cpu,4-8@mlx-cpu"
+    # Rank 0's /health names each hop's transport; the health loop keeps it for status.
+    fleet.wait(lambda: serving(fleet)["hops"] == ["tcp", "tcp"], 30, "the hops in status")
     table = fleet.fleetctl("status").stdout
     assert "serving, healthy" in table and "node-b" in table and replica["url"] in table
+    assert "hops tcp,tcp" in table
 
 
 def test_bad_input_is_refused_and_serving_is_not_disturbed(fleet, checkpoint):
