@@ -31,7 +31,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Protocol, TypeVar
 
 import numpy as np
 import structlog
@@ -50,10 +51,19 @@ from engine.pipeline.runner import RoundRunner
 from engine.rounds import Op, RoundPlan
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 
 class Busy(Exception):
     """Every slot is taken and the wait queue is full: come back later (HTTP 503)."""
+
+
+class RoundFailed(Exception):
+    """A round's launch or landing raised (the cause); the engine fails, naming it."""
+
+    def __init__(self, plan: RoundPlan) -> None:
+        super().__init__(f"round {plan.round_no} failed")
+        self.plan = plan
 
 
 class EngineFailed(Exception):
@@ -243,6 +253,8 @@ class LaneHost:
         reason, so rank 0 still exits with one structured line."""
         try:
             await self._run_rounds()
+        except RoundFailed as failed:  # any failed round is fatal: fail fast
+            self._round_failed(failed.plan, failed.__cause__)
         except Exception as exc:  # noqa: BLE001 - an escape would end the task unexplained
             log.error("round loop failed", round=self.round_no,
                       error=f"{type(exc).__name__}: {exc}")
@@ -250,37 +262,57 @@ class LaneHost:
                       f"{type(exc).__name__}: {exc}")
 
     async def _run_rounds(self) -> None:
-        loop = asyncio.get_running_loop()
         in_flight: deque[Launched] = deque()
         while not self.failure:
+            last: tuple[Launched, Callable[[], None]] | None = None  # fills the ring
             while len(in_flight) < self.depth and not self.failure:
                 built = build_round(self._round_inputs())
                 self._apply(built)
                 if built.plan is None:
                     break
                 launched, batch = self._launched(built.plan)
-                try:
-                    await loop.run_in_executor(self._executor, self.runner.launch,
-                                               built.plan, built.token_ids, batch)
-                except Exception as exc:  # noqa: BLE001 - any failed round is fatal: fail fast
-                    return self._round_failed(built.plan, exc)
                 in_flight.append(launched)
+                launch = partial(self.runner.launch, built.plan, built.token_ids, batch)
+                if len(in_flight) == self.depth:
+                    last = (launched, launch)  # it goes with the landing below
+                else:
+                    await self._in_round_thread(launched, launch)
             if not in_flight:
                 if not self.failure:
                     self._wake.clear()
                     await self._wake.wait()
                 continue
-            launched = in_flight.popleft()
-            try:
-                sampled = await loop.run_in_executor(self._executor, self.runner.land)
-            except Exception as exc:  # noqa: BLE001 - any failed round is fatal: fail fast
-                return self._round_failed(launched.plan, exc)
+            landing = in_flight.popleft()
+            sampled = await self._in_round_thread(landing, self.runner.land, last)
             if self.metrics is not None:
-                self.metrics.round_done(decode_rows=launched.decode_rows,
-                                        seconds=time.monotonic() - launched.started_s)
+                self.metrics.round_done(decode_rows=landing.decode_rows,
+                                        seconds=time.monotonic() - landing.started_s)
             if self.on_round:
-                self.on_round(launched.plan, sampled.logits)
-            self._deliver(launched, sampled)
+                self.on_round(landing.plan, sampled.logits)
+            self._deliver(landing, sampled)
+
+    async def _in_round_thread(self, round_: Launched, call: Callable[[], T],
+                               launch_first: tuple[Launched, Callable[[], None]] | None = None
+                               ) -> T:
+        """`call` for `round_` on the round thread, after `launch_first`'s launch if given:
+        a launch and the landing it waits for go in one trip, so a round costs the event
+        loop one hand-off to the thread and one back, not two of each. Raises RoundFailed
+        naming the round whose launch or landing raised."""
+        def run() -> T:
+            if launch_first is not None:
+                launched, launch = launch_first
+                try:
+                    launch()
+                except Exception as exc:
+                    raise RoundFailed(launched.plan) from exc
+            return call()
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        except RoundFailed:
+            raise
+        except Exception as exc:
+            raise RoundFailed(round_.plan) from exc
 
     def _round_failed(self, plan: RoundPlan, exc: Exception) -> None:
         log.error("round failed", round=plan.round_no, error=str(exc))

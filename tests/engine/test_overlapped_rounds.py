@@ -131,3 +131,49 @@ def test_depth_one_runs_one_round_at_a_time(model_dir):
     # Strictly alternating; the last round (a close after the final token) may still be
     # out when the test stops the host.
     assert set(kinds[0::2]) == {"launch"} and set(kinds[1::2]) == {"land"}, kinds
+
+
+class FaultyRunner(RecordingRunner):
+    """Raises in the launch or the landing of one round (an injected fault)."""
+
+    def __init__(self, stage, depth: int, *, fail_in: str, round_no: int) -> None:
+        super().__init__(stage, depth)
+        self.fail_in, self.round_no = fail_in, round_no
+        self._landing: list[int] = []
+
+    def launch(self, plan, token_ids, batch) -> None:
+        if self.fail_in == "launch" and plan.round_no == self.round_no:
+            raise RuntimeError("injected launch fault")
+        super().launch(plan, token_ids, batch)
+        self._landing.append(plan.round_no)
+
+    def land(self):
+        if self.fail_in == "land" and self._landing.pop(0) == self.round_no:
+            raise RuntimeError("injected land fault")
+        return super().land()
+
+
+@pytest.mark.parametrize("fail_in", ["launch", "land"])
+def test_a_round_that_fails_to_launch_or_land_fails_the_engine_naming_it(model_dir, fail_in):
+    # Round 3 is launched in the same trip to the round thread as round 2's landing: the
+    # failure still names the round that raised, and every stream ends with it.
+    runner = FaultyRunner(whole_stage(model_dir, parallel=2, context=256, chunk=16), 2,
+                          fail_in=fail_in, round_no=3)
+    host = LaneHost(runner, TextCodec(model_dir), chunk=16, max_waiting=2)
+
+    async def go():
+        task = asyncio.create_task(host.run())
+        stream = host.submit(GenerationRequest(tuple(prompts(1, 80)[0]), max_tokens=4,
+                                               sampling=SamplingParams(temperature=0.0)))
+        while not isinstance(event := await stream.events.get(), (Done, Failed)):
+            pass
+        await asyncio.wait_for(task, 30)
+        return event
+
+    try:
+        event = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        host.close()
+    assert isinstance(event, Failed)
+    assert event.reason == f"round 3 failed: injected {fail_in} fault", event.reason
+    assert host.failure == event.reason
