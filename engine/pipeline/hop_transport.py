@@ -239,34 +239,58 @@ def _rendezvous(link: Link, kind: str, *, sending: bool,
                 host: str) -> tuple[Any, Any, str]:
     """The hop's group (rank 0 = the sender) and its store, or None and why not."""
     import torch
-    import torch.distributed as dist
 
     timeout = timedelta(seconds=INIT_TIMEOUT_S)
     if sending:
-        store = dist.TCPStore(host, 0, 2, True, timeout=timeout, wait_for_workers=False)
-        token = secrets.token_hex(16)
-        store_host, store_port = store_address_for_offer(store, host)
-        link.send(FrameKind.ROWS, json.dumps({"backend": kind, "host": store_host,
-                                              "port": store_port, "token": token}).encode(),
-                  SETUP_ROUND, deadline_s=INIT_TIMEOUT_S)
-        rank = 0
+        store, offer = open_store(host, kind)
+        link.send(FrameKind.ROWS, json.dumps(offer).encode(), SETUP_ROUND,
+                  deadline_s=INIT_TIMEOUT_S)
     else:
         offer = _setup_frame(link, SETUP_DEADLINE_FACTOR * INIT_TIMEOUT_S)
-        token = offer["token"]
-        store = dist.TCPStore(offer["host"], int(offer["port"]), 2, False, timeout=timeout)
-        rank = 1
-    prefixed = dist.PrefixStore(f"hop/{token}", store)
-    if kind == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-        device = torch.device("cpu")
+        store = join_store(offer)
+    group, device = make_group(kind, store, offer["token"], 0 if sending else 1)
     probe = torch.full((1,), 7 if sending else 0, dtype=torch.int32, device=device)
     work = group.send([probe], 1, 0) if sending else group.recv([probe], 0, 0)
     work.wait(timeout)
     if not sending and int(probe.item()) != 7:
         return None, None, f"the probe came back as {int(probe.item())}"
     return group, store, ""
+
+
+def open_store(host: str, kind: str, init_timeout_s: float = INIT_TIMEOUT_S
+               ) -> tuple[Any, dict[str, Any]]:
+    """A 2-rank group's store on `host` (a free port) and the offer that names it: backend,
+    host, port and a fresh random token, the prefix of every key. The offer must travel only
+    over an authenticated channel: whoever reads it can join the group."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=init_timeout_s),
+                          wait_for_workers=False)
+    store_host, store_port = store_address_for_offer(store, host)
+    return store, {"backend": kind, "host": store_host, "port": store_port,
+                   "token": secrets.token_hex(16)}
+
+
+def join_store(offer: dict[str, Any], init_timeout_s: float = INIT_TIMEOUT_S) -> Any:
+    """The store an offer names, reached as its second member."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(offer["host"], int(offer["port"]), 2, False,
+                         timeout=timedelta(seconds=init_timeout_s))
+
+
+def make_group(kind: str, store: Any, token: str, rank: int,
+               init_timeout_s: float = INIT_TIMEOUT_S) -> tuple[Any, Any]:
+    """A 2-rank NCCL or gloo group of its own over `store` under the token's prefix (never
+    the global default group), and the device its tensors live on."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=init_timeout_s)
+    prefixed = dist.PrefixStore(f"hop/{token}", store)
+    if kind == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return (dist.ProcessGroupNCCL(prefixed, rank, 2, options),
+                torch.device("cuda", torch.cuda.current_device()))
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), torch.device("cpu")
