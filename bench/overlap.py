@@ -11,7 +11,13 @@ stage of one thread on a 2-core machine. Prints, from one run:
 - time to first token of a prompt of `--chunks` chunks: whole, split one round at a time
   (v1), split overlapped (v2), and v2's speed-up over whole against the ideal 2n/(n+1);
 - the same for a prompt of one chunk (nothing to overlap: the cost of the split itself);
-- aggregate decode tokens/s of `--streams` streams: whole, v1, and v3 (decode groups).
+- aggregate decode tokens/s of `--streams` streams: whole, v1, and v3 (decode groups);
+- v2 against v1 and against the ideal for the stages' own measured times per chunk, which
+  need not be equal (a mixed ring's MLX stage is slower here): with t_i the median work of
+  stage i on a `--chunk`-row round in the v1 run (its debug phase timings: rank 0's plan,
+  compute, to_host and head, a follower's compute and to_host), v1 = n sum(t) and the
+  ideal v2 = sum(t) + (n - 1) max(t) for n chunks; for equal stages the ideal v1 / v2 is
+  the RFC's 2n/(n+1).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, n_layers, table
 from engine.checkpoint.maker import PRESETS, make_checkpoint
-from engine.harness.launch import even_stages
+from engine.harness.launch import even_stages, log_records
 from engine.harness.local_pipeline import local_pipeline, whole_runner
 from engine.lanes.host import Done, Failed, GenerationRequest, LaneHost, Token
 from engine.lanes.sampler import SamplingParams
@@ -97,6 +103,29 @@ def measure(runner: RoundRunner, depth: int, model_dir: Path, args) -> dict[str,
     }
 
 
+# A stage's own work on a round, from its debug phase timings (the rest is waiting for rows,
+# sending them, and, on rank 0, the lane host between rounds).
+RANK0_WORK = ("plan", "compute", "to_host", "head")
+FOLLOWER_WORK = ("compute", "to_host")
+
+
+def stage_chunk_ms(rank0_timings: list[dict], run_dir: Path, n_stages: int,
+                   chunk: int) -> list[float]:
+    """Each stage's median own time (ms) on the rounds of exactly `chunk` rows so far."""
+    def median_work(records: list[dict], work: tuple[str, ...]) -> float:
+        rounds = [r for r in records if r.get("rows") == chunk]
+        if not rounds:
+            raise RuntimeError(f"no {chunk}-row round in the phase timings")
+        return statistics.median(sum(r.get(k, 0.0) for k in work) for r in rounds)
+
+    out = [median_work(rank0_timings, RANK0_WORK)]
+    for rank in range(1, n_stages):
+        records = [e for e in log_records(run_dir / f"rank{rank}.log")
+                   if e.get("event") == "round timing"]
+        out.append(median_work(records, FOLLOWER_WORK))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="a checkpoint (default: a 1024-wide one)")
@@ -119,7 +148,8 @@ def main() -> int:
     if args.chunk * args.chunks + args.tokens > args.context:
         parser.error("--context must hold the long prompt and the reply")
     shape = dict(parallel=args.streams, context=args.context, chunk=args.chunk)
-    threads = {"FLEET_CPU_THREADS": str(args.threads)}
+    # Debug level: every stage logs its round phases, for the stages' own times.
+    threads = {"FLEET_CPU_THREADS": str(args.threads), "FLEET_LOG_LEVEL": "debug"}
     if backends[0].startswith("torch-"):
         import torch
 
@@ -129,8 +159,11 @@ def main() -> int:
     with (tempfile.TemporaryDirectory() as run_dir,
           local_pipeline(model_dir, stages, Path(run_dir), backends=backends,
                          extra_env=threads, **shape) as runner):
+        runner.timings.clear()
         v1 = measure(runner, 1, model_dir, args)
         print(f"# v1: {v1}", flush=True)
+        stage_ms = stage_chunk_ms(list(runner.timings), Path(run_dir), n, args.chunk)
+        print(f"# v1, each stage's own ms per {args.chunk}-row round: {stage_ms}", flush=True)
         overlapped = measure(runner, n, model_dir, args)
         print(f"# v2/v3: {overlapped}", flush=True)
     chunks = args.chunks
@@ -152,6 +185,17 @@ def main() -> int:
           f"context {args.context}",
           ["measure", "whole", "split v1", "split v2/v3", "whole / v2 (speed-up)", "ideal",
            "of ideal (decode row: v3 / v1)"], rows)
+    chunk_s = [t / 1000 for t in stage_ms]
+    ideal_v1 = chunks * sum(chunk_s)
+    ideal_v2 = sum(chunk_s) + (chunks - 1) * max(chunk_s)
+    v1_over_v2 = v1["ttft_long"] / overlapped["ttft_long"]
+    table(f"v2 against v1 and the stages' own times, {chunks} chunks of {args.chunk} "
+          f"(ideal: v1 = n sum(t), v2 = sum(t) + (n - 1) max(t))",
+          ["stage s per chunk (t)", "v1 s", "ideal v1 s", "v2 s", "ideal v2 s", "v1 / v2",
+           "ideal v1 / v2", "of ideal"],
+          [[" / ".join(f"{t:.3g}" for t in chunk_s), v1["ttft_long"], ideal_v1,
+            overlapped["ttft_long"], ideal_v2, v1_over_v2, ideal_v1 / ideal_v2,
+            v1_over_v2 / (ideal_v1 / ideal_v2)]])
     return 0
 
 
