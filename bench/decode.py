@@ -4,6 +4,8 @@
     python bench/decode.py --preset 8b --device cuda --batches 1,8           # on a GPU
     python bench/decode.py --preset demo --backend mlx-cpu                   # vs mlx-lm
     python bench/decode.py --preset demo --contexts 256,32768 --prompt 96 --no-reference
+    python bench/decode.py --preset demo --contexts 8192,32768 --prompt 8000 --prompt-chunk 512 \
+        --prompt-once --no-reference                                        # long, on a CPU
     python bench/decode.py --preset 8b --device cuda --anchor --no-reference  # vs the anchor
     python bench/decode.py --preset 8b --device cuda --prompt-rate 8192 --no-reference
 
@@ -17,8 +19,11 @@ floor set by weight bytes / memory bandwidth.
 The configured context (`--contexts`, FLEET_CONTEXT) is separate from the conversation
 (`--prompt` tokens, then `--steps` decoded): the same conversation is timed under each
 context, so the table shows whether a step's cost follows the conversation (ratio near 1)
-or the context. With CUDA graphs it also times the path before live-length buckets,
-whose captured steps read the whole context, beside the current one in the same run.
+or the context. A long conversation on a slow machine: `--prompt-chunk` prompts in rounds
+of that many rows, `--prompt-once` prompts once per stream count and times each repeat as
+the conversation's next `--steps` tokens. With CUDA graphs it also times the path before
+live-length buckets, whose captured steps read the whole context, beside the current one
+in the same run.
 
 `--anchor` times our stage with its decode layers compiled (FLEET_COMPILE=on) and eager
 (off), in lockstep, then the anchor (bench/anchor.py: a gpt-fast-style step compiled with
@@ -71,13 +76,26 @@ class Decoding:
         self.driver = RoundDriver(LocalRunner(load_stage(spec)))
 
 
-def lockstep_pass(decodings: dict[object, Decoding], batch: int, prompt: int,
-                  steps: int) -> dict[object, float]:
-    """ms/step of each decoding over one conversation: an untimed prompt round each, then
-    `steps` greedy decode rounds, each decoding's round timed in turn, step by step, so a
-    busy machine's slow spells fall on all of them alike; slots closed after."""
-    logits = {key: d.driver.round(prompts(batch, prompt, d.driver.stage.config.vocab_size))
-              for key, d in decodings.items()}
+def open_conversations(decodings: dict[object, Decoding], batch: int, prompt: int,
+                       prompt_chunk: int = 0) -> dict[object, dict[int, np.ndarray]]:
+    """Each decoding's `batch` conversations prompted, untimed: in one round, or with
+    `prompt_chunk` > 0 in rounds of that many rows shared among the slots (a long prompt
+    in one round would build attention over all of its rows at once). Returns the logits."""
+    out = {}
+    for key, decoding in decodings.items():
+        ids = prompts(batch, prompt, decoding.driver.stage.config.vocab_size)
+        per_slot = max(1, prompt_chunk // batch) if prompt_chunk else prompt
+        for start in range(0, prompt, per_slot):
+            out[key] = decoding.driver.round({s: p[start:start + per_slot]
+                                              for s, p in ids.items()})
+    return out
+
+
+def lockstep_steps(decodings: dict[object, Decoding], logits: dict[object, dict],
+                   steps: int) -> dict[object, float]:
+    """ms/step of `steps` greedy decode rounds of each decoding, each decoding's round timed
+    in turn, step by step, so a busy machine's slow spells fall on all of them alike.
+    `logits` (each decoding's last) advances in place."""
     spent = dict.fromkeys(decodings, 0.0)
     for _ in range(steps):
         for key, decoding in decodings.items():
@@ -85,19 +103,39 @@ def lockstep_pass(decodings: dict[object, Decoding], batch: int, prompt: int,
             start = time.perf_counter()
             logits[key] = decoding.driver.round(feeds)  # logits reach the host: a sync
             spent[key] += time.perf_counter() - start
-    for decoding in decodings.values():
-        decoding.driver.close(list(range(batch)))
     return {key: t * 1000 / steps for key, t in spent.items()}
 
 
+def lockstep_pass(decodings: dict[object, Decoding], batch: int, prompt: int,
+                  steps: int, prompt_chunk: int = 0) -> dict[object, float]:
+    """ms/step of each decoding over one conversation: an untimed prompt, then `steps`
+    timed greedy decode rounds (lockstep_steps); slots closed after."""
+    logits = open_conversations(decodings, batch, prompt, prompt_chunk)
+    out = lockstep_steps(decodings, logits, steps)
+    for decoding in decodings.values():
+        decoding.driver.close(list(range(batch)))
+    return out
+
+
 def interleaved_ms_per_step(decodings: dict[object, Decoding], batches: list[int], steps: int,
-                            prompt: int, repeats: int) -> dict[tuple[object, int], float]:
+                            prompt: int, repeats: int, prompt_chunk: int = 0,
+                            prompt_once: bool = False) -> dict[tuple[object, int], float]:
     """Median ms/step per (decoding, batch) over `repeats` lockstep passes after one
-    untimed pass (warm-up, and graph captures)."""
+    untimed pass (warm-up, and graph captures). `prompt_once`: one conversation per batch,
+    prompted once, its passes the next `steps` tokens of it each (a long prompt costs more
+    than the decoding it sets up; the conversation grows by `steps` a pass)."""
     out = {}
     for batch in batches:
-        lockstep_pass(decodings, batch, prompt, steps)
-        passes = [lockstep_pass(decodings, batch, prompt, steps) for _ in range(repeats)]
+        if prompt_once:
+            logits = open_conversations(decodings, batch, prompt, prompt_chunk)
+            lockstep_steps(decodings, logits, steps)
+            passes = [lockstep_steps(decodings, logits, steps) for _ in range(repeats)]
+            for decoding in decodings.values():
+                decoding.driver.close(list(range(batch)))
+        else:
+            lockstep_pass(decodings, batch, prompt, steps, prompt_chunk)
+            passes = [lockstep_pass(decodings, batch, prompt, steps, prompt_chunk)
+                      for _ in range(repeats)]
         out.update({(key, batch): statistics.median(p[key] for p in passes)
                     for key in decodings})
     return out
@@ -262,19 +300,22 @@ def prompt_rate_row(model_dir: Path, backend: str, tokens: int, chunk: int, repe
 
 
 def context_rows(model_dir: Path, backend: str, batches: list[int], contexts: list[int],
-                 steps: int, prompt: int, repeats: int, graphs: bool) -> list[list[object]]:
+                 steps: int, prompt: int, repeats: int, graphs: bool, prompt_chunk: int = 0,
+                 prompt_once: bool = False) -> list[list[object]]:
     """ms/step of one conversation under each configured context, timed in lockstep: the
     live-length path and, where captured graphs exist, the whole-context one after it."""
-    needed = prompt + steps + 1
+    needed = prompt + steps * (repeats + 1 if prompt_once else 1) + 1
     usable = [c for c in contexts if c >= needed]
     for skipped in sorted(set(contexts) - set(usable)):
         print(f"# context {skipped} cannot hold a {needed}-position conversation: skipped")
+    rows_a_round = prompt_chunk or prompt * max(batches)
     times = {}
     for live_keys in (True, False) if graphs else (True,):
         decodings = {(c, live_keys): Decoding(model_dir, backend, max(batches), c,
-                                              prompt * max(batches), live_keys=live_keys)
+                                              rows_a_round, live_keys=live_keys)
                      for c in usable}
-        times.update(interleaved_ms_per_step(decodings, batches, steps, prompt, repeats))
+        times.update(interleaved_ms_per_step(decodings, batches, steps, prompt, repeats,
+                                             prompt_chunk, prompt_once))
         del decodings
         release_device_memory()
     rows = []
@@ -306,6 +347,13 @@ def main() -> int:
                         help="configured contexts (FLEET_CONTEXT) to time the same conversation "
                              "under, e.g. 256,32768; empty: only what the conversation needs")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-chunk", type=int, default=0,
+                        help="with --contexts: prompt rows a round, shared among the streams "
+                             "(0: the whole prompt in one round)")
+    parser.add_argument("--prompt-once", action="store_true",
+                        help="with --contexts: prompt each conversation once and time each "
+                             "repeat as its next --steps tokens (for long prompts on slow "
+                             "machines; the conversation grows by --steps a repeat)")
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="memory bandwidth for the floor (H200 HBM3e: 4800 GB/s)")
     parser.add_argument("--no-reference", action="store_true")
@@ -357,7 +405,8 @@ def main() -> int:
                "whole-context graphs ms/step", "whole-context ratio",
                "whole-context / live"],
               context_rows(model_dir, args.backend, batches, contexts, args.steps,
-                           args.prompt, args.repeats, graphs))
+                           args.prompt, args.repeats, graphs, args.prompt_chunk,
+                           args.prompt_once))
         if args.no_reference:
             return 0
     ours = ours_ms_per_step(model_dir, args.backend, batches, args.steps, args.prompt,
