@@ -14,7 +14,7 @@ import ssl
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from agent import dist_probe
 from agent.calibrate import (
     PROGRESS_EVENT,
     RESULT_EVENT,
@@ -291,10 +292,13 @@ async def get_calibration_job(request: web.Request) -> web.Response:
 
 
 async def probe_listen(request: web.Request) -> web.Response:
-    """Open a one-shot listener on a stage port for a peer's probe; answer its ticket."""
+    """Open a one-shot listener on a stage port for a peer's probe; answer its ticket. With
+    "dist" (gloo or nccl), the torch.distributed end instead: the offer its child names."""
     config = request.app[CONFIG]
     body = await json_body(request)
     max_bytes = min(int(body.get("bytes", config.probe_max_bytes)), config.probe_max_bytes)
+    if body.get("dist"):
+        return web.json_response({"dist": await _dist_listen(request, body, max_bytes)})
     listener, ticket = await open_listener(config.listen_host, config.stage_ports, max_bytes,
                                            config.probe_max_s)
     probes: set[ProbeListener] = request.app[PROBES]
@@ -306,9 +310,37 @@ async def probe_listen(request: web.Request) -> web.Response:
     return web.json_response(ticket.to_dict())
 
 
+async def _dist_listen(request: web.Request, body: dict, max_bytes: int) -> dict:
+    config = request.app[CONFIG]
+    child, offer = await dist_probe.serve(dist_probe.request(
+        "serve", str(body["dist"]), host=config.listen_host, pings=int(body.get("pings", 10)),
+        row_bytes=int(body.get("row_bytes", dist_probe.ROW_BYTES)), bytes_=max_bytes,
+        max_s=config.probe_max_s))
+    task = asyncio.get_running_loop().create_task(child.reap())
+    request.app[BACKGROUND].add(task)
+    task.add_done_callback(request.app[BACKGROUND].discard)
+    return offer
+
+
+async def _peer_ticket(request: web.Request, peer: str, ask: dict, max_s: float) -> dict:
+    """The peer agent's answer to /v1/probe/listen, asked over mutual TLS."""
+    timeout = aiohttp.ClientTimeout(total=max_s)
+    try:
+        async with (aiohttp.ClientSession(timeout=timeout) as session,
+                    session.post(peer + "/v1/probe/listen", json=ask,
+                                 ssl=request.app[CLIENT_SSL]) as reply):
+            raw = await reply.json(content_type=None)
+            if reply.status != 200:
+                raise ProbeError(f"{peer} refused to open a probe listener: {raw}")
+    except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
+        raise ProbeError(f"cannot reach peer agent {peer}: {exc or type(exc).__name__}") from exc
+    return raw
+
+
 @roles("supervisor", "admin")
 async def probe_peer(request: web.Request) -> web.Response:
-    """Measure the link to a peer agent: ask it for a ticket (mTLS), then probe over TCP."""
+    """Measure the link to a peer agent: ask it for a ticket (mTLS), then probe over TCP;
+    with "dist" (gloo or nccl), then over torch.distributed too, reported under "dist"."""
     config = request.app[CONFIG]
     body = await json_body(request)
     peer = str(body.get("peer", "")).rstrip("/")
@@ -316,22 +348,25 @@ async def probe_peer(request: web.Request) -> web.Response:
         raise ProbeError(f"peer {peer!r}: expected the peer agent's https:// URL")
     want = min(int(body.get("bytes", 16 << 20)), config.probe_max_bytes)
     max_s = min(float(body.get("max_s", config.probe_max_s)), config.probe_max_s)
-    timeout = aiohttp.ClientTimeout(total=max_s)
-    try:
-        async with (aiohttp.ClientSession(timeout=timeout) as session,
-                    session.post(peer + "/v1/probe/listen", json={"bytes": want},
-                                 ssl=request.app[CLIENT_SSL]) as reply):
-            raw = await reply.json(content_type=None)
-            if reply.status != 200:
-                raise ProbeError(f"{peer} refused to open a probe listener: {raw}")
-    except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
-        raise ProbeError(f"cannot reach peer agent {peer}: {exc or type(exc).__name__}") from exc
+    pings = int(body.get("pings", 10))
+    kind = str(body.get("dist") or "")
+    if kind and kind not in dist_probe.KINDS:
+        raise ProbeError(f"dist {kind!r}: expected one of {', '.join(dist_probe.KINDS)}")
+    raw = await _peer_ticket(request, peer, {"bytes": want}, max_s)
     try:
         ticket = ProbeTicket(**raw)
     except TypeError as exc:
         raise ProbeError(f"{peer} answered something that is not a probe ticket: {raw}") from exc
-    result = await run_probe(ticket, peer=peer, pings=int(body.get("pings", 10)), bytes_=want,
-                             max_s=max_s)
+    result = await run_probe(ticket, peer=peer, pings=pings, bytes_=want, max_s=max_s)
+    if kind:
+        try:
+            answer = await _peer_ticket(request, peer, {
+                "bytes": want, "pings": pings, "dist": kind,
+                "row_bytes": int(body.get("row_bytes", dist_probe.ROW_BYTES))}, max_s)
+            measured = await dist_probe.measure(answer["dist"], max_s)
+        except (ProbeError, KeyError, TypeError) as exc:  # said beside the TCP probe's numbers
+            measured = {"transport": kind, "error": str(exc) or type(exc).__name__}
+        result = replace(result, dist=measured)
     return web.json_response(result.to_dict())
 
 

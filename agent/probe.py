@@ -67,6 +67,11 @@ class ProbeResult:
     bytes: int
     seconds: float
     bandwidth_bytes_per_s: float
+    transport: str = "tcp"
+    # The torch.distributed path's own probe (agent/dist_probe.py), when asked: transport
+    # (gloo or nccl), rtt_ms, rtt_min_ms, pings, row_bytes, bytes, seconds,
+    # bandwidth_bytes_per_s; or transport and error.
+    dist: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
