@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from supervisor.agents import AgentClient, AgentError
@@ -50,7 +50,7 @@ class Measured:
             return found
         back = self.links.get((b, a))
         if isinstance(back, LinkSnapshot):
-            return LinkSnapshot(b, back.rtt_ms, back.bandwidth_bytes_per_s)
+            return replace(back, peer=b)
         return None
 
 
@@ -116,8 +116,26 @@ async def calibrate(agents: AgentClient, node: str, url: str, body: dict[str, An
     return reply["result"]
 
 
-async def probe(agents: AgentClient, node: str, url: str, peer: str,
-                peer_url: str) -> LinkSnapshot:
-    result = await agents.call(node, "POST", f"{url}/v1/probe",
-                               {"peer": peer_url, "bytes": PROBE_BYTES, "pings": PROBE_PINGS})
-    return LinkSnapshot(peer, float(result["rtt_ms"]), float(result["bandwidth_bytes_per_s"]))
+async def probe(agents: AgentClient, node: str, url: str, peer: str, peer_url: str,
+                dist: str = "") -> tuple[LinkSnapshot, str]:
+    """The link node -> peer; with `dist` ("gloo" or "nccl"), its torch.distributed path
+    too. The second item says why that path has no numbers ("" when it has)."""
+    result = await agents.call(node, "POST", f"{url}/v1/probe", {
+        "peer": peer_url, "bytes": PROBE_BYTES, "pings": PROBE_PINGS}
+        | ({"dist": dist} if dist else {}))
+    return link_from_probe(peer, result, dist)
+
+
+def link_from_probe(peer: str, result: Mapping[str, Any], dist: str) -> tuple[LinkSnapshot, str]:
+    """A probe's answer as a link. A torch.distributed path asked for but not measured keeps
+    its name with no numbers, so it is not asked for again until the link is probed again,
+    and the hop is costed on the TCP link's numbers (LinkSnapshot.path)."""
+    link = LinkSnapshot(peer, float(result["rtt_ms"]), float(result["bandwidth_bytes_per_s"]))
+    if not dist:
+        return link, ""
+    measured = result.get("dist") or {}
+    if measured.get("transport") != dist or "error" in measured:
+        why = measured.get("error") or f"the agent did not measure {dist}"
+        return replace(link, dist_transport=dist), why
+    return replace(link, dist_transport=dist, dist_rtt_ms=float(measured["rtt_ms"]),
+                   dist_bandwidth_bytes_per_s=float(measured["bandwidth_bytes_per_s"])), ""

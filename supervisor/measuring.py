@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from engine.pipeline.hop_transport import choose
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_config
 from supervisor.fleet_config import FleetConfig, ModelSpec
@@ -68,6 +69,16 @@ def why_measure_again(measured_with: str, now_with: str, measured_at: float, now
 def host_of(member: Member) -> str:
     """The machine an agent runs on, as its facts name it ("" before they come)."""
     return str(((member.facts or {}).get("host") or {}).get("hostname") or "")
+
+
+def dist_path(spec: ModelSpec, backend_a: str, backend_b: str) -> str:
+    """The torch.distributed path ("gloo", "nccl") a hop of `spec` between stages on these
+    backends would take, either way round; "" when such a hop stays on TCP."""
+    for ends in ((backend_a, backend_b), (backend_b, backend_a)):
+        transport = choose(spec.hop_transport, *ends)[0]
+        if transport != "tcp":
+            return transport
+    return ""
 
 
 def link_key(a: str, b: str) -> str:
@@ -147,13 +158,15 @@ class Measurer:
         machine: two agents on one host (a one-machine fleet) measured at once would each
         time the other's load, several times their real cost on a few cores. Those left
         waiting count as pending, so placement waits for them too."""
-        pairs: set[tuple[str, str]] = set()
+        pairs: dict[tuple[str, str], str] = {}  # -> the torch.distributed path to probe too
         busy = self._busy_hosts(members)
         self.waiting = frozenset()
         for spec in desired.models:
             found = candidates(spec, desired, members)
-            names = [m.node for m, _ in found]
-            pairs |= {(a, b) for i, a in enumerate(names) for b in names[i + 1:]}
+            for i, (a, backend_a) in enumerate(found):
+                for b, backend_b in found[i + 1:]:
+                    pair = (a.node, b.node)
+                    pairs[pair] = pairs.get(pair) or dist_path(spec, backend_a, backend_b)
             missing = [(member, backend, key) for member, backend in found
                        if (key := timing_key(spec, member.node, backend)) not in self.running
                        and (key not in self.timings or key in self.again
@@ -170,13 +183,18 @@ class Measurer:
                 body = calibration_body(config[0], spec, backend, self.budget_s)
                 spawn(self._calibrate(key, spec, member, body,
                                       backend_versions(member, backend)))
-        for a, b in sorted(pairs):
+        for (a, b), dist in sorted(pairs.items()):
             if {(a, b), (b, a)} & set(self.running):
                 continue
             versions = link_versions(members[a], members[b])
             have = [pair for pair in ((a, b), (b, a)) if pair in self.links]
+            # A link probed before its hop could take torch.distributed lacks that path.
+            lacks_dist = dist and not any(
+                isinstance(self.links[pair], str) or self.links[pair].dist_transport == dist
+                for pair in have)
             if have and not any(link_key(*pair) in self.again or
-                                self._again(link_key(*pair), versions) for pair in have):
+                                self._again(link_key(*pair), versions) for pair in have) \
+                    and not lacks_dist:
                 continue
             hosts = {host_of(members[a]), host_of(members[b])} - {""}
             if hosts & busy:
@@ -184,7 +202,7 @@ class Measurer:
                 continue
             busy |= hosts
             self.running[(a, b)] = (a, b)
-            spawn(self._probe(a, members[a].url, b, members[b].url, versions))
+            spawn(self._probe(a, members[a].url, b, members[b].url, versions, dist))
 
     async def _calibrate(self, key: str, spec: ModelSpec, member: Member, body: dict,
                          versions: str) -> None:
@@ -202,14 +220,20 @@ class Measurer:
             self.running.pop(key, None)
         self.on_done(done, member.node)
 
-    async def _probe(self, a: str, a_url: str, b: str, b_url: str, versions: str) -> None:
+    async def _probe(self, a: str, a_url: str, b: str, b_url: str, versions: str,
+                     dist: str = "") -> None:
         try:
-            link = self.links[(a, b)] = await probe(self.agents, a, a_url, b, b_url)
+            link, dist_failed = await probe(self.agents, a, a_url, b, b_url, dist)
+            self.links[(a, b)] = link
             self.links.pop((b, a), None)  # measured again one way: the other's is older
             self._keep(link_key(a, b), PROBE, versions, vars(link))
             why = self.again.pop(link_key(a, b), "") or self.again.pop(link_key(b, a), "")
             done = (f"probed {a} -> {b}: rtt {link.rtt_ms:.3g} ms, "
                     f"{link.bandwidth_bytes_per_s / 1e6:.0f} MB/s"
+                    + (f"; {dist}: not measured, its hops costed as TCP: {dist_failed}"
+                       if dist_failed else
+                       f"; {dist}: rtt {link.dist_rtt_ms:.3g} ms, "
+                       f"{link.dist_bandwidth_bytes_per_s / 1e6:.0f} MB/s" if dist else "")
                     + (f" (measured again: {why})" if why else ""))
         except MEASURE_ERRORS as exc:
             self.links[(a, b)] = f"probe failed: {exc}"

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.pipeline.hop_transport import choose
 from supervisor.boundaries import TIME_TOLERANCE, min_total_ms, stage_times
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
@@ -43,6 +44,18 @@ class LinkSnapshot:
     peer: str
     rtt_ms: float
     bandwidth_bytes_per_s: float
+    # The torch.distributed path between the same two agents (agent/dist_probe.py), probed
+    # where a hop between them would take it: "gloo" or "nccl"; "" when not measured.
+    dist_transport: str = ""
+    dist_rtt_ms: float = 0.0
+    dist_bandwidth_bytes_per_s: float = 0.0
+
+    def path(self, transport: str) -> tuple[float, float]:
+        """(rtt ms, bytes/s) of the path a hop on `transport` takes: the torch.distributed
+        path's where it was measured, else the TCP link's (the nearest measurement there is)."""
+        if transport == self.dist_transport != "" and self.dist_bandwidth_bytes_per_s > 0:
+            return self.dist_rtt_ms, self.dist_bandwidth_bytes_per_s
+        return self.rtt_ms, self.bandwidth_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -168,13 +181,17 @@ class RingCosts:
         """a -> b as measured from a, else b -> a (links are close to symmetric)."""
         return self._links.get((a, b)) or self._links.get((b, a))
 
+    def hop_transport(self, a: str, b: str) -> str:
+        """How a hop from a's stage to b's carries its rows (the engines' own choice)."""
+        return choose(self.spec.hop_transport, self.nodes[a].backend, self.nodes[b].backend)[0]
+
     def hops_ms(self, ring: tuple[str, ...], rows: int) -> list[float] | None:
         """Each stage's hop to the next (the last one's back to rank 0); None: a link is missing."""
         if rows not in self._hops:
             self._hops[rows] = {
-                (a, b): link.rtt_ms / 2 + rows * self.shape.row_bytes
-                / link.bandwidth_bytes_per_s * 1000
-                for a in self.nodes for b in self.nodes if (link := self.link(a, b))}
+                (a, b): rtt_ms / 2 + rows * self.shape.row_bytes / bandwidth * 1000
+                for a in self.nodes for b in self.nodes if (link := self.link(a, b))
+                for rtt_ms, bandwidth in (link.path(self.hop_transport(a, b)),)}
         table = self._hops[rows]
         if len(ring) == 1:
             return []

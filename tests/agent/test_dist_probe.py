@@ -11,6 +11,8 @@ import pytest
 
 from agent import dist_probe
 from agent.probe import ProbeError
+from supervisor.agents import AgentClient
+from supervisor.measurements import probe
 from tests.agent.conftest import agent_config, client, serving
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,6 +46,17 @@ def test_one_agent_probes_another_over_gloo_beside_tcp(fleet, tmp_path):
                     "peer": url_b, "dist": "mpi"}) as r:
                 assert r.status == 422
                 assert "expected one of gloo, nccl" in (await r.json())["error"]["message"]
+        # The supervisor's own call reads the path into the link placement costs hops by.
+        async with serving(a) as url_a, serving(b) as url_b:
+            agents = AgentClient(fleet.client_ssl("super"))
+            await agents.start()
+            try:
+                link, why = await probe(agents, "node-a", url_a, "node-b", url_b, "gloo")
+            finally:
+                await agents.close()
+            assert why == "" and link.peer == "node-b" and link.dist_transport == "gloo"
+            assert link.dist_rtt_ms > 0 and link.dist_bandwidth_bytes_per_s > 1e6
+            assert link.path("gloo") == (link.dist_rtt_ms, link.dist_bandwidth_bytes_per_s)
 
     asyncio.run(scenario())
 
