@@ -4,6 +4,7 @@ time (v1) and against one stage, served as users are served: through rank 0's la
     python bench/overlap.py                                   # torch-cpu + torch-cpu, 1 thread each
     python bench/overlap.py --backends torch-cpu,mlx-cpu      # a mixed ring
     python bench/overlap.py --threads 8                       # 16 cores: stages of 8 threads
+    python bench/overlap.py --backends torch-cpu,mlx-cpu --layers 7,1  # unequal stages
 
 Overlap needs stages on separate hardware, so every stage gets its own `--threads` CPU
 threads and the whole model gets one stage's worth: two stages of one thread against one
@@ -131,6 +132,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="a checkpoint (default: a 1024-wide one)")
     parser.add_argument("--backends", default="torch-cpu,torch-cpu", help="one per stage")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each stage")
+    parser.add_argument("--layers", default="",
+                        help="layers of each stage, e.g. 7,1 (default: an even split)")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=8, help="chunks of the long prompt")
     parser.add_argument("--streams", type=int, default=8)
@@ -144,6 +147,13 @@ def main() -> int:
         make_checkpoint(model_dir, CPU_SHAPE, overwrite=True)
     backends = args.backends.split(",")
     stages = even_stages(n_layers(model_dir), len(backends))
+    if args.layers:  # unequal stages: a slow backend's stage can be given fewer layers
+        counts = [int(c) for c in args.layers.split(",")]
+        if len(counts) != len(backends) or sum(counts) != n_layers(model_dir) or min(counts) < 1:
+            parser.error(f"--layers must give each of the {len(backends)} stages at least one "
+                         f"layer, {n_layers(model_dir)} in all")
+        ends = np.cumsum(counts).tolist()
+        stages = list(zip([0, *ends[:-1]], ends, strict=True))
     n = len(stages)
     if args.chunk * args.chunks + args.tokens > args.context:
         parser.error("--context must hold the long prompt and the reply")
