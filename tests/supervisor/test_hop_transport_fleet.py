@@ -1,7 +1,7 @@
 """A model's `hop_transport: dist` through a real fleet (a supervisor and two agents as
 processes on loopback, two torch-cpu stages): `plan` predicts gloo for both hops, the
 engines set them up (the agents pass FLEET_HOP_TRANSPORT on), a request is answered, and
-`status` shows the hops rank 0 reports."""
+`status` shows the hops rank 0 reports; the link between the nodes was probed over gloo too."""
 
 from __future__ import annotations
 
@@ -56,3 +56,10 @@ def test_dist_between_two_torch_cpu_stages_runs_on_gloo_and_status_says_so(tmp_p
 
         fleet.wait(lambda: hops() == ["gloo", "gloo"], 30, "rank 0's gloo hops in status")
         assert "hops gloo,gloo" in fleet.fleetctl("status").stdout
+        # The agents' probe measured the gloo path too, for placement to cost these hops by.
+        def links() -> list[dict]:
+            return list(fleet.status()["measured"]["links"].values())
+
+        fleet.wait(lambda: any(isinstance(link, dict) for link in links()), 60, "the probe")
+        [link] = links()
+        assert link["dist_transport"] == "gloo" and link["dist_bandwidth_bytes_per_s"] > 0, link
