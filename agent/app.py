@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 
@@ -37,7 +36,14 @@ from agent.facts import FactsService, engine_version
 from agent.heartbeat import Heartbeat
 from agent.mtls_api import PEER, authorize_and_explain, error_body, roles
 from agent.pki import NodeCredentials
-from agent.probe import ProbeError, ProbeListener, ProbeTicket, open_listener, run_probe
+from agent.probe import (
+    ProbeError,
+    ProbeListener,
+    ProbeTicket,
+    ask_peer,
+    open_listener,
+    run_probe,
+)
 from agent.spawn import EngineSpec, SpawnRefused, engine_pythonpath
 from agent.tls import client_context
 
@@ -322,21 +328,6 @@ async def _dist_listen(request: web.Request, body: dict, max_bytes: int) -> dict
     return offer
 
 
-async def _peer_ticket(request: web.Request, peer: str, ask: dict, max_s: float) -> dict:
-    """The peer agent's answer to /v1/probe/listen, asked over mutual TLS."""
-    timeout = aiohttp.ClientTimeout(total=max_s)
-    try:
-        async with (aiohttp.ClientSession(timeout=timeout) as session,
-                    session.post(peer + "/v1/probe/listen", json=ask,
-                                 ssl=request.app[CLIENT_SSL]) as reply):
-            raw = await reply.json(content_type=None)
-            if reply.status != 200:
-                raise ProbeError(f"{peer} refused to open a probe listener: {raw}")
-    except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
-        raise ProbeError(f"cannot reach peer agent {peer}: {exc or type(exc).__name__}") from exc
-    return raw
-
-
 @roles("supervisor", "admin")
 async def probe_peer(request: web.Request) -> web.Response:
     """Measure the link to a peer agent: ask it for a ticket (mTLS), then probe over TCP;
@@ -353,7 +344,7 @@ async def probe_peer(request: web.Request) -> web.Response:
     if kind and kind not in dist_probe.KINDS:
         raise ProbeError(f"dist {kind!r}: expected one of {', '.join(dist_probe.KINDS)}")
     started = time.monotonic()
-    raw = await _peer_ticket(request, peer, {"bytes": want}, max_s)
+    raw = await ask_peer(peer, request.app[CLIENT_SSL], {"bytes": want}, max_s)
     try:
         ticket = ProbeTicket(**raw)
     except TypeError as exc:
@@ -364,7 +355,7 @@ async def probe_peer(request: web.Request) -> web.Response:
         # request has its own timeout) and a slow path costs only its own numbers.
         left_s = max(1.0, max_s - (time.monotonic() - started))
         try:
-            answer = await _peer_ticket(request, peer, {
+            answer = await ask_peer(peer, request.app[CLIENT_SSL], {
                 "bytes": want, "pings": pings, "dist": kind,
                 "row_bytes": int(body.get("row_bytes", dist_probe.ROW_BYTES))}, left_s)
             measured = await dist_probe.measure(

@@ -20,11 +20,13 @@ import hashlib
 import hmac
 import secrets
 import socket
+import ssl
 import statistics
 import struct
 import time
 from dataclasses import asdict, dataclass
 
+import aiohttp
 import structlog
 
 from engine.addresses import wildcard_refusal
@@ -180,6 +182,21 @@ async def open_listener(host: str, ports: range, max_bytes: int,
     listener = ProbeListener(secret, max_bytes, max_s)
     port = await listener.open(host, ports)
     return listener, ProbeTicket(host, port, secret.hex(), max_bytes, max_s)
+
+
+async def ask_peer(peer: str, ssl_context: ssl.SSLContext, ask: dict, max_s: float) -> dict:
+    """The peer agent's answer to /v1/probe/listen (a ticket, or a torch.distributed offer),
+    asked over mutual TLS: the only channel a ticket's secret or an offer's token travels."""
+    timeout = aiohttp.ClientTimeout(total=max_s)
+    try:
+        async with (aiohttp.ClientSession(timeout=timeout) as session,
+                    session.post(peer + "/v1/probe/listen", json=ask, ssl=ssl_context) as reply):
+            raw = await reply.json(content_type=None)
+            if reply.status != 200:
+                raise ProbeError(f"{peer} refused to open a probe listener: {raw}")
+    except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
+        raise ProbeError(f"cannot reach peer agent {peer}: {exc or type(exc).__name__}") from exc
+    return raw
 
 
 async def run_probe(ticket: ProbeTicket, *, peer: str = "", pings: int = 10,
