@@ -152,7 +152,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> t
     On a CPU a half-precision cache is attended in float32 and the result rounded back:
     the CPU's bfloat16 kernel converts each element at every use, and one conversion up
     front with the float32 kernel took 0.3-0.5x its time over 8,000 keys and 0.4x for 8
-    rows over 96 (one thread; bench/cpu_attention.py). GPUs keep their native kernels.
+    rows over 96 (one thread; bench/cpu_attention.py). The float32 copy of the keys and
+    values read lives for the call only. GPUs keep their native kernels.
     """
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
