@@ -30,7 +30,7 @@ from rich.table import Table
 
 from agent.pki import MissingCredentials, NodeCredentials, PkiError
 from supervisor.fleet_config import FleetConfigError, load_fleet_config
-from supervisor.hops import hops_text
+from supervisor.hops import hops_text, planned_hops_text
 from supervisor.memory import format_bytes
 
 # Tables are wide: keep them whole when the output is a pipe or a file.
@@ -228,8 +228,7 @@ def render_plan(p: dict[str, Any]) -> Table:
                             f"{t['decode_batch_ms_per_layer']:.3g} / "
                             f"{t['prefill_ms_per_layer']:.3g}" for t in s["layer_type_ms"])
                 for s in p["stages"]] if typed else []
-    hops = [hops_text([h["transport"] for h in p["hops"]]) + " ("
-            + "; ".join(dict.fromkeys(h["why"] for h in p["hops"])) + ")"] if p.get("hops") else []
+    hops = [planned_hops_text(p["hops"])] if p.get("hops") else []
     table.caption = "\n".join([summary, *hops, *per_type, *p["why"]])
     table.caption_justify = "left"
     return table

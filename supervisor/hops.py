@@ -42,3 +42,9 @@ def reported_hops(health: dict[str, Any] | None) -> list[str] | None:
 def hops_text(transports: Sequence[str]) -> str:
     """`hops tcp,nccl`: what `fleetctl status` and `plan` print for a ring."""
     return "hops " + ",".join(transports)
+
+
+def planned_hops_text(hops: Sequence[dict[str, str]]) -> str:
+    """`hops gloo,gloo (why)`: a plan's predicted hops, each reason said once."""
+    return (hops_text([h["transport"] for h in hops]) + " ("
+            + "; ".join(dict.fromkeys(h["why"] for h in hops)) + ")")

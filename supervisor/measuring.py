@@ -81,6 +81,16 @@ def dist_path(spec: ModelSpec, backend_a: str, backend_b: str) -> str:
     return ""
 
 
+def _dist_said(link: LinkSnapshot, dist: str, failed: str) -> str:
+    """What a probe event adds for the torch.distributed path, when one was asked for."""
+    if not dist:
+        return ""
+    if failed:
+        return f"; {dist}: not measured, its hops costed as TCP: {failed}"
+    return (f"; {dist}: rtt {link.dist_rtt_ms:.3g} ms, "
+            f"{link.dist_bandwidth_bytes_per_s / 1e6:.0f} MB/s")
+
+
 def link_key(a: str, b: str) -> str:
     return f"{a} -> {b}"
 
@@ -230,10 +240,7 @@ class Measurer:
             why = self.again.pop(link_key(a, b), "") or self.again.pop(link_key(b, a), "")
             done = (f"probed {a} -> {b}: rtt {link.rtt_ms:.3g} ms, "
                     f"{link.bandwidth_bytes_per_s / 1e6:.0f} MB/s"
-                    + (f"; {dist}: not measured, its hops costed as TCP: {dist_failed}"
-                       if dist_failed else
-                       f"; {dist}: rtt {link.dist_rtt_ms:.3g} ms, "
-                       f"{link.dist_bandwidth_bytes_per_s / 1e6:.0f} MB/s" if dist else "")
+                    + _dist_said(link, dist, dist_failed)
                     + (f" (measured again: {why})" if why else ""))
         except MEASURE_ERRORS as exc:
             self.links[(a, b)] = f"probe failed: {exc}"
