@@ -340,9 +340,7 @@ async def probe_peer(request: web.Request) -> web.Response:
     want = min(int(body.get("bytes", 16 << 20)), config.probe_max_bytes)
     max_s = min(float(body.get("max_s", config.probe_max_s)), config.probe_max_s)
     pings = int(body.get("pings", 10))
-    kind = str(body.get("dist") or "")
-    if kind and kind not in dist_probe.KINDS:
-        raise ProbeError(f"dist {kind!r}: expected one of {', '.join(dist_probe.KINDS)}")
+    kind = dist_probe.checked_kind(str(body["dist"])) if body.get("dist") else ""
     started = time.monotonic()
     raw = await ask_peer(peer, request.app[CLIENT_SSL], {"bytes": want}, max_s)
     try:

@@ -39,13 +39,18 @@ ROW_BYTES = 8192  # a decode row of a 4096-wide bf16 model
 BULK_CHUNK = 16 << 20  # the bulk goes in tensors of at most this many bytes
 
 
-def request(role: str, kind: str, *, pings: int, row_bytes: int, bytes_: int, max_s: float,
-            host: str = "", offer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A child's request, its numbers bounded (refused: an unknown kind)."""
+def checked_kind(kind: str) -> str:
+    """`kind` if it is a torch.distributed path the probe knows, else ProbeError."""
     if kind not in KINDS:
         raise ProbeError(f"unknown torch.distributed probe {kind!r} (expected one of "
                          f"{', '.join(KINDS)})")
-    return {"role": role, "kind": kind, "host": host, "offer": offer,
+    return kind
+
+
+def request(role: str, kind: str, *, pings: int, row_bytes: int, bytes_: int, max_s: float,
+            host: str = "", offer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A child's request, its numbers bounded (refused: an unknown kind)."""
+    return {"role": role, "kind": checked_kind(kind), "host": host, "offer": offer,
             "pings": max(1, min(int(pings), MAX_PINGS)),
             "row_bytes": max(4, min(int(row_bytes), 1 << 20)),
             "bytes": max(1, int(bytes_)), "max_s": float(max_s)}
@@ -175,9 +180,9 @@ def _run(ask: dict[str, Any], say: Any) -> dict[str, Any]:
     ack = torch.zeros(1, dtype=torch.int64, device=device)
     t0 = time.perf_counter()
     sent = 0
+    move = group.recv if serving else group.send
     while sent < ask["bytes"]:
         part = chunk[:min(chunk.numel(), ask["bytes"] - sent)]
-        move = group.recv if serving else group.send
         move([part], other, 0).wait(left())
         sent += part.numel()
     if serving:
