@@ -165,15 +165,16 @@ def test_diff_shows_checkpoint_and_backends():
     ]
 
 
-REPLICAS = """version: 1
+# One model on one node; %s: more of the model's lines.
+ONE_MODEL = """version: 1
 supervisor: {address: "127.0.0.1:7400", state_dir: /tmp/x}
 nodes: [{name: a}]
 models:
   - id: m
     checkpoint: /m
     context: 64
-    replicas: %s
-"""
+%s"""
+REPLICAS = ONE_MODEL % "    replicas: %s\n"
 
 
 def test_replicas_is_a_count_or_auto_and_only_it_leaves_the_spec_digest_alone():

@@ -14,32 +14,24 @@ from supervisor.fleetctl import render_plan
 from supervisor.hops import planned_hops, predicted_hops, reported_hops
 from supervisor.placement import place
 from supervisor.planning import spec_digest
+from tests.supervisor.test_fleet_config import ONE_MODEL
 from tests.supervisor.test_placement import SHAPE, mesh, node, spec
-
-FLEET = """version: 1
-supervisor: {address: "127.0.0.1:7400", state_dir: /tmp/x}
-nodes: [{name: a}]
-models:
-  - id: m
-    checkpoint: /m
-    context: 64
-%s"""
 
 
 def test_fleet_yaml_sets_a_models_hop_transport_and_auto_keeps_the_digest():
-    unset, auto, dist = (parse_fleet_config(FLEET % extra).model("m")
+    unset, auto, dist = (parse_fleet_config(ONE_MODEL % extra).model("m")
                          for extra in ("", "    hop_transport: auto\n",
                                        "    hop_transport: dist\n"))
     assert (unset.hop_transport, auto.hop_transport, dist.hop_transport) == ("auto", "auto",
                                                                               "dist")
     # Specs written before the field existed keep their digest (no replica is replaced).
     assert spec_digest(unset) == spec_digest(auto) != spec_digest(dist)
-    assert diff(parse_fleet_config(FLEET % ""), parse_fleet_config(
-        FLEET % "    hop_transport: dist\n")) == ["model m: hop_transport auto -> dist"]
+    assert diff(parse_fleet_config(ONE_MODEL % ""), parse_fleet_config(
+        ONE_MODEL % "    hop_transport: dist\n")) == ["model m: hop_transport auto -> dist"]
     with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.hop_transport: unknown hop "
                                                r"transport 'nccl' \(expected one of auto, tcp, "
                                                r"dist\)"):
-        parse_fleet_config(FLEET % "    hop_transport: nccl\n")
+        parse_fleet_config(ONE_MODEL % "    hop_transport: nccl\n")
 
 
 def test_a_spawn_request_carries_the_hop_transport_into_the_engines_environment():
