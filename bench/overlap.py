@@ -159,7 +159,7 @@ def main() -> int:
         parser.error("--context must hold the long prompt and the reply")
     shape = dict(parallel=args.streams, context=args.context, chunk=args.chunk)
     # Debug level: every stage logs its round phases, for the stages' own times.
-    threads = {"FLEET_CPU_THREADS": str(args.threads), "FLEET_LOG_LEVEL": "debug"}
+    stage_env = {"FLEET_CPU_THREADS": str(args.threads), "FLEET_LOG_LEVEL": "debug"}
     if backends[0].startswith("torch-"):
         import torch
 
@@ -168,7 +168,7 @@ def main() -> int:
     print(f"# whole on {backends[0]}: {whole}", flush=True)
     with (tempfile.TemporaryDirectory() as run_dir,
           local_pipeline(model_dir, stages, Path(run_dir), backends=backends,
-                         extra_env=threads, **shape) as runner):
+                         extra_env=stage_env, **shape) as runner):
         runner.timings.clear()
         v1 = measure(runner, 1, model_dir, args)
         print(f"# v1: {v1}", flush=True)
