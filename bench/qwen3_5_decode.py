@@ -18,6 +18,7 @@ round whole against split (the hop's cost; overlap needs two devices).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -47,10 +48,15 @@ def weight_bytes(model_dir: Path) -> int:
                if not n.endswith("embed_tokens.weight"))
 
 
-def decode_ms(driver: RoundDriver, streams: int, steps: int, vocab: int) -> float:
+def decode_ms(driver: RoundDriver, streams: int, steps: int, vocab: int,
+              conversation: int = 64, chunk: int = 512) -> float:
+    """Decode ms a round for `streams` streams, each `conversation` tokens long already (its
+    prompt, taken in rounds of at most `chunk` rows over all streams, as a server's are)."""
     rng = np.random.default_rng(streams)
-    prompts = {s: rng.integers(3, vocab, 64).tolist() for s in range(streams)}
-    driver.round(prompts)
+    prompts = {s: rng.integers(3, vocab, conversation).tolist() for s in range(streams)}
+    rows = max(1, chunk // streams)
+    for first in range(0, conversation, rows):
+        driver.round({s: p[first:first + rows] for s, p in prompts.items()})
     feeds = {s: [int(rng.integers(3, vocab))] for s in range(streams)}
     for _ in range(3):  # captures, warm-up
         driver.round(feeds)
@@ -151,7 +157,6 @@ def split_rounds(driver: RoundDriver, streams: int, vocab: int) -> tuple[list[by
 
 
 def split_against_whole(out: Path, layers: int, context: int, vocab: int) -> None:
-    import os
     import tempfile
 
     from engine.harness.local_pipeline import local_pipeline, whole_runner
@@ -198,19 +203,30 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--split", action="store_true",
                         help="whole against two stages on this GPU: bytes, memory, the hop")
+    parser.add_argument("--conversation", type=int, default=64,
+                        help="tokens each stream has already seen when decode is timed")
+    parser.add_argument("--make-only", action="store_true",
+                        help="write the checkpoint (if it is not there) and stop")
     args = parser.parse_args()
     out = args.out or ROOT / "build" / f"bench-qwen3_5-27b-like-{args.layers}"
-    spec = CheckpointSpec(**SHAPE, num_hidden_layers=args.layers)
+    # One shard a core at most, written at once.
+    spec = CheckpointSpec(**SHAPE, num_hidden_layers=args.layers,
+                          shards=max(1, min(args.layers, os.cpu_count() or 1)))
     if not (out / "config.json").exists():
         print(f"# making {out}", flush=True)
+        start = time.perf_counter()
         make_checkpoint(out, spec, overwrite=True)
+        print(f"# made in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.make_only:
+        return
     size = weight_bytes(out)
     print(f"# {args.layers} layers, {size / 2**30:.2f} GiB of bf16 weights read a step; floor "
           f"{size / H200_BYTES_PER_S * 1e3:.3f} ms a step at {H200_BYTES_PER_S / 1e12} TB/s")
     if args.split:
         split_against_whole(out, args.layers, args.context, spec.vocab_size)
         return
-    print(f"# context {args.context} positions a slot, 8 slots")
+    print(f"# context {args.context} positions a slot, 8 slots; decode timed after "
+          f"{args.conversation}-token conversations")
     print("| kernels | decode | streams | ms a round | ms a layer a round (ends included) |")
     print("|---|---|---|---|---|")
     for kernels in args.kernels.split(","):
@@ -222,7 +238,7 @@ def main() -> None:
                                          512, graphs, delta_kernel=kernels))
             driver = RoundDriver(LocalRunner(stage))
             for streams in (1, 8):
-                ms = decode_ms(driver, streams, args.steps, spec.vocab_size)
+                ms = decode_ms(driver, streams, args.steps, spec.vocab_size, args.conversation)
                 label = "CUDA graphs" if graphs else "eager"
                 print(f"| {kernels} | {label} | {streams} | {ms:.2f} | {ms / args.layers:.3f} |",
                       flush=True)

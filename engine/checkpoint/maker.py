@@ -8,7 +8,9 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -383,24 +385,46 @@ def _safetensors_header(tensors: list[TensorPlan], dtype: str) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded
 
 
+class _WriteStopped(Exception):
+    """Another shard's writer failed or was interrupted: this one stops at its next block."""
+
+
+class _SharedProgress:
+    """The bytes written so far over every shard, which are written at once by several threads."""
+
+    def __init__(self, bytes_total: int, progress: ProgressCallback | None) -> None:
+        self._bytes_total = bytes_total
+        self._progress = progress
+        self._bytes_done = 0
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+
+    def wrote(self, file_name: str, tensor_name: str, count: int) -> None:
+        if self.stop.is_set():
+            raise _WriteStopped
+        with self._lock:
+            self._bytes_done += count
+            if self._progress is not None:
+                self._progress(WriteProgress(file_name, tensor_name, self._bytes_done,
+                                             self._bytes_total))
+
+
 def _write_shard(path: Path, spec: CheckpointSpec, tensors: list[TensorPlan],
-                 done_before: int, bytes_total: int,
-                 progress: ProgressCallback | None) -> int:
-    """Write one safetensors file tensor by tensor; returns the data bytes written."""
+                 progress: _SharedProgress) -> None:
+    """Write one safetensors file tensor by tensor."""
     partial = path.with_name(path.name + ".partial")
-    bytes_done = 0
-    with partial.open("wb") as out:
-        out.write(_safetensors_header(tensors, spec.dtype))
-        for tensor in tensors:
-            for block in tensor_blocks(spec, tensor):
-                out.write(block)
-                bytes_done += len(block)
-                if progress is not None:
-                    progress(WriteProgress(path.name, tensor.name, done_before + bytes_done,
-                                           bytes_total))
+    try:
+        with partial.open("wb") as out:
+            out.write(_safetensors_header(tensors, spec.dtype))
+            for tensor in tensors:
+                for block in tensor_blocks(spec, tensor):
+                    out.write(block)
+                    progress.wrote(path.name, tensor.name, len(block))
+    except BaseException:
+        progress.stop.set()  # the other shards' writers stop at their next block
+        raise
     # Renamed only once complete, so an interrupted write never looks like a checkpoint.
     os.replace(partial, path)
-    return bytes_done
 
 
 PRESETS: dict[str, CheckpointSpec] = {
@@ -456,10 +480,18 @@ def make_checkpoint(out_dir: Path | str, spec: CheckpointSpec, *, overwrite: boo
     bytes_total = sum(t.element_count for t in plan) * bytes_per_element
     shards = split_into_shards(plan, spec.shards, bytes_per_element)
     file_names = shard_file_names(spec.shards)
-    bytes_done = 0
-    for file_name, tensors in zip(file_names, shards, strict=True):
-        bytes_done += _write_shard(out_dir / file_name, spec, tensors, bytes_done, bytes_total,
-                                   progress)
+    shared_progress = _SharedProgress(bytes_total, progress)
+    # Each shard draws from its tensors' own streams, so shards can be written at once: numpy
+    # drops the GIL while it draws, rounds and writes, so threads use the cores.
+    with ThreadPoolExecutor(max_workers=min(spec.shards, os.cpu_count() or 1)) as pool:
+        written = [pool.submit(_write_shard, out_dir / file_name, spec, tensors, shared_progress)
+                   for file_name, tensors in zip(file_names, shards, strict=True)]
+        try:
+            for shard in written:
+                shard.result()  # a failed shard raises here; its .partial file never becomes one
+        except BaseException:  # Ctrl-C too: the other writers stop at their next block
+            shared_progress.stop.set()
+            raise
     if spec.shards > 1:
         weight_map = {t.name: name for name, ts in zip(file_names, shards, strict=True) for t in ts}
         _write_json(out_dir / INDEX_FILE,

@@ -8,6 +8,8 @@ import json
 import math
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +208,28 @@ def test_progress_reaches_the_total(tmp_path):
     done = [event.bytes_done for event in events]
     assert done == sorted(done)
     assert done[-1] == events[-1].bytes_total == sum(t.element_count * 4 for t in tensor_plan(spec))
+
+
+def test_shards_written_at_once_all_stop_when_one_fails(tmp_path):
+    """Shards are written by several threads; an interruption in any one (here the progress
+    report raising, as Ctrl-C would inside it) stops every writer, and no shard is left
+    looking complete."""
+    spec = family_spec("llama", shards=3)
+    threads: set[int] = set()
+
+    def interrupted(event: WriteProgress) -> None:
+        threads.add(threading.get_ident())
+        if len(threads) > 1:  # a second writer at work: they run at once
+            raise KeyboardInterrupt
+        time.sleep(0.05)  # the first writer waits here for another to start
+
+    with pytest.raises(KeyboardInterrupt):
+        make_checkpoint(tmp_path, spec, progress=interrupted)
+    assert len(list(tmp_path.glob("*.safetensors"))) < 3
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    make_checkpoint(tmp_path, spec, overwrite=True)  # and the directory can be made again
+    assert not list(tmp_path.glob("*.partial"))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
 
 
 def test_refuses_a_non_empty_directory_unless_told(tmp_path):
