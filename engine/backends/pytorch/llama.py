@@ -103,6 +103,9 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     k_cache[slots, :, positions] = k
     v_cache[slots, :, positions] = v
     keys = mask.shape[-1]
+    # SDPA's own grouped heads, not kv_cache.attend_one_row_each: Inductor compiles this form
+    # without the math kernel's copies, and the rows form here made an 8B's step after
+    # 8,000-token conversations 2x slower on an H200 (docs/benchmarks.md, "36 layers").
     o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
                                        v_cache[:, :, :keys], attn_mask=mask, enable_gqa=True)
     x = x + F.linear(o.reshape(rows, config.q_width), w.o)
