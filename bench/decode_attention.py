@@ -1,6 +1,6 @@
 """Decode attention with grouped heads: SDPA asked for them (`enable_gqa`) against the query
 heads that share a key head passed as that head's rows (what
-engine/backends/pytorch/kv_cache.py does for one-row entries).
+engine/backends/pytorch/kv_cache.py does for one-row entries on CUDA).
 
 Both forms attend decode rows (one query each) over a slot's keys under a mask, as the engine
 passes one, side by side in one run; prints each one's time, the ratio, the largest
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import median_s, table
-from engine.backends.pytorch.kv_cache import attend_one_row_each
+from engine.backends.pytorch.kv_cache import heads_as_rows
 
 SHAPES = {"hybrid": (24, 4, 256), "8b": (32, 8, 128), "demo": (8, 2, 32)}
 
@@ -70,10 +70,10 @@ def main() -> int:
                 mask[:, :, :, keys - 64:] = False  # a bucket's tail past the live length
                 grouped = median_s(lambda: grouped_by_sdpa(q, k, v, mask),  # noqa: B023
                                    repeats=args.repeats, sync=sync)
-                as_rows = median_s(lambda: attend_one_row_each(q, k, v, mask),  # noqa: B023
+                as_rows = median_s(lambda: heads_as_rows(q, k, v, mask),  # noqa: B023
                                    repeats=args.repeats, sync=sync)
                 diff = (grouped_by_sdpa(q, k, v, mask).float()
-                        - attend_one_row_each(q, k, v, mask).float()).abs().max().item()
+                        - heads_as_rows(q, k, v, mask).float()).abs().max().item()
                 taken = "-", "-"
                 if device.type == "cuda":
                     as_heads_rows = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)

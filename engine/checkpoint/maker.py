@@ -10,7 +10,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -487,11 +487,16 @@ def make_checkpoint(out_dir: Path | str, spec: CheckpointSpec, *, overwrite: boo
         written = [pool.submit(_write_shard, out_dir / file_name, spec, tensors, shared_progress)
                    for file_name, tensors in zip(file_names, shards, strict=True)]
         try:
-            for shard in written:
-                shard.result()  # a failed shard raises here; its .partial file never becomes one
-        except BaseException:  # Ctrl-C too: the other writers stop at their next block
+            wait(written, return_when=FIRST_EXCEPTION)
+        except BaseException:  # Ctrl-C here: the writers stop at their next block
             shared_progress.stop.set()
             raise
+    # A failed shard's .partial file never becomes one; raise what failed first, not the
+    # other writers' stopping because of it.
+    failures = [shard.exception() for shard in written if shard.exception() is not None]
+    cause = next((error for error in failures if not isinstance(error, _WriteStopped)), None)
+    if cause is not None:
+        raise cause
     if spec.shards > 1:
         weight_map = {t.name: name for name, ts in zip(file_names, shards, strict=True) for t in ts}
         _write_json(out_dir / INDEX_FILE,

@@ -1,13 +1,14 @@
-"""Decode attention with grouped heads passed as rows (kv_cache.attend_one_row_each) is the
-attention transformers computes: each query head attends over its key head's keys, under
-its own row's mask. Checked against a float64 softmax written the long way."""
+"""Decode attention with grouped heads passed as rows (kv_cache.heads_as_rows, what a CUDA
+stage runs) is the attention transformers computes: each query head attends over its key
+head's keys, under its own row's mask. Checked on the CPU against a float64 softmax written
+the long way, and against the CPU's own form (SDPA's grouped heads)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.backends.pytorch.kv_cache import attend_one_row_each
+from engine.backends.pytorch.kv_cache import attend_one_row_each, heads_as_rows
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -36,10 +37,12 @@ def test_heads_as_rows_is_grouped_query_attention(heads, kv_heads, head_dim, dty
     v = torch.randn(rows, kv_heads, keys, head_dim, generator=generator).to(dtype)
     live = torch.tensor([70, 9, 1])  # each row's own length: the mask differs by row
     mask = (torch.arange(keys)[None, :] < live[:, None])[:, None, None, :]
-    got = attend_one_row_each(q, k, v, mask)
+    got = heads_as_rows(q, k, v, mask)
     assert got.shape == q.shape and got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.double(), reference(q, k, v, mask), atol=tolerance,
-                               rtol=tolerance)
+    want = reference(q, k, v, mask)
+    torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(attend_one_row_each(q, k, v, mask).double(), want,
+                               atol=tolerance, rtol=tolerance)
     # A row that sees one key returns that key's value for every head of its group.
     torch.testing.assert_close(got[2], v[2, :, 0].repeat_interleave(heads // kv_heads, 0))

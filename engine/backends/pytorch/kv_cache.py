@@ -166,15 +166,24 @@ def attend_one_row_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Decode attention, one query row a slot: q [n, heads, head_dim] over k, v
     [n, kv_heads, keys, head_dim] under mask [n, 1, 1, keys] -> [n, heads, head_dim].
 
-    The query heads that share a key head (heads / kv_heads of them: GQA) go in as that
-    head's rows, since they see the same keys under the same mask. Grouped heads asked of
-    SDPA itself (`enable_gqa`) with a mask run on CUDA only as the math kernel (torch
-    2.11), which copies every key and value once per query head; as rows, the
-    memory-efficient kernel takes them and reads each key once. On an H200, 8 rows over
-    8,000 keys: 4.06 -> 0.58 ms for the Qwen3.5 27B's heads, 3.28 -> 0.45 ms for an 8B's
-    (bench/decode_attention.py). The compiled dense decode step keeps the grouped form
-    (`llama.decode_block` says why).
+    On CUDA the query heads go in as their key heads' rows (`heads_as_rows`). Grouped
+    heads asked of SDPA itself (`enable_gqa`) with a mask run there only as the math
+    kernel (torch 2.11), which copies every key and value once per query head; as rows,
+    the memory-efficient kernel takes them and reads each key once. On an H200, 8 rows
+    over 8,000 keys: 4.06 -> 0.58 ms for the Qwen3.5 27B's heads, 3.28 -> 0.45 ms for an
+    8B's (bench/decode_attention.py). The CPU's kernels take grouped heads as they are,
+    so a CPU keeps SDPA's grouped form and its bytes. The compiled dense decode step keeps
+    the grouped form on CUDA too (`llama.decode_block` says why).
     """
+    if q.device.type == "cuda":
+        return heads_as_rows(q, k, v, mask)
+    return attention(q[:, :, None, :], k, v, mask)[:, :, 0, :]
+
+
+def heads_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """`attend_one_row_each` with the query heads that share a key head (heads / kv_heads
+    of them: GQA) passed as that head's rows: they see the same keys under the same mask."""
     n, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(n, kv_heads, heads // kv_heads, head_dim)  # query head = kv head × group
