@@ -10,27 +10,16 @@ Usage: python bench/cpu_attention.py [--keys 96,8000] [--rows 1,8] [--dtype bflo
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import median_s
 from engine.backends.pytorch.kv_cache import attention
 
 
 def native(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    fn(*args)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> int:
@@ -54,8 +43,8 @@ def main() -> int:
             k = torch.randn(rows, args.kv_heads, keys, args.head_dim, dtype=dtype)
             v = torch.randn(rows, args.kv_heads, keys, args.head_dim, dtype=dtype)
             mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
-            slow = median_ms(native, q, k, v, mask, repeats=args.repeats)
-            fast = median_ms(attention, q, k, v, mask, repeats=args.repeats)
+            slow = median_s(lambda: native(q, k, v, mask), repeats=args.repeats) * 1e3  # noqa: B023
+            fast = median_s(lambda: attention(q, k, v, mask), repeats=args.repeats) * 1e3  # noqa: B023
             diff = (native(q, k, v, mask).float() - attention(q, k, v, mask).float()).abs().max()
             print(f"| {keys} | {rows} | {slow:.3f} | {fast:.3f} | {fast / slow:.2f} | "
                   f"{diff.item():.2g} |")

@@ -493,8 +493,8 @@ def make_checkpoint(out_dir: Path | str, spec: CheckpointSpec, *, overwrite: boo
             raise
     # A failed shard's .partial file never becomes one; raise what failed first, not the
     # other writers' stopping because of it.
-    failures = [shard.exception() for shard in written if shard.exception() is not None]
-    cause = next((error for error in failures if not isinstance(error, _WriteStopped)), None)
+    errors = (shard.exception() for shard in written)
+    cause = next((e for e in errors if e is not None and not isinstance(e, _WriteStopped)), None)
     if cause is not None:
         raise cause
     if spec.shards > 1:
