@@ -23,13 +23,17 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import FULL_ATTENTION
+
+if TYPE_CHECKING:  # the timer imports numpy and, building a stage, a framework
+    from agent.stage_timer import StageTimer
 
 PROGRESS_EVENT = "calibration_progress"
 RESULT_EVENT = "calibration_done"
@@ -38,7 +42,6 @@ SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention
 HYBRID_SHAPE_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                        "linear_value_head_dim", "linear_conv_kernel_dim",
                        "partial_rotary_factor")
-WEIGHT_STD = 0.02
 
 Progress = Callable[[int, int, str], None]
 
@@ -60,8 +63,16 @@ class CalibrationRequest:
     warmup: int = 2
     budget_s: float = 30.0
     threads: int = 0  # CPU threads for the framework; 0: its default (all cores)
+    # How the stage runs, as the engine's FLEET_QUANT, FLEET_COMPILE, FLEET_DELTA_KERNEL and
+    # FLEET_CUDA_GRAPHS would have it (engine.backends.base.StageSpec): timed as served.
+    quant_mode: str = "auto"
+    compile: str = "auto"
+    delta_kernel: str = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
+        from engine.backends.base import COMPILE_MODES, DELTA_KERNELS
+        from engine.backends.quant_policy import QUANT_MODES
         from engine.link.messages import BACKENDS
 
         if self.backend not in BACKENDS:
@@ -75,6 +86,21 @@ class CalibrationRequest:
                 raise CalibrationError(f"{name}={getattr(self, name)}: must be at least 1")
         if self.warmup < 0 or not self.budget_s > 0:
             raise CalibrationError("warmup must be >= 0 and budget_s > 0")
+        for name, allowed in (("quant_mode", QUANT_MODES), ("compile", COMPILE_MODES),
+                              ("delta_kernel", DELTA_KERNELS)):
+            if getattr(self, name) not in allowed:
+                raise CalibrationError(f"{name}={getattr(self, name)!r}: expected one of "
+                                       f"{', '.join(allowed)}")
+
+    @property
+    def context_needed(self) -> int:
+        """Positions a slot of the timed stage holds: the longest context or the chunk."""
+        return max(max(self.contexts), self.chunk_rows)
+
+    def stage_options(self) -> dict[str, Any]:
+        """The StageSpec fields that decide which kernels the timed stage runs."""
+        return {"quant": self.quant_mode, "compile": self.compile,
+                "delta_kernel": self.delta_kernel, "cuda_graphs": self.cuda_graphs}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CalibrationRequest:
@@ -134,7 +160,7 @@ class CalibrationRequest:
         what = {"shape": self.shape(), "dtype": config.dtype, "backend": self.backend,
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
-                "threads": self.thread_setting()}
+                "threads": self.thread_setting(), "stage": self.stage_options()}
         if self.quant() is not None:  # packed weights time differently (a dense key stays)
             what["quantization"] = self.config.get("quantization") or \
                 self.config.get("quantization_config")
@@ -196,192 +222,22 @@ class Calibration:
         return cls(**raw)
 
 
-# --- the torch timer --------------------------------------------------------------------
+def make_timer(request: CalibrationRequest, layer_type: str, workdir: Path) -> StageTimer:
+    """The real stage that times `request`'s `layer_type` layers, its range written under
+    `workdir` (slots for the batch, positions for the longest context or chunk)."""
+    from agent.stage_timer import StageTimer, TimerError
 
-class TorchTimer:
-    """The engine's PyTorch layers, built from random weights, timed one round at a time.
-
-    For a quantized checkpoint the weights are quantized as mlx-lm would and held as the
-    stage would hold them (packed where engine.backends.quant_policy says it runs packed),
-    so the ms per layer are those of the kernels that will run."""
-
-    def __init__(self, config, backend: str, layers: int, slots: int, context: int,
-                 threads: int = 0, layer_type: str = FULL_ATTENTION, quant=None) -> None:
-        import torch
-
-        from engine.backends.pytorch.kv_cache import KVCache
-        from engine.backends.pytorch.llama import LlamaRange, Rope
-        from engine.backends.pytorch.qwen3_5 import Qwen35Range
-        from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
-        config = one_type(config, layer_type, layers)
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        kind = backend.removeprefix("torch-")
-        if (kind == "cuda" and not torch.cuda.is_available()) or (
-                kind == "mps" and not torch.backends.mps.is_available()):
-            raise CalibrationError(f"{backend}: this PyTorch sees no {kind} device")
-        if config.dtype not in dtypes:
-            raise CalibrationError(f"dtype {config.dtype!r} is not supported by {backend}")
-        self.device = torch.device(kind)
-        self.torch = torch
-        if threads:
-            torch.set_num_threads(threads)
-        self.threads = torch.get_num_threads()  # what the rounds run on, as recorded
-        self.dtype = dtypes[config.dtype]
-        self.config = config
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        from engine.backends.pytorch.packed_linear import quantize_and_pack
-        from engine.backends.quant_policy import packed_params, runs_packed
-        packed = quant is not None and runs_packed(backend, config.dtype)
-
-        def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-            out = {}
-            for name, shape in shapes.items():
-                if name.endswith("norm.weight"):
-                    t = torch.ones(shape)
-                else:
-                    t = torch.empty(shape).normal_(0.0, WEIGHT_STD, generator=generator)
-                params = packed_params(quant, name, shape) if packed else None
-                out[name] = (t.to(self.device, self.dtype) if params is None
-                             else quantize_and_pack(t, params, self.dtype, self.device))
-            return out
-
-        # Layer indices from 1 so the range is not the first: no embeddings or head to build.
-        attention = layers if layer_type == FULL_ATTENTION else 0
-        cache = KVCache(attention, slots, config.num_key_value_heads, context, config.head_dim,
-                        self.dtype, self.device)
-        rope = Rope(config, context, self.device, self.dtype)
-        with torch.inference_mode():
-            if config.is_hybrid:
-                state = HybridState(cache, RecurrentState(config, layers - attention, slots,
-                                                          self.dtype, self.device))
-                self.model = Qwen35Range(config, (1, 1 + layers), load, state, rope)
-            else:
-                self.model = LlamaRange(config, (1, 1 + layers), load, cache, rope)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
-        elif self.device.type == "mps":
-            self.torch.mps.synchronize()
-
-    def make_round(self, kind: str, context: int, rows: int) -> Callable[[], None]:
-        from engine.backends.pytorch.kv_cache import RoundIndex
-
-        torch = self.torch
-        index = RoundIndex.build(_round_layout(kind, context, rows), self.device,
-                                 self.config.sliding_window)
-        x = (torch.randn(rows, self.config.hidden_size) * 0.5).to(self.device, self.dtype)
-
-        def run() -> None:
-            with torch.inference_mode():
-                self.model.run_layers(x, index)
-            self.sync()
-
-        return run
-
-
-class MlxTimer:
-    """The engine's MLX layers (the PyTorch family's twin), timed the same way."""
-
-    def __init__(self, config, backend: str, layers: int, slots: int, context: int,
-                 layer_type: str = FULL_ATTENTION, quant=None) -> None:
-        config = one_type(config, layer_type, layers)
-        try:
-            import mlx.core as mx
-
-            from engine.backends.mlx.kv_cache import KVCache
-            from engine.backends.mlx.llama import LlamaRange, Rope
-            from engine.backends.mlx.quant import QuantizedWeight
-            from engine.backends.mlx.qwen3_5 import Qwen35Range
-            from engine.backends.quant_policy import packed_params
-        except ImportError as exc:
-            raise CalibrationError(f"{backend}: MLX or the engine's MLX backend is not "
-                                   f"importable ({exc})") from exc
-        kind = backend.removeprefix("mlx-")
-        cuda = getattr(mx, "cuda", None)
-        if (kind == "metal" and not mx.metal.is_available()) or (
-                kind == "cuda" and not (cuda and cuda.is_available())):
-            raise CalibrationError(f"{backend}: this MLX build sees no {kind} device")
-        mx.set_default_device(mx.cpu if kind == "cpu" else mx.gpu)
-        dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-        if config.dtype not in dtypes:
-            raise CalibrationError(f"dtype {config.dtype!r} is not supported by {backend}")
-        self.mx = mx
-        self.dtype = dtypes[config.dtype]
-        self.config = config
-        mx.random.seed(0)
-
-        def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-            out = {}
-            for name, shape in shapes.items():
-                if name.endswith("norm.weight"):
-                    out[name] = mx.ones(shape, dtype=self.dtype)
-                else:
-                    out[name] = (mx.random.normal(shape) * WEIGHT_STD).astype(self.dtype)
-                params = packed_params(quant, name, shape)
-                if params is not None:  # as a quantized checkpoint's stage runs it
-                    out[name] = QuantizedWeight(*mx.quantize(out[name], params.group_size,
-                                                             params.bits), params.group_size,
-                                                params.bits)
-            mx.eval([a for w in out.values() for a in
-                     ((w.weight, w.scales, w.biases) if isinstance(w, QuantizedWeight) else (w,))])
-            return out
-
-        if config.is_hybrid:
-            self.cache = Qwen35Range.state_for(config, (1, 1 + layers), slots, context,
-                                               self.dtype)
-            self.model = Qwen35Range(config, (1, 1 + layers), load, self.cache, Rope(config))
-        else:
-            self.cache = KVCache(layers, slots, config.num_key_value_heads, context,
-                                 config.head_dim, self.dtype)
-            self.model = LlamaRange(config, (1, 1 + layers), load, self.cache, Rope(config))
-
-    def make_round(self, kind: str, context: int, rows: int) -> Callable[[], None]:
-        from engine.backends.mlx.kv_cache import RoundIndex
-
-        mx = self.mx
-        layout = _round_layout(kind, context, rows)
-        index = (self.model.round_index(layout) if self.config.is_hybrid
-                 else RoundIndex.build(layout, self.config.sliding_window))
-        x = (mx.random.normal((rows, self.config.hidden_size)) * 0.5).astype(self.dtype)
-        mx.eval(x)
-
-        def run() -> None:
-            out = self.model.run_layers(x, index)
-            mx.eval(out, *self.cache.arrays())
-
-        return run
-
-
-def _round_layout(kind: str, context: int, rows: int):
-    """Decode: `rows` streams of one row attending over `context` keys. Prefill: one prompt
-    chunk of `rows` rows at positions [context - rows, context)."""
-    from engine.rounds import Op, RoundPlan, RowLayout, StreamEntry
-
-    if kind == "decode":
-        entries = tuple(StreamEntry(slot, Op.CONTINUE, context - 1, 1, 1, 0, 0)
-                        for slot in range(rows))
-    else:
-        entries = (StreamEntry(0, Op.OPEN, context - rows, rows, 0, 0, 0),)
-    return RowLayout.of(RoundPlan(1, entries))
-
-
-def one_type(config, layer_type: str, layers: int):
-    """`config` cut to 2 + `layers` layers all of `layer_type`: the timed range is [1, 1 +
-    layers), neither the first nor the last, so it builds no embeddings, norm or head."""
+    config = request.model_config()
     if layer_type not in config.layer_types:
         raise CalibrationError(f"layer type {layer_type!r} is not among the model's "
                                f"({', '.join(layer_types(config))})")
-    return replace(config, num_hidden_layers=2 + layers, layer_types=(layer_type,) * (2 + layers))
-
-
-def make_timer(config, backend: str, layers: int, slots: int, context: int, threads: int = 0,
-               layer_type: str = FULL_ATTENTION, quant=None):
-    if backend.startswith("torch-"):
-        return TorchTimer(config, backend, layers, slots, context, threads, layer_type, quant)
-    if backend.startswith("mlx-"):
-        return MlxTimer(config, backend, layers, slots, context, layer_type, quant)
-    raise CalibrationError(f"unknown backend {backend!r}")
+    try:
+        return StageTimer(request.config, request.backend, request.layers, request.batch_rows,
+                          request.context_needed, request.chunk_rows, workdir,
+                          layer_type=layer_type, dtype=request.dtype, threads=request.threads,
+                          stage_options=request.stage_options())
+    except TimerError as exc:
+        raise CalibrationError(str(exc)) from exc
 
 
 # --- measuring --------------------------------------------------------------------------
@@ -419,19 +275,20 @@ def calibrate(request: CalibrationRequest, engine_version: str,
     (plus building the weights) for real ones."""
     config = request.model_config()
     started = time.perf_counter()
-    context_needed = max(max(request.contexts), request.chunk_rows)
+    context_needed = request.context_needed
     points = [("decode", c, r) for c in request.contexts
               for r in dict.fromkeys((1, request.batch_rows))]
     points.append(("prefill", context_needed, request.chunk_rows))
     total = request.runs + 2  # building, each timed round, done
     if progress:
-        progress(0, total, "building synthetic layers")
-    timers = {layer_type: make_timer(config, request.backend, request.layers,
-                                     request.batch_rows, context_needed, request.threads,
-                                     layer_type, request.quant())
-              for layer_type in layer_types(config)}
+        progress(0, total, "building a stage over synthetic layers")
+    # The stages hold their weights once built, so the synthetic files can go at once.
+    with tempfile.TemporaryDirectory(prefix="calibration-") as workdir:
+        timers = {layer_type: make_timer(request, layer_type, Path(workdir) / layer_type)
+                  for layer_type in layer_types(config)}
     if progress:
-        progress(1, total, "built synthetic layers")
+        progress(1, total, "built the stage")
+
     def on_round(done: int) -> None:
         if progress:
             progress(1 + done, total, f"timed round {done} of {request.runs}")
@@ -453,7 +310,7 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         timings=tuple(timings), layers_timed=request.layers, warmup=request.warmup,
         elapsed_s=round(time.perf_counter() - started, 3), measured_at=time.time(),
         budget_exhausted=exhausted,
-        threads=max(getattr(timer, "threads", 0) for timer in timers.values()))
+        threads=max(timer.threads for timer in timers.values()))
 
 
 class CalibrationCache:

@@ -4,8 +4,8 @@
     python bench/calibration.py --threads 1
 
 Loads the checkpoint as a torch-cpu engine stage does and builds the calibration's
-synthetic timer (agent/calibrate.py's TorchTimer) at two layer counts: 2, the count the
-agent calibrates with, and the model's own. Then times one decode round of `rows` rows
+timer (agent/stage_timer.py: the same stage class over a synthetic range of random weights)
+at two layer counts: 2, the count the agent calibrates with, and the model's own. Then times one decode round of `rows` rows
 over `--context` keys of each, in turn (each timed run right after an untimed one of the
 same round, as the calibration does), so load on a shared machine lands on all of them
 alike. Prints the median and fastest ms per layer of each and the timer's over the
@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,30 +42,32 @@ def main() -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from agent.calibrate import CalibrationRequest, TorchTimer, _round_layout
-    from engine.backends.pytorch.kv_cache import RoundIndex
+    from agent.calibrate import CalibrationRequest, make_timer
+    from agent.stage_timer import decode_layout, random_row_bytes
+    from engine.config import FULL_ATTENTION
     from engine.harness.local_pipeline import whole_runner
 
     model = checkpoint(args.preset)
-    request = CalibrationRequest(config=json.loads((model / "config.json").read_text()),
-                                 contexts=(args.context,), batch_rows=2, chunk_rows=64)
-    config = request.model_config()
-    engine = whole_runner(model, parallel=max(int(r) for r in args.rows.split(",")),
-                          context=args.context).stage.model
-    n = config.num_hidden_layers
-    timers = {2: TorchTimer(config, "torch-cpu", 2, 2, args.context),
-              n: TorchTimer(config, "torch-cpu", n, 2, args.context)}
+    raw = json.loads((model / "config.json").read_text())
+    parallel = max(int(r) for r in args.rows.split(","))
+    engine = whole_runner(model, parallel=parallel, context=args.context).stage
+    n = engine.config.num_hidden_layers
+    with tempfile.TemporaryDirectory() as workdir:
+        timers = {k: make_timer(CalibrationRequest(config=raw, contexts=(args.context,),
+                                                   batch_rows=parallel, chunk_rows=64,
+                                                   layers=k), FULL_ATTENTION,
+                                Path(workdir) / str(k))
+                  for k in (2, n)}
     print(f"# threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     out = []
     for rows in (int(r) for r in args.rows.split(",")):
-        index = RoundIndex.build(_round_layout("decode", args.context, rows),
-                                 torch.device("cpu"), config.sliding_window)
-        x = torch.randn(rows, config.hidden_size) * 0.5
+        layout = decode_layout(args.context, rows)
+        x = engine.rows_from_bytes(random_row_bytes(rows, engine.hidden_size,
+                                                    engine.row_format.name), rows)
 
-        def engine_round(index=index, x=x) -> None:
-            with torch.inference_mode():
-                engine.run_layers(x, index)
+        def engine_round(layout=layout, x=x) -> None:
+            engine.run_layers_again(x, layout)
 
         rounds = {f"engine {n} layers": (engine_round, n),
                   **{f"timer {k} layers": (t.make_round("decode", args.context, rows), k)

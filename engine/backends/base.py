@@ -164,6 +164,18 @@ class Stage(ABC):
                 x = self._take_rows(x, returned)  # [streams, hidden]
             return self._settle(x)
 
+    def run_layers_again(self, rows: Any, layout: RowLayout) -> Any:
+        """This range's layers over `rows` as a round of `layout` runs them, finished, with
+        the slot table left as it was: what calibration times, as often as it likes.
+
+        The path is a serving round's (CUDA graphs, the compiled step, packed kernels); the
+        KV rows it writes land where the round's would, over and over.
+        """
+        with self._computing():
+            rows = self._settle(self._run_layers(rows, layout))
+            self._finish()
+            return rows
+
     def logits(self, rows: Any) -> Any:
         """Final norm and head over returned rows: float32 numpy array [rows, vocab]."""
         with self._computing():
@@ -238,6 +250,9 @@ class Stage(ABC):
     def _settle(self, rows: Any) -> Any:
         """Rows whose computation has been issued (a lazy framework evaluates them here)."""
         return rows
+
+    def _finish(self) -> None:
+        """Wait until the device has done all this stage issued (an asynchronous device)."""
 
     @abstractmethod
     def _empty_rows(self) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.calibrate import CalibrationError, CalibrationRequest, calibrate, make_timer
+from engine.config import FULL_ATTENTION
 
 pytest.importorskip("mlx.core")
 
@@ -21,26 +22,24 @@ def request(config: dict, backend: str) -> CalibrationRequest:
 
 @pytest.mark.parametrize(("backend", "packed_type"), [("torch-cpu", "PackedWeight"),
                                                       ("mlx-cpu", "QuantizedWeight")])
-def test_a_quantized_shape_is_timed_on_packed_weights(backend, packed_type):
+def test_a_quantized_shape_is_timed_on_packed_weights(backend, packed_type, tmp_path):
     quantized = request(dict(SHAPE, quantization=QUANT), backend)
     dense = request(SHAPE, backend)
-    config = quantized.model_config()
-    timer = make_timer(config, backend, 1, 2, 64, 1, quant=quantized.quant())
+    timer = make_timer(quantized, FULL_ATTENTION, tmp_path / "packed")
     layer = timer.model.layers[0]
     assert type(layer.q).__name__ == packed_type and type(layer.down).__name__ == packed_type
     assert type(layer.input_norm).__name__ not in ("PackedWeight", "QuantizedWeight")
-    dense_layer = make_timer(config, backend, 1, 2, 64, 1).model.layers[0]
+    dense_layer = make_timer(dense, FULL_ATTENTION, tmp_path / "dense").model.layers[0]
     assert type(dense_layer.q).__name__ not in ("PackedWeight", "QuantizedWeight")
     assert quantized.key("0.1.0") != dense.key("0.1.0")  # cached apart
     result = calibrate(quantized, "0.1.0")
     assert all(t.ms_per_layer > 0 for t in result.timings)
 
 
-def test_a_float32_quantized_shape_on_torch_cpu_is_timed_dense_as_it_will_run():
+def test_a_float32_quantized_shape_on_torch_cpu_is_timed_dense_as_it_will_run(tmp_path):
     """quant_policy holds float32 dense on the CPU (its int4 path measured slower)."""
     quantized = request(dict(SHAPE, torch_dtype="float32", quantization=QUANT), "torch-cpu")
-    timer = make_timer(quantized.model_config(), "torch-cpu", 1, 2, 64, 1,
-                       quant=quantized.quant())
+    timer = make_timer(quantized, FULL_ATTENTION, tmp_path)
     assert type(timer.model.layers[0].q).__name__ == "Tensor"
 
 

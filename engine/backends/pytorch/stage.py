@@ -121,6 +121,12 @@ class TorchStage(Stage):
         index = RoundIndex.build(layout, self.device, self.config.sliding_window)
         return self.model.run_layers(rows, index)
 
+    def _finish(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
     def _take_rows(self, rows: torch.Tensor, indices: list[int]) -> torch.Tensor:
         return rows[indices]
 
