@@ -1,9 +1,18 @@
-"""Per-slot bookkeeping every stage keeps: open or not, position, and state generation.
+"""Per-slot bookkeeping every stage keeps: open or not, position, state generation, and
+the prompt state a closed slot keeps for the next request that shares its prefix.
 
-The tensors of a slot's state (KV, later recurrent state) live in the backend; this table
+The tensors of a slot's state (KV and recurrent state) live in the backend; this table
 decides what a plan entry may do to them. Every stage applies the same plan to its own
 table, so a stage whose table disagrees with rank 0's refuses the plan by name instead of
 computing a wrong answer (RFC 6.1, "State consistency").
+
+The prompt cache is the slot itself (RFC 6.4's "resume from a kept prompt state"): a
+CLOSE leaves the slot's state in place, and a later RESUME on that slot restarts from one
+of its kept positions. KV rows stay valid for every position they hold. A recurrent
+(Gated DeltaNet) state holds one position only, so a hybrid keeps a snapshot taken where a
+full prompt chunk ended (`snapshot`), and resumes there alone. Every stage keeps the same
+record from the same plans, so a resume that any stage could not serve is refused by name
+on every stage, never served from different positions.
 """
 
 from __future__ import annotations
@@ -22,15 +31,22 @@ class Slot:
     offset: int = 0  # positions held in state
     generation: int = 0  # advanced by every keep (rollback), release and restore
     last_rows: int = 0  # rows the previous round added, for `accepted`
+    kept: int = 0  # closed: positions [0, kept) of KV rows a RESUME may restart from
+    snapshot: int = 0  # recurrent state saved at this position (0: none), on a hybrid
 
 
 class SlotTable:
-    def __init__(self, parallel: int, context: int, *, can_roll_back: bool = True) -> None:
+    def __init__(self, parallel: int, context: int, *, can_roll_back: bool = True,
+                 chunk: int = 0) -> None:
         self.parallel = parallel
         self.context = context
         # False where the state has a recurrent part (a Gated DeltaNet layer's), which is
         # overwritten every token: a keep cannot be undone by moving the offset back.
         self.can_roll_back = can_roll_back
+        # The prompt chunk: a hybrid saves its recurrent state where a multi-row entry ends
+        # on a multiple of it (0: never). Rank 0 reuses only such full, aligned chunks, so
+        # a resumed prompt runs the very chunks a fresh one would from there on.
+        self.chunk = chunk
         self.slots = [Slot() for _ in range(parallel)]
 
     def in_use(self) -> int:
@@ -62,7 +78,7 @@ class SlotTable:
             if slot.open:
                 raise BadEntry(f"stream {e.stream_id}: open on a slot that is already open")
         elif e.op == Op.RESUME:
-            raise BadEntry(f"stream {e.stream_id}: resume needs a prompt cache, which v1 lacks")
+            self._check_resume(e, slot)
         else:
             if not slot.open:
                 raise BadEntry(f"stream {e.stream_id}: {e.op.name.lower()} on a closed slot")
@@ -80,8 +96,9 @@ class SlotTable:
                 raise BadEntry(
                     f"stream {e.stream_id}: rollback to {e.accepted} of {slot.last_rows} rows "
                     f"refused: this model's recurrent (Gated DeltaNet) state cannot be trimmed")
-        if e.op in (Op.OPEN, Op.CONTINUE):
-            kept = 0 if e.op == Op.OPEN else slot.offset - slot.last_rows + e.accepted
+        if e.op in (Op.OPEN, Op.CONTINUE, Op.RESUME):
+            kept = {Op.OPEN: 0, Op.RESUME: e.resume}.get(
+                e.op, slot.offset - slot.last_rows + e.accepted)
             if e.first != kept:
                 raise BadEntry(f"stream {e.stream_id}: first {e.first}, but the slot holds {kept}")
             if e.end > self.context:
@@ -89,13 +106,43 @@ class SlotTable:
                     f"stream {e.stream_id}: rows up to position {e.end} exceed context {self.context}"
                 )
 
+    def _check_resume(self, e: StreamEntry, slot: Slot) -> None:
+        where = f"stream {e.stream_id}: resume at {e.resume}"
+        if slot.open:
+            raise BadEntry(f"{where} on a slot that is open")
+        if e.generation != slot.generation:
+            raise GenerationMismatch(f"{where}: plan expects generation {e.generation}, "
+                                     f"this stage holds {slot.generation}")
+        if not e.rows:
+            raise BadEntry(f"{where} runs no rows")
+        if e.resume > slot.kept:
+            raise BadEntry(f"{where}, but this stage keeps {slot.kept} positions there")
+        if not self.can_roll_back and e.resume != slot.snapshot:
+            saved = f"at {slot.snapshot}" if slot.snapshot else "nowhere"
+            raise BadEntry(f"{where}, but this stage saved that slot's recurrent (Gated "
+                           f"DeltaNet) state {saved}")
+
     def _advance(self, e: StreamEntry) -> None:
         slot = self.slots[e.stream_id]
-        if e.op in (Op.CLOSE, Op.CANCEL):
+        if e.op == Op.CLOSE:  # its state stays for a RESUME, until the slot opens again
+            self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1,
+                                           kept=slot.offset, snapshot=slot.snapshot)
+            return
+        if e.op == Op.CANCEL:  # abandoned: nothing of it is kept
             self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1)
             return
         if e.op == Op.OPEN:
             slot = Slot(open=True, generation=0)
+        elif e.op == Op.RESUME:  # a restore advances the generation (RFC 6.2)
+            slot = Slot(open=True, generation=slot.generation + 1, snapshot=slot.snapshot)
         elif e.accepted < slot.last_rows:  # a keep: roll back to the accepted path
             slot = replace(slot, generation=slot.generation + 1)
+        if self.saves_snapshot(e):
+            slot = replace(slot, snapshot=e.end)
         self.slots[e.stream_id] = replace(slot, offset=e.end, last_rows=e.rows)
+
+    def saves_snapshot(self, e: StreamEntry) -> bool:
+        """Whether a hybrid saves this entry's slot's recurrent state once its rows ran: a
+        prompt chunk (more than one row) that ends on a multiple of the chunk."""
+        return (not self.can_roll_back and self.chunk > 0 and e.rows > 1
+                and e.end % self.chunk == 0)

@@ -295,7 +295,7 @@ def _deltanet_state_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     conv_window = config.linear_conv_width * (config.linear_conv_kernel_dim - 1) * dtype_bytes
     delta = (config.linear_num_value_heads * config.linear_key_head_dim
              * config.linear_value_head_dim * RECURRENT_STATE_ITEM_BYTES)
-    return conv_window + delta
+    return 2 * (conv_window + delta)  # the live state and its prompt-cache snapshot
 
 
 def packed_weight_bytes(config: ModelConfig, quant: QuantConfig, dtype_bytes: int,

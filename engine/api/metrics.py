@@ -20,6 +20,13 @@ class EngineMetrics:
         self.prompt_tokens = Counter("ringfleet_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("ringfleet_generated_tokens", "Tokens generated",
                                         registry=r)
+        self.prompt_cache_hits = Counter("ringfleet_prompt_cache_hits",
+                                         "Requests that resumed from a kept prompt state",
+                                         registry=r)
+        self.prompt_cache_misses = Counter("ringfleet_prompt_cache_misses",
+                                           "Requests that ran their whole prompt", registry=r)
+        self.prompt_cache_tokens = Counter("ringfleet_prompt_cache_reused_tokens",
+                                           "Prompt tokens restored instead of run", registry=r)
         self.ttft = Histogram("ringfleet_time_to_first_token_seconds",
                               "From admission to the first token", buckets=LATENCY_BUCKETS_S,
                               registry=r)
@@ -46,6 +53,10 @@ class EngineMetrics:
         """A round ran; `decode_rows` > 0 when every row in it was a decode row."""
         if decode_rows > 0:
             self.decode_round.labels(rows=str(decode_rows)).observe(seconds)
+
+    def prompt_cache(self, *, reused_tokens: int) -> None:
+        (self.prompt_cache_hits if reused_tokens else self.prompt_cache_misses).inc()
+        self.prompt_cache_tokens.inc(reused_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

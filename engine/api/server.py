@@ -307,9 +307,10 @@ class CompletionFormat:
                 "created": self.created, "model": self.config.served.model_id,
                 "system_fingerprint": self.config.system_fingerprint}
 
-    def usage(self, done: Done) -> dict[str, int]:
+    def usage(self, done: Done) -> dict[str, Any]:
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     def opening(self) -> list[dict[str, Any]]:
         return []

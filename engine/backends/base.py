@@ -20,7 +20,7 @@ from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
 from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.link.messages import BACKENDS
-from engine.rounds import RoundPlan, RowLayout
+from engine.rounds import Op, RoundPlan, RowLayout
 from engine.row_format import RowFormat
 from engine.slots import SlotTable
 
@@ -116,7 +116,8 @@ class Stage(ABC):
         self.is_last = spec.layer_range[1] == config.num_hidden_layers  # returns few rows
         self.hidden_size = config.hidden_size
         self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
-        self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid)
+        self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid,
+                               chunk=spec.chunk)
 
     @classmethod
     def load(cls, spec: StageSpec, checkpoint: Checkpoint | None = None,
@@ -153,12 +154,19 @@ class Stage(ABC):
         if given != plan.total_rows:
             raise BackendError(f"round {plan.round_no}: the plan runs {plan.total_rows} rows, "
                                f"this stage was given {given}")
+        saving = [e.stream_id for e in plan.entries if self.slots.saves_snapshot(e)]
         self.slots.apply(plan)
         if not plan.total_rows:  # only closes and cancels: nothing to compute
             return self._empty_rows()
         with self._computing():
+            if not self.slots.can_roll_back:  # a recurrent state resumes from its snapshot
+                for entry in plan.entries:
+                    if entry.op == Op.RESUME:
+                        self.model.cache.restore_recurrent(entry.stream_id)
             x = self._embed(token_ids) if self.is_first else rows  # [rows, hidden]
             x = self._run_layers(x, RowLayout.of(plan))
+            for slot in saving:  # where a full prompt chunk ended: a later RESUME's start
+                self.model.cache.save_recurrent(slot)
             returned = plan.returned_rows()
             if self.is_last and len(returned) < plan.total_rows:
                 x = self._take_rows(x, returned)  # [streams, hidden]

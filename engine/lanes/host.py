@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import structlog
 
+from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot
 from engine.lanes.sampler import (
     Choice,
     RowDraw,
@@ -77,6 +78,8 @@ class TokenMetrics(Protocol):
 
     def round_done(self, *, decode_rows: int, seconds: float) -> None: ...
 
+    def prompt_cache(self, *, reused_tokens: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -110,6 +113,7 @@ class Done:
     finish_reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the prompt cache restored instead of running
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class Stream:
     # The round in flight that decides this stream's next rows (0: none); it rides no
     # round until that one lands.
     busy_in: int = 0
+    resume: int = 0  # prompt positions its slot's kept state restored (the prompt cache)
+    chunks: ChunkRecord | None = None  # how much of its state a later request may reuse
 
     @property
     def decoding(self) -> bool:
@@ -173,7 +179,8 @@ class Stream:
             return Lane((), self.position, ending=Op.CANCEL if abandoned else Op.CLOSE)
         prompt = self.request.prompt_ids
         if self.fed < len(prompt):
-            return Lane(prompt[self.fed:self.fed + chunk], self.position, chunked=True)
+            return Lane(prompt[self.fed:self.fed + chunk], self.position, chunked=True,
+                        resume=self.resume)
         return Lane((self.generated[-1],), self.position)
 
 
@@ -190,6 +197,10 @@ class LaneHost:
         # Sees every round's logits (tests, traces): only then do they come to the host.
         self.on_round = on_round
         self.slots: list[Stream | None] = [None] * runner.slots.parallel
+        # What each closed slot's state holds for a later request (the prompt cache); a
+        # recurrent (hybrid) state resumes only where it was saved.
+        self.kept: list[KeptPrompt | None] = [None] * runner.slots.parallel
+        self.recurrent = not runner.slots.can_roll_back
         self.waiting: deque[Stream] = deque()
         self.failure: str | None = None
         self.draining = False
@@ -212,9 +223,8 @@ class LaneHost:
         if self.draining:
             raise Busy("the engine is draining: it takes no new requests")
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
-        free = next((i for i, s in enumerate(self.slots) if s is None), None)
-        if free is not None:
-            self.slots[free], stream.slot = stream, free
+        if any(s is None for s in self.slots):
+            self._place(stream)
         elif len(self.waiting) < self.max_waiting:
             self.waiting.append(stream)
         else:
@@ -225,6 +235,27 @@ class LaneHost:
 
     def idle(self) -> bool:
         return self.slots_in_use() == 0 and not self.waiting
+
+    def _place(self, stream: Stream) -> None:
+        """Put `stream` in the free slot whose kept prompt state it reuses most (the prompt
+        cache), its first rows resuming there; else in a slot that keeps nothing."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        slot, resume = choose_slot(free, self.kept, stream.request.prompt_ids, self.chunk,
+                                   self.recurrent)
+        self.slots[slot], stream.slot = stream, slot
+        self.kept[slot] = None  # resumed or opened afresh, the slot's state is the stream's
+        stream.resume = stream.fed = resume
+        stream.chunks = ChunkRecord(self.chunk, exact_until=resume, snapshot=resume)
+        if self.metrics is not None:
+            self.metrics.prompt_cache(reused_tokens=resume)
+
+    def _admit_waiting(self) -> None:
+        """Waiters into the free slots, in arrival order (one that ended while it waited
+        leaves the queue without a slot)."""
+        while self.waiting and any(s is None for s in self.slots):
+            stream = self.waiting.popleft()
+            if not (stream.cancelled or stream.finished):
+                self._place(stream)
 
     async def drain(self, deadline_s: float) -> bool:
         """Stop admitting and wait up to `deadline_s` for in-flight streams; True if all ended."""
@@ -266,6 +297,7 @@ class LaneHost:
         while not self.failure:
             last: tuple[Launched, Callable[[], None]] | None = None  # fills the ring
             while len(in_flight) < self.depth and not self.failure:
+                self._admit_waiting()
                 built = build_round(self._round_inputs())
                 self._apply(built)
                 if built.plan is None:
@@ -335,6 +367,7 @@ class LaneHost:
             prompt = len(stream.request.prompt_ids)
             decode_only &= entry.rows == 1 and entry.first >= prompt
             if stream.fed < prompt:
+                stream.chunks.ran(entry.first, entry.rows)
                 stream.fed += entry.rows
                 if stream.fed < prompt:
                     stream.busy_in = 0  # a mid-prompt chunk: the next chunk may follow it
@@ -357,7 +390,7 @@ class LaneHost:
             round_no=self.round_no + 1,
             lanes=tuple(None if s is None else s.lane(self.chunk) for s in self.slots),
             slots=self.runner.slots.snapshot(), chunk=self.chunk,
-            waiting=tuple(s.lane(self.chunk) for s in self.waiting), decode_rows=decode_rows)
+            decode_rows=decode_rows)  # waiters were placed already (_admit_waiting)
 
     def _apply(self, built: BuiltRound) -> None:
         """Take the admitted waiters into their lanes, empty the released lanes."""
@@ -380,6 +413,8 @@ class LaneHost:
                 stream.busy_in = 0
             if entry.op in (Op.CLOSE, Op.CANCEL):
                 self.slots[entry.stream_id] = None
+                if entry.op == Op.CLOSE:  # its state stays on every stage for a later hit
+                    self.kept[entry.stream_id] = self._kept(stream, launched.plan.round_no)
                 continue
             if stream.cancelled or stream.finished or entry.stream_id not in at:
                 continue  # ended meanwhile, or a mid-prompt chunk: nothing to hand out
@@ -392,6 +427,15 @@ class LaneHost:
         if any(s is not None for s in self.slots) or self.waiting:
             self._wake.set()
         self._note_settled()
+
+    def _kept(self, stream: Stream, round_no: int) -> KeptPrompt | None:
+        """What a closed stream's slot state offers a later request: the token ids of its
+        reusable positions (the prompt, then the reply, as they were fed)."""
+        reusable = stream.chunks.reusable(self.recurrent) if stream.chunks else 0
+        if not reusable:
+            return None
+        fed = (*stream.request.prompt_ids, *stream.generated[:-1])
+        return KeptPrompt(tuple(fed[:reusable]), round_no)
 
     def _note_settled(self) -> None:
         if self.idle():
@@ -420,4 +464,4 @@ class LaneHost:
         if reason:
             stream.finished = True
             stream.events.put_nowait(
-                Done(reason, len(request.prompt_ids), len(stream.generated)))
+                Done(reason, len(request.prompt_ids), len(stream.generated), stream.resume))

@@ -27,6 +27,9 @@ class Lane:
     position: int  # position of the first pending row
     chunked: bool = False  # prompt rows: they share the round's chunk budget
     ending: Op | None = None  # CLOSE (finished) or CANCEL (abandoned): no rows, release
+    # Positions its closed slot's kept prompt state restores (the prompt cache): the first
+    # rows RESUME there instead of opening at 0. 0: a fresh stream.
+    resume: int = 0
 
     def __post_init__(self) -> None:
         if self.ending is not None and self.ending not in ENDINGS:
@@ -92,6 +95,12 @@ def build_round(inputs: RoundInputs) -> BuiltRound:
         if state.open:
             entries.append(StreamEntry(slot, Op.CONTINUE, lane.position, rows, state.last_rows,
                                        0, state.generation))
+        elif lane.resume:
+            if lane.resume > state.kept or lane.position != lane.resume:
+                raise ValueError(f"slot {slot}: resume at {lane.resume} from position "
+                                 f"{lane.position}, but the slot keeps {state.kept}")
+            entries.append(StreamEntry(slot, Op.RESUME, lane.resume, rows, 0, lane.resume,
+                                       state.generation))
         else:
             entries.append(StreamEntry(slot, Op.OPEN, 0, rows, 0, 0, 0))
         token_ids.extend(lane.pending[:rows])

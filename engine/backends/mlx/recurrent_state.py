@@ -58,14 +58,28 @@ class RecurrentState:
                      for _ in range(layers)]
         self.delta = [mx.zeros((slots, v_heads, v_dim, k_dim), dtype=mx.float32)
                       for _ in range(layers)]
-        mx.eval(self.conv, self.delta)
+        # Each slot's state where a full prompt chunk last ended (SlotTable.snapshot), the
+        # prompt cache's start for a RESUME: the recurrent state cannot be cut back.
+        self.saved_conv = [mx.zeros_like(a) for a in self.conv]
+        self.saved_delta = [mx.zeros_like(a) for a in self.delta]
+        mx.eval(self.conv, self.delta, self.saved_conv, self.saved_delta)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.conv) + sum(a.nbytes for a in self.delta)
+        return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return self.conv + self.delta
+        return self.conv + self.delta + self.saved_conv + self.saved_delta
+
+    def save(self, slot: int) -> None:
+        for live, saved in ((self.conv, self.saved_conv), (self.delta, self.saved_delta)):
+            for layer, array in enumerate(live):
+                saved[layer][slot] = array[slot]
+
+    def restore(self, slot: int) -> None:
+        for live, saved in ((self.conv, self.saved_conv), (self.delta, self.saved_delta)):
+            for layer, array in enumerate(saved):
+                live[layer][slot] = array[slot]
 
     def read_singles(self, layer: int, slots: mx.array, fresh: mx.array | None,
                      ) -> tuple[mx.array, mx.array]:
@@ -104,3 +118,9 @@ class HybridState:
 
     def arrays(self) -> list[mx.array]:
         return self.kv.arrays() + self.recurrent.arrays()
+
+    def save_recurrent(self, slot: int) -> None:
+        self.recurrent.save(slot)
+
+    def restore_recurrent(self, slot: int) -> None:
+        self.recurrent.restore(slot)

@@ -31,11 +31,23 @@ class RecurrentState:
         self.delta = torch.zeros((layers, slots, config.linear_num_value_heads,
                                   config.linear_key_head_dim, config.linear_value_head_dim),
                                  dtype=torch.float32, device=device)
+        # Each slot's state where a full prompt chunk last ended (SlotTable.snapshot), the
+        # prompt cache's start for a RESUME: the recurrent state cannot be cut back.
+        self.saved_conv = torch.zeros_like(self.conv)
+        self.saved_delta = torch.zeros_like(self.delta)
         self.slots = slots
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.delta.nbytes
+        return 2 * (self.conv.nbytes + self.delta.nbytes)
+
+    def save(self, slot: int) -> None:
+        self.saved_conv[:, slot] = self.conv[:, slot]
+        self.saved_delta[:, slot] = self.delta[:, slot]
+
+    def restore(self, slot: int) -> None:
+        self.conv[:, slot] = self.saved_conv[:, slot]
+        self.delta[:, slot] = self.saved_delta[:, slot]
 
     def read(self, layer: int, slots: torch.Tensor, fresh: torch.Tensor,
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,3 +84,9 @@ class HybridState:
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes + self.recurrent.nbytes
+
+    def save_recurrent(self, slot: int) -> None:
+        self.recurrent.save(slot)
+
+    def restore_recurrent(self, slot: int) -> None:
+        self.recurrent.restore(slot)
