@@ -17,6 +17,7 @@ from engine.families import (
     FamilyDescription,
     family_of,
 )
+from engine.families.kinds import KV, RECURRENT
 
 SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES  # config.json model types (the old name)
 # The model types whose family keeps per-slot recurrent state (the Qwen3.5 hybrid).
@@ -171,9 +172,7 @@ class ModelConfig:
 
     def recurrent_state_elements(self) -> int:
         """Values one DeltaNet layer keeps per slot: the conv window and the delta-rule state."""
-        conv = self.linear_conv_width * (self.linear_conv_kernel_dim - 1)
-        delta = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        return conv + delta
+        return sum(math.prod(t.shape) for t in RECURRENT.tensors(self))
 
     @property
     def q_width(self) -> int:
@@ -185,7 +184,7 @@ class ModelConfig:
 
     def kv_bytes_per_position(self, itemsize: int) -> int:
         """Bytes of K and V one full-attention layer keeps per cached position."""
-        return 2 * self.kv_width * itemsize
+        return KV.nbytes(self, itemsize)
 
 
 def _rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -128,7 +128,6 @@ class FamilyDescription:
     # A nested config.json made flat (the conditional-generation layout); identity otherwise.
     unnest: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda raw: raw)
     check_config: Callable[[ModelConfig], None] = field(default=lambda config: None)
-    rolls_back: bool = True  # a keep can move an offset back (no recurrent state)
 
     def kind(self, name: str) -> LayerKind:
         for kind in self.layer_kinds:
@@ -145,6 +144,7 @@ class FamilyDescription:
 
     @property
     def has_recurrent_state(self) -> bool:
+        """Some layer keeps per-slot state, which a keep cannot roll back by an offset."""
         return any(s.per == "slot" for k in self.layer_kinds for s in k.states)
 
 

@@ -88,5 +88,4 @@ FAMILY = FamilyDescription(
     read_config=read_config,
     unnest=unnest,
     check_config=check_config,
-    rolls_back=False,
 )
