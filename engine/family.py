@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from engine.families import layer_prefix, tensor_name  # noqa: F401  (layer_prefix: re-exported)
+from engine.families import tensor_name
 
 W = TypeVar("W")  # a backend's weight: a torch.Tensor, an mx.array, a packed MLX weight
 
