@@ -1,5 +1,5 @@
-"""The model's shape, read from a Hugging Face `config.json`: the Llama-style dense families and
-the Qwen3.5 hybrid (Gated DeltaNet layers interleaved with gated full attention)."""
+"""The model's shape, read from a Hugging Face `config.json`, for whichever family serves its
+model type (`engine.families`: the Llama-style dense families and the Qwen3.5 hybrid)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,25 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
-# The hybrid: `qwen3_5_text` is the causal LM's config; `qwen3_5` the conditional-generation
-# (vision + text) one, whose text part sits in `text_config` and its weights under a prefix.
-HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
-FULL_ATTENTION = "full_attention"
-LINEAR_ATTENTION = "linear_attention"  # a Gated DeltaNet layer
-LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+from engine.families import (
+    BY_MODEL_TYPE,
+    FULL_ATTENTION,
+    LAYER_KINDS,
+    LINEAR_ATTENTION,
+    SUPPORTED_MODEL_TYPES,
+    ConfigError,
+    FamilyDescription,
+    family_of,
+)
+from engine.families.kinds import KV, RECURRENT
 
+SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES  # config.json model types (the old name)
+# The model types whose family keeps per-slot recurrent state (the Qwen3.5 hybrid).
+HYBRID_FAMILIES = tuple(t for t, f in BY_MODEL_TYPE.items() if f.has_recurrent_state)
+LAYER_TYPES = LAYER_KINDS
 
-class ConfigError(ValueError):
-    """config.json is missing a field, has a bad value, or names an unsupported family."""
+__all__ = ["FULL_ATTENTION", "HYBRID_FAMILIES", "LAYER_TYPES", "LINEAR_ATTENTION",
+           "SUPPORTED_FAMILIES", "ConfigError", "ModelConfig", "rope_inv_freq"]
 
 
 @dataclass(frozen=True)
@@ -53,24 +61,22 @@ class ModelConfig:
     norm_adds_one: bool = field(default=False)  # RMSNorm scales by (1 + weight), not weight
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_FAMILIES:
-            raise ConfigError(
-                f"config.json: model_type {self.model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
-            )
+        family = family_of(self.model_type)
+        traits = family.model_types[self.model_type]
+        if traits.flag_biases_o_proj and self.attention_bias:
+            raise ConfigError(f"config.json: attention_bias for model_type {self.model_type!r} "
+                              "also biases o_proj, which is not supported")
         set_ = lambda k, v: object.__setattr__(self, k, v)
         if not self.head_dim:
             set_("head_dim", self.hidden_size // self.num_attention_heads)
-        # Qwen2 always carries q/k/v biases; Qwen3 normalises q and k per head.
-        set_("attention_bias", self.model_type == "qwen2" or self.attention_bias)
-        hybrid = self.model_type in HYBRID_FAMILIES
-        set_("qk_norm", self.model_type == "qwen3" or hybrid)
-        set_("attn_output_gate", hybrid)
-        set_("norm_adds_one", hybrid)
+        set_("attention_bias", traits.attention_bias or self.attention_bias)
+        set_("qk_norm", traits.qk_norm)
+        set_("attn_output_gate", traits.attn_output_gate)
+        set_("norm_adds_one", traits.norm_adds_one)
         if not self.layer_types:
             set_("layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
         set_("layer_types", tuple(self.layer_types))
-        self._check_layer_types(hybrid)
+        self._check_layer_types(family)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"config.json: num_attention_heads {self.num_attention_heads} is not a multiple "
@@ -80,7 +86,7 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
 
-    def _check_layer_types(self, hybrid: bool) -> None:
+    def _check_layer_types(self, family: FamilyDescription) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"config.json: layer_types names {len(self.layer_types)} layers, "
                               f"num_hidden_layers is {self.num_hidden_layers}")
@@ -88,19 +94,12 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"config.json: layer_types holds {unknown[0]!r} "
                               f"(known: {', '.join(LAYER_TYPES)})")
-        if not hybrid and LINEAR_ATTENTION in self.layer_types:
+        own = {kind.name for kind in family.layer_kinds}
+        foreign = sorted(set(self.layer_types) - own)
+        if foreign:
             raise ConfigError(f"config.json: model_type {self.model_type!r} has no "
-                              f"{LINEAR_ATTENTION} layers")
-        if hybrid and LINEAR_ATTENTION in self.layer_types:
-            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                         "linear_value_head_dim", "linear_conv_kernel_dim"):
-                if getattr(self, name) <= 0:
-                    raise ConfigError(f"config.json: {name} must be positive, "
-                                      f"got {getattr(self, name)}")
-            if self.linear_num_value_heads % self.linear_num_key_heads:
-                raise ConfigError(
-                    f"config.json: linear_num_value_heads {self.linear_num_value_heads} is not "
-                    f"a multiple of linear_num_key_heads {self.linear_num_key_heads}")
+                              f"{foreign[0]} layers")
+        family.check_config(self)
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"config.json: partial_rotary_factor {self.partial_rotary_factor} "
                               f"of head_dim {self.head_dim} is not an even rotary width")
@@ -108,19 +107,25 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from config.json's dict; unknown keys are ignored."""
-        if raw.get("model_type") == "qwen3_5":
-            raw = _text_part(raw)
+        # An unknown model type is refused by __post_init__, after the missing fields.
+        model_type = raw.get("model_type")
+        family = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+        traits = family.model_types[model_type] if family else None
+        if traits and traits.nested:
+            raw = family.unnest(raw)
+        if raw.get("mlp_bias"):
+            raise ConfigError("config.json: mlp_bias (biased MLP projections) is not supported")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known and v is not None}
         values["dtype"] = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        # Mistral sets sliding_window directly; Qwen2/3 only honour it with use_sliding_window.
-        if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+        # Some families honour sliding_window only with a switch (Qwen2/3's).
+        if traits and traits.sliding_window_switch and not raw.get(traits.sliding_window_switch):
             values.pop("sliding_window", None)
         values["attention_bias"] = bool(raw.get("attention_bias", False))
         for derived in ("qk_norm", "attn_output_gate", "norm_adds_one"):
             values.pop(derived, None)
-        if raw.get("model_type") in HYBRID_FAMILIES:
-            values.update(_hybrid_values(raw))
+        if family:
+            values.update(family.read_config(raw))
         missing = [
             n for n in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                         "num_attention_heads", "vocab_size") if n not in values
@@ -135,8 +140,14 @@ class ModelConfig:
         return cls(**values)
 
     @property
+    def family(self) -> FamilyDescription:
+        """The one description of this model's family (`engine.families`)."""
+        return BY_MODEL_TYPE[self.model_type]
+
+    @property
     def is_hybrid(self) -> bool:
-        return self.model_type in HYBRID_FAMILIES
+        """Layers of more than one kind, some keeping per-slot recurrent state."""
+        return self.family.has_recurrent_state
 
     @property
     def rotary_dim(self) -> int:
@@ -160,10 +171,9 @@ class ModelConfig:
         return 2 * self.linear_key_width + self.linear_value_width
 
     def recurrent_state_elements(self) -> int:
-        """Values one DeltaNet layer keeps per slot: the conv window and the delta-rule state."""
-        conv = self.linear_conv_width * (self.linear_conv_kernel_dim - 1)
-        delta = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        return conv + delta
+        """Values one DeltaNet layer keeps per slot: the conv window and the delta-rule state,
+        live and as the prompt cache saved them."""
+        return sum(math.prod(t.shape) for t in RECURRENT.tensors(self))
 
     @property
     def q_width(self) -> int:
@@ -175,41 +185,7 @@ class ModelConfig:
 
     def kv_bytes_per_position(self, itemsize: int) -> int:
         """Bytes of K and V one full-attention layer keeps per cached position."""
-        return 2 * self.kv_width * itemsize
-
-
-def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
-    """A conditional-generation config's text model, as a causal LM's config.json would say it.
-
-    The outer file decides the dtype and the tying of the head where it states them; the
-    text weights sit under `model.language_model.` beside the vision tower.
-    """
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError("config.json: model_type 'qwen3_5' needs a text_config object")
-    merged = dict(text, model_type="qwen3_5", weight_prefix="model.language_model.")
-    for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
-        if raw.get(key) is not None:
-            merged[key] = raw[key]
-    return merged
-
-
-def _hybrid_values(raw: dict[str, Any]) -> dict[str, Any]:
-    """The hybrid's layer pattern and rotary share, from wherever its config.json keeps them."""
-    values: dict[str, Any] = {}
-    layers = raw.get("num_hidden_layers", 0)
-    types = raw.get("layer_types")
-    if types is None:  # older files state the pattern as an interval
-        interval = raw.get("full_attention_interval", 4)
-        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                 for i in range(layers)]
-    values["layer_types"] = tuple(types)
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    factor = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-    values["partial_rotary_factor"] = float(factor)
-    values["weight_prefix"] = raw.get("weight_prefix", "model.")
-    # Multimodal RoPE with the same position on every axis (text) is plain RoPE.
-    return values
+        return KV.nbytes(self, itemsize)
 
 
 def _rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:

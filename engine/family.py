@@ -1,8 +1,9 @@
-"""The families' tensors, for any backend: names, shapes, a layer's weights, loading.
+"""A layer range's weights, for any backend: the family's tensors by name, loaded and grouped.
 
-Llama-style layers are all alike; the Qwen3.5 hybrid has two layer types (Gated DeltaNet and
-gated full attention), so names and shapes are decided per layer by its type. A range reads
-only its own layers' tensors (never a vision tower's or an MTP head's).
+Which tensors a layer holds, and their shapes, is the family's description's to say
+(`engine.families`): the Llama-style layers are all alike; the Qwen3.5 hybrid has two kinds
+(Gated DeltaNet and gated full attention), so names and shapes are decided per layer by its
+kind. A range reads only its own layers' tensors (never a vision tower's or an MTP head's).
 """
 
 from __future__ import annotations
@@ -11,96 +12,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from engine.families import tensor_name
 
 W = TypeVar("W")  # a backend's weight: a torch.Tensor, an mx.array, a packed MLX weight
 
 
 def layer_tensor_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape that config.json implies, for one decoder layer."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    p = layer_prefix(config, layer)
-    if config.layer_type(layer) == LINEAR_ATTENTION:
-        return _deltanet_tensor_shapes(config, p)
-    # A gated attention's q_proj yields each head's query and then its gate: twice the width.
-    q_out = 2 * config.q_width if config.attn_output_gate else config.q_width
-    shapes = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (q_out, h),
-        p + "self_attn.k_proj.weight": (config.kv_width, h),
-        p + "self_attn.v_proj.weight": (config.kv_width, h),
-        p + "self_attn.o_proj.weight": (h, config.q_width),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
-    }
-    if config.attention_bias:
-        shapes[p + "self_attn.q_proj.bias"] = (config.q_width,)
-        shapes[p + "self_attn.k_proj.bias"] = (config.kv_width,)
-        shapes[p + "self_attn.v_proj.bias"] = (config.kv_width,)
-    if config.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-    return shapes
-
-
-def layer_prefix(config: ModelConfig, layer: int) -> str:
-    return f"{config.weight_prefix}layers.{layer}."
-
-
-def _deltanet_tensor_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    h, i = config.hidden_size, config.intermediate_size
-    heads, conv = config.linear_num_value_heads, config.linear_conv_width
-    a = p + "linear_attn."
-    return {
-        p + "input_layernorm.weight": (h,),
-        a + "in_proj_qkv.weight": (conv, h),
-        a + "in_proj_z.weight": (config.linear_value_width, h),
-        a + "in_proj_b.weight": (heads, h),
-        a + "in_proj_a.weight": (heads, h),
-        a + "conv1d.weight": (conv, 1, config.linear_conv_kernel_dim),
-        a + "dt_bias": (heads,),
-        a + "A_log": (heads,),
-        a + "norm.weight": (config.linear_value_head_dim,),
-        a + "out_proj.weight": (h, config.linear_value_width),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
-    }
+    return {tensor_name(config, t, layer): t.shape
+            for t in config.family.layer_tensors(config, layer)}
 
 
 def end_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Embeddings, final norm and (untied) head: what rank 0 holds besides its layers."""
-    shapes = {
-        f"{config.weight_prefix}embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        f"{config.weight_prefix}norm.weight": (config.hidden_size,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    return shapes
+    return {tensor_name(config, t): t.shape for t in config.family.end_tensors(config)}
 
 
-# A decoder layer's weights by their LayerWeights field.
-LAYER_FIELDS = {
-    "input_norm": "input_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
-    "post_norm": "post_attention_layernorm.weight",
-    "gate": "mlp.gate_proj.weight",
-    "up": "mlp.up_proj.weight",
-    "down": "mlp.down_proj.weight",
-}
-OPTIONAL_LAYER_FIELDS = {  # Qwen2's biases, Qwen3's q/k norms
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-}
+def _by_field(config: ModelConfig, tensors: dict[str, W], layer: int) -> dict[str, W]:
+    """A layer's loaded tensors by their weights' field."""
+    return {t.field: tensors[tensor_name(config, t, layer)]
+            for t in config.family.layer_tensors(config, layer)}
 
 
 @dataclass
@@ -122,29 +54,6 @@ class LayerWeights(Generic[W]):
     q_norm: W | None = None
     k_norm: W | None = None
 
-    @classmethod
-    def of_layer(cls, tensors: dict[str, W], layer: int,
-                 prefix: str = "model.") -> LayerWeights[W]:
-        """A layer's loaded tensors by field (absent optional ones are None)."""
-        p = f"{prefix}layers.{layer}."
-        fields = {f: tensors[p + name] for f, name in LAYER_FIELDS.items()}
-        fields.update({f: tensors.get(p + name) for f, name in OPTIONAL_LAYER_FIELDS.items()})
-        return cls(**fields)
-
-
-# A Gated DeltaNet layer's weights by their DeltaNetWeights field, inside `linear_attn.`.
-DELTANET_FIELDS = {
-    "qkv": "in_proj_qkv.weight",
-    "z": "in_proj_z.weight",
-    "b": "in_proj_b.weight",
-    "a": "in_proj_a.weight",
-    "conv": "conv1d.weight",
-    "dt_bias": "dt_bias",
-    "a_log": "A_log",
-    "norm": "norm.weight",
-    "out": "out_proj.weight",
-}
-
 
 @dataclass
 class DeltaNetWeights(Generic[W]):
@@ -165,21 +74,16 @@ class DeltaNetWeights(Generic[W]):
     up: W
     down: W
 
-    @classmethod
-    def of_layer(cls, tensors: dict[str, W], layer: int, prefix: str) -> DeltaNetWeights[W]:
-        p = f"{prefix}layers.{layer}."
-        fields = {f: tensors[p + "linear_attn." + name] for f, name in DELTANET_FIELDS.items()}
-        for f in ("input_norm", "post_norm", "gate", "up", "down"):
-            fields[f] = tensors[p + LAYER_FIELDS[f]]
-        return cls(**fields)
+
+# Each layer kind's weights type, by config.json's layer type name.
+WEIGHTS: dict[str, type] = {FULL_ATTENTION: LayerWeights, LINEAR_ATTENTION: DeltaNetWeights}
 
 
 def layer_weights(config: ModelConfig, tensors: dict[str, W],
                   layer: int) -> LayerWeights[W] | DeltaNetWeights[W]:
-    """A loaded layer's tensors as the weights of its type."""
-    if config.layer_type(layer) == LINEAR_ATTENTION:
-        return DeltaNetWeights.of_layer(tensors, layer, config.weight_prefix)
-    return LayerWeights.of_layer(tensors, layer, config.weight_prefix)
+    """A loaded layer's tensors as the weights of its kind, by the fields the family's
+    description names them by."""
+    return WEIGHTS[config.layer_type(layer)](**_by_field(config, tensors, layer))
 
 
 def load_range(config: ModelConfig, layer_range: tuple[int, int],
@@ -199,7 +103,6 @@ def load_range(config: ModelConfig, layer_range: tuple[int, int],
             on_layer(layer)
     if start != 0:
         return layers, (None, None, None)
-    ends = load(end_tensor_shapes(config))
-    embed = ends[f"{config.weight_prefix}embed_tokens.weight"]
-    return layers, (embed, ends[f"{config.weight_prefix}norm.weight"],
-                    ends.get("lm_head.weight", embed))
+    loaded = load(end_tensor_shapes(config))
+    ends = {t.field: loaded[tensor_name(config, t)] for t in config.family.end_tensors(config)}
+    return layers, (ends["embed"], ends["norm"], ends.get("head", ends["embed"]))

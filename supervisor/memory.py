@@ -22,14 +22,11 @@ from typing import Any
 
 from engine.backends.quant_policy import held_bytes, packed_params, runs_packed
 from engine.checkpoint.quantize import QuantConfig, QuantConfigError
-from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
+from engine.config import FULL_ATTENTION, ConfigError, ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
 from engine.link.messages import BACKENDS
 
 LOGIT_BYTES = 4  # rank 0 samples from float32 logits, whatever the weights' dtype
-# The delta-rule state is float32 whatever the weights' dtype, as both backends keep it (it
-# accumulates over the whole stream); the conv window is in the weights' dtype.
-RECURRENT_STATE_ITEM_BYTES = 4
 GB = 1e9
 
 
@@ -220,15 +217,12 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
                             backends: Sequence[str] = ()) -> ModelShape:
     """Byte counts of a decoder from its Hugging Face `config.json`, per layer type.
 
-    Full-attention layers: q/k/v/o, gate/up/down, the two norms, q/k/v biases (Qwen2, or any
-    family with `attention_bias`, which for Llama and Qwen3 also biases o_proj), MLP biases
-    (`mlp_bias`), per-head q/k norms (Qwen3, Qwen3.5), and Qwen3.5's output gate (q_proj twice
-    as wide). Qwen3.5's DeltaNet layers: the fused q/k/v, z, a and b projections, the short
-    convolution, dt bias, A, the gated norm and out_proj, with the MLP and two norms; their
-    state per stream is the conv window and the delta-rule state. Also the embeddings, the
-    final norm, and the head unless `tie_word_embeddings`. Every weight is taken to be
-    `dtype_bytes` per element, unless the checkpoint is mlx-lm-quantized: then each packed
-    weight counts what the stage will hold (`packed_weight_bytes`).
+    Every count is the family's description's (`engine.families`): each layer kind's tensors
+    (exactly those a stage loads) and its state per position (KV) and per slot (a DeltaNet
+    layer's conv window and delta-rule state); the embeddings, the final norm, and the head
+    unless `tie_word_embeddings`. Every weight is taken to be `dtype_bytes` per element,
+    unless the checkpoint is mlx-lm-quantized: then each packed weight counts what the stage
+    will hold (`packed_weight_bytes`).
     """
     if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
         raise ShapeError(f"dtype_bytes = {dtype_bytes!r}: expected a positive integer")
@@ -236,19 +230,12 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
         config = ModelConfig.from_dict(config_json)
     except (ConfigError, TypeError) as exc:
         raise ShapeError(str(exc)) from exc
-    hidden, inter = config.hidden_size, config.intermediate_size
-    around = 3 * hidden * inter + 2 * hidden  # the MLP and the two norms every layer has
-    if config_json.get("mlp_bias"):
-        around += 2 * inter + hidden
-    types = {FULL_ATTENTION: LayerType(
-        FULL_ATTENTION, (around + _attention_elements(config)) * dtype_bytes,
-        config.kv_bytes_per_position(dtype_bytes))}
-    if LINEAR_ATTENTION in config.layer_types:
-        types[LINEAR_ATTENTION] = LayerType(
-            LINEAR_ATTENTION, (around + _deltanet_elements(config)) * dtype_bytes,
-            state_bytes_per_slot=_deltanet_state_bytes(config, dtype_bytes))
-    embedding = config.vocab_size * hidden * dtype_bytes
-    head = 0 if config.tie_word_embeddings else embedding
+    types = {kind.name: LayerType(kind.name, kind.weight_elements(config) * dtype_bytes,
+                                  kind.state_bytes(config, dtype_bytes, "position"),
+                                  kind.state_bytes(config, dtype_bytes, "slot"))
+             for kind in config.family.layer_kinds if kind.name in config.layer_types}
+    ends = {t.field: t.elements * dtype_bytes for t in config.family.end_tensors(config)}
+    embedding, head = ends["embed"], ends.get("head", 0)
     try:
         quant = QuantConfig.from_config(config_json)
     except QuantConfigError as exc:
@@ -260,42 +247,12 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
     return ModelShape(
         layers=tuple(types[name] for name in config.layer_types),
         embedding_bytes=embedding,
-        final_norm_bytes=hidden * dtype_bytes,
+        final_norm_bytes=ends["norm"],
         head_bytes=head,
-        hidden_size=hidden,
-        row_bytes=hidden * dtype_bytes,
+        hidden_size=config.hidden_size,
+        row_bytes=config.hidden_size * dtype_bytes,
         vocab_size=config.vocab_size,
     )
-
-
-def _attention_elements(config: ModelConfig) -> int:
-    hidden, q_width, kv_width = config.hidden_size, config.q_width, config.kv_width
-    q_out = 2 * q_width if config.attn_output_gate else q_width  # the gate rides on q_proj
-    elements = hidden * q_out + 2 * hidden * kv_width + q_width * hidden  # q, k, v, o
-    if config.attention_bias:
-        elements += q_out + 2 * kv_width
-        if config.model_type != "qwen2":  # Qwen2 never biases o_proj; the others follow the flag
-            elements += hidden
-    if config.qk_norm:
-        elements += 2 * config.head_dim
-    return elements
-
-
-def _deltanet_elements(config: ModelConfig) -> int:
-    hidden, heads = config.hidden_size, config.linear_num_value_heads
-    conv, value = config.linear_conv_width, config.linear_value_width
-    return (hidden * conv + hidden * value + 2 * hidden * heads  # in_proj qkv, z, b, a
-            + conv * config.linear_conv_kernel_dim  # depthwise conv1d, no bias
-            + 2 * heads  # dt_bias, A_log
-            + config.linear_value_head_dim  # the gated RMSNorm, shared by the heads
-            + value * hidden)  # out_proj
-
-
-def _deltanet_state_bytes(config: ModelConfig, dtype_bytes: int) -> int:
-    conv_window = config.linear_conv_width * (config.linear_conv_kernel_dim - 1) * dtype_bytes
-    delta = (config.linear_num_value_heads * config.linear_key_head_dim
-             * config.linear_value_head_dim * RECURRENT_STATE_ITEM_BYTES)
-    return 2 * (conv_window + delta)  # the live state and its prompt-cache snapshot
 
 
 def packed_weight_bytes(config: ModelConfig, quant: QuantConfig, dtype_bytes: int,

@@ -26,6 +26,8 @@ from engine.checkpoint.tokenizer import (
     PAD_TOKEN_ID,
     write_tokenizer,
 )
+from engine.config import ModelConfig
+from engine.families import Tensor, tensor_name
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_5"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -259,51 +261,76 @@ def generation_config_json() -> dict:
 def tensor_plan(spec: CheckpointSpec) -> list[TensorPlan]:
     """Every tensor in Hugging Face order (embeddings, layer by layer, final norm, head).
 
-    Linear weights have std 1/sqrt(fan_in) so each projection keeps unit scale; the two that
-    write into the residual stream (o_proj, down_proj) are further divided by sqrt(2 * layers)
-    so the residual stays O(1) however deep the model. Embeddings are 1/sqrt(hidden), the same
-    scale as the sublayer outputs, so the current token stays visible through the layers.
+    Which tensors, named and shaped how, is the family's description's to say
+    (`engine.families`, read through the config.json this spec writes); how each is drawn
+    is the maker's. Linear weights have std 1/sqrt(fan_in) so each projection keeps unit
+    scale; the ones that write into the residual stream (o_proj, down_proj, a DeltaNet's
+    out_proj) are further divided by sqrt(2 * layers) so the residual stays O(1) however
+    deep the model. Embeddings are 1/sqrt(hidden), the same scale as the sublayer outputs,
+    so the current token stays visible through the layers.
     """
-    if spec.family == "qwen3_5":
-        return qwen3_5_layout.tensor_plan(spec, TensorPlan)
-    hidden, heads, kv_heads = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads
-    q_width, kv_width = heads * spec.head_dim, kv_heads * spec.head_dim
+    config = ModelConfig.from_dict(config_json(spec))
+    family = config.family
+    ends = {t.field: t for t in family.end_tensors(config)}
+    hidden = config.hidden_size
+    plan = [TensorPlan(tensor_name(config, ends["embed"]), ends["embed"].shape,
+                       1 / math.sqrt(hidden))]
     residual_scale = 1.0 / math.sqrt(2 * spec.num_hidden_layers)
-
-    def linear(name: str, out_features: int, in_features: int, scale: float = 1.0) -> TensorPlan:
-        return TensorPlan(name, (out_features, in_features), scale / math.sqrt(in_features))
-
-    def norm(name: str, width: int) -> TensorPlan:
-        return TensorPlan(name, (width,), NORM_NOISE_STD, mean=1.0)
-
-    plan = [TensorPlan("model.embed_tokens.weight", (spec.vocab_size, hidden), 1 / math.sqrt(hidden))]
-    for layer in range(spec.num_hidden_layers):
-        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
-        plan.append(linear(f"{attn}.q_proj.weight", q_width, hidden))
-        plan.append(linear(f"{attn}.k_proj.weight", kv_width, hidden))
-        plan.append(linear(f"{attn}.v_proj.weight", kv_width, hidden))
-        if spec.family == "qwen2":
-            plan += [TensorPlan(f"{attn}.{proj}.bias", (width,), BIAS_NOISE_STD)
-                     for proj, width in (("q_proj", q_width), ("k_proj", kv_width),
-                                         ("v_proj", kv_width))]
-        plan.append(linear(f"{attn}.o_proj.weight", hidden, q_width, residual_scale))
-        if spec.family == "qwen3":
-            plan += [norm(f"{attn}.q_norm.weight", spec.head_dim),
-                     norm(f"{attn}.k_norm.weight", spec.head_dim)]
-        plan.append(linear(f"{mlp}.gate_proj.weight", spec.intermediate_size, hidden))
-        plan.append(linear(f"{mlp}.up_proj.weight", spec.intermediate_size, hidden))
-        plan.append(linear(f"{mlp}.down_proj.weight", hidden, spec.intermediate_size,
-                           residual_scale))
-        plan.append(norm(f"model.layers.{layer}.input_layernorm.weight", hidden))
-        plan.append(norm(f"model.layers.{layer}.post_attention_layernorm.weight", hidden))
-    # A tied head scores the current token's own embedding highly (its residual still holds it),
-    # so greedy decoding echoes one token forever. Random signs on the final norm make that
-    # self-score average zero; the magnitudes stay 1 + noise.
-    plan.append(TensorPlan("model.norm.weight", (hidden,), NORM_NOISE_STD, mean=1.0,
-                           random_sign=spec.tie_word_embeddings))
-    if not spec.tie_word_embeddings:
-        plan.append(linear("lm_head.weight", spec.vocab_size, hidden))
+    for layer in range(config.num_hidden_layers):
+        plan += [_layer_tensor_plan(config, t, tensor_name(config, t, layer), residual_scale)
+                 for t in family.layer_tensors(config, layer)]
+    plan.append(_final_norm_plan(config, tensor_name(config, ends["norm"])))
+    if "head" in ends:
+        plan.append(_linear_plan(tensor_name(config, ends["head"]), ends["head"].shape))
+    if spec.family == "qwen3_5" and spec.multimodal:
+        plan += qwen3_5_layout.beside_text_plan(spec, TensorPlan)
     return plan
+
+
+# A layer's weights by how they are drawn: projections (those writing into the residual
+# stream scaled down further), biases, norms, and the DeltaNet's own terms.
+_PROJECTIONS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "qkv", "z", "b", "a", "out"})
+_RESIDUAL_WRITERS = frozenset({"o", "down", "out"})
+_BIASES = frozenset({"q_bias", "k_bias", "v_bias"})
+_NORMS = frozenset({"input_norm", "post_norm", "q_norm", "k_norm"})
+
+
+def _linear_plan(name: str, shape: tuple[int, ...], scale: float = 1.0) -> TensorPlan:
+    return TensorPlan(name, shape, scale / math.sqrt(shape[1]))
+
+
+def _layer_tensor_plan(config: ModelConfig, tensor: Tensor, name: str,
+                       residual_scale: float) -> TensorPlan:
+    f = tensor.field
+    if f in _PROJECTIONS:
+        return _linear_plan(name, tensor.shape, residual_scale if f in _RESIDUAL_WRITERS else 1.0)
+    if f in _BIASES:
+        return TensorPlan(name, tensor.shape, BIAS_NOISE_STD)
+    if f in _NORMS:
+        # A (1 + weight) norm's weights are offsets from one, so they are drawn around zero.
+        return TensorPlan(name, tensor.shape, NORM_NOISE_STD,
+                          mean=0.0 if config.norm_adds_one else 1.0)
+    if f == "conv":
+        return TensorPlan(name, tensor.shape, 1 / math.sqrt(tensor.shape[-1]))
+    if f in ("dt_bias", "norm"):  # the gated RMSNorm scales by its plain weight
+        return TensorPlan(name, tensor.shape, NORM_NOISE_STD, mean=1.0)
+    if f == "a_log":
+        return TensorPlan(name, tensor.shape, 0.5)
+    raise ValueError(f"the maker has no way to draw {name} (field {f!r})")
+
+
+def _final_norm_plan(config: ModelConfig, name: str) -> TensorPlan:
+    """A tied head scores the current token's own embedding highly (its residual still holds
+    it), so greedy decoding echoes one token forever. Random signs on the final norm's scale
+    make that self-score average zero; the magnitudes stay 1 + noise. A (1 + weight) norm
+    then stores weight = sign x (1 + noise) - 1."""
+    shape = (config.hidden_size,)
+    tied = config.tie_word_embeddings
+    if not config.norm_adds_one:
+        return TensorPlan(name, shape, NORM_NOISE_STD, mean=1.0, random_sign=tied)
+    if tied:
+        return TensorPlan(name, shape, NORM_NOISE_STD, mean=1.0, random_sign=True, offset=-1.0)
+    return TensorPlan(name, shape, NORM_NOISE_STD)
 
 
 def shard_file_names(shard_count: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""What the maker writes for the Qwen3.5 hybrid: its config.json and tensors, in both layouts.
+"""What the maker writes for the Qwen3.5 hybrid: its config.json, and the layouts' extra tensors.
 
 The text layout is transformers' `Qwen3_5ForCausalLM` (model type `qwen3_5_text`). The
 conditional-generation layout is `Qwen3_5ForConditionalGeneration` (model type `qwen3_5`),
@@ -9,11 +9,10 @@ never read, which is why they are written at all.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from engine.checkpoint.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
-from engine.config import FULL_ATTENTION, LINEAR_ATTENTION
+from engine.families.qwen3_5 import interval_pattern
 
 if TYPE_CHECKING:
     from engine.checkpoint.maker import CheckpointSpec, TensorPlan
@@ -28,8 +27,7 @@ VISION_CONFIG = {
 
 def layer_types(spec: CheckpointSpec) -> list[str]:
     """Every `full_attention_interval`-th layer is full attention, the rest Gated DeltaNet."""
-    return [FULL_ATTENTION if (i + 1) % spec.full_attention_interval == 0 else LINEAR_ATTENTION
-            for i in range(spec.num_hidden_layers)]
+    return list(interval_pattern(spec.num_hidden_layers, spec.full_attention_interval))
 
 
 def text_config_json(spec: CheckpointSpec) -> dict:
@@ -81,75 +79,10 @@ def config_json(spec: CheckpointSpec) -> dict:
     }
 
 
-def tensor_plan(spec: CheckpointSpec, plan_type: type[TensorPlan]) -> list[TensorPlan]:
-    """Every tensor, scaled as the dense families' are (see maker.tensor_plan).
-
-    RMSNorm weights here are offsets from one (the family scales by 1 + weight), so they
-    are drawn around zero; the gated RMSNorm inside a DeltaNet layer scales by its weight.
-    """
-    hidden, inter = spec.hidden_size, spec.intermediate_size
-    q_width, kv_width = spec.num_attention_heads * spec.head_dim, \
-        spec.num_key_value_heads * spec.head_dim
-    key_width = spec.linear_num_key_heads * spec.linear_key_head_dim
-    value_width = spec.linear_num_value_heads * spec.linear_value_head_dim
-    heads = spec.linear_num_value_heads
-    residual_scale = 1.0 / math.sqrt(2 * spec.num_hidden_layers)
-    noise = 0.05
-    text = "model.language_model." if spec.multimodal else "model."
-
-    def linear(name: str, out_features: int, in_features: int, scale: float = 1.0) -> TensorPlan:
-        return plan_type(name, (out_features, in_features), scale / math.sqrt(in_features))
-
-    def norm(name: str, width: int) -> TensorPlan:
-        return plan_type(name, (width,), noise)
-
-    plan = [plan_type(f"{text}embed_tokens.weight", (spec.vocab_size, hidden),
-                      1 / math.sqrt(hidden))]
-    for layer, kind in enumerate(layer_types(spec)):
-        p = f"{text}layers.{layer}."
-        if kind == LINEAR_ATTENTION:
-            a = p + "linear_attn."
-            plan += [
-                linear(a + "in_proj_qkv.weight", 2 * key_width + value_width, hidden),
-                linear(a + "in_proj_z.weight", value_width, hidden),
-                linear(a + "in_proj_b.weight", heads, hidden),
-                linear(a + "in_proj_a.weight", heads, hidden),
-                plan_type(a + "conv1d.weight", (2 * key_width + value_width, 1,
-                                                spec.linear_conv_kernel_dim),
-                          1 / math.sqrt(spec.linear_conv_kernel_dim)),
-                plan_type(a + "dt_bias", (heads,), noise, mean=1.0),
-                plan_type(a + "A_log", (heads,), 0.5),
-                plan_type(a + "norm.weight", (spec.linear_value_head_dim,), noise, mean=1.0),
-                linear(a + "out_proj.weight", hidden, value_width, residual_scale),
-            ]
-        else:
-            s = p + "self_attn."
-            plan += [
-                linear(s + "q_proj.weight", 2 * q_width, hidden),  # query and gate per head
-                linear(s + "k_proj.weight", kv_width, hidden),
-                linear(s + "v_proj.weight", kv_width, hidden),
-                linear(s + "o_proj.weight", hidden, q_width, residual_scale),
-                norm(s + "q_norm.weight", spec.head_dim),
-                norm(s + "k_norm.weight", spec.head_dim),
-            ]
-        plan += [
-            linear(p + "mlp.gate_proj.weight", inter, hidden),
-            linear(p + "mlp.up_proj.weight", inter, hidden),
-            linear(p + "mlp.down_proj.weight", hidden, inter, residual_scale),
-            norm(p + "input_layernorm.weight", hidden),
-            norm(p + "post_attention_layernorm.weight", hidden),
-        ]
-    # Tied: the final norm's scale (1 + weight) gets a random sign, for the reason the dense
-    # families' does; weight = sign x (1 + noise) - 1.
-    if spec.tie_word_embeddings:
-        plan.append(plan_type(f"{text}norm.weight", (hidden,), noise, mean=1.0,
-                              random_sign=True, offset=-1.0))
-    else:
-        plan.append(norm(f"{text}norm.weight", hidden))
-        plan.append(linear("lm_head.weight", spec.vocab_size, hidden))
-    if spec.multimodal:
-        plan += _vision_plan(spec, plan_type) + _mtp_plan(spec, plan_type)
-    return plan
+def beside_text_plan(spec: CheckpointSpec, plan_type: type[TensorPlan]) -> list[TensorPlan]:
+    """What the conditional-generation layout holds besides the text model (whose tensors
+    are the family description's, as for every family: maker.tensor_plan)."""
+    return _vision_plan(spec, plan_type) + _mtp_plan(spec, plan_type)
 
 
 def _vision_plan(spec: CheckpointSpec, plan_type: type[TensorPlan]) -> list[TensorPlan]:

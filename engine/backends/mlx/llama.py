@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -25,6 +26,9 @@ from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
 from engine.rounds import RowLayout
+
+if TYPE_CHECKING:
+    from engine.backends.base import StageSpec
 
 
 def linear(x: mx.array, weight: Weight, bias: mx.array | None = None) -> mx.array:
@@ -120,3 +124,12 @@ class LlamaRange:
     def logits(self, x: mx.array) -> mx.array:
         x = mx.fast.rms_norm(x, self.norm, self.config.rms_norm_eps)
         return linear(x, self.head).astype(mx.float32)  # [rows, vocab]
+
+
+def build_range(config: ModelConfig, spec: StageSpec,
+                load: Callable[[dict[str, tuple[int, ...]]], dict[str, Weight]],
+                dtype: mx.Dtype, on_layer: Callable[[int], None] | None = None) -> LlamaRange:
+    """The stage's range and its KV cache: this family's entry for the MLX stage."""
+    cache = KVCache(spec.layer_range[1] - spec.layer_range[0], spec.parallel,
+                    config.num_key_value_heads, spec.context, config.head_dim, dtype)
+    return LlamaRange(config, spec.layer_range, load, cache, Rope(config), on_layer)

@@ -26,6 +26,7 @@ row starts from zeros.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -36,6 +37,9 @@ from engine.backends.mlx.recurrent_state import HybridIndex, HybridState, Recurr
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.family import DeltaNetWeights, LayerWeights, load_range
 from engine.rounds import RowLayout
+
+if TYPE_CHECKING:
+    from engine.backends.base import StageSpec
 
 L2_EPS = 1e-6  # transformers' and fla's l2norm epsilon, added to the sum of squares
 # Tokens a prompt chunk's delta rule solves at once. The chunked form takes differences of
@@ -281,3 +285,12 @@ def _shift_norms(w: LayerWeights | DeltaNetWeights) -> LayerWeights | DeltaNetWe
         w.q_norm = one_plus(w.q_norm)
         w.k_norm = one_plus(w.k_norm)
     return w
+
+
+def build_range(config: ModelConfig, spec: StageSpec,
+                load: Callable[[dict[str, tuple[int, ...]]], dict[str, Weight]],
+                dtype: mx.Dtype, on_layer: Callable[[int], None] | None = None) -> Qwen35Range:
+    """The stage's range, KV for its attention layers and recurrent state for its DeltaNet
+    layers: this family's entry for the MLX stage."""
+    state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel, spec.context, dtype)
+    return Qwen35Range(config, spec.layer_range, load, state, Rope(config), on_layer)

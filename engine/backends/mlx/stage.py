@@ -10,11 +10,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
+from engine.backends.family_modules import family_module
 from engine.backends.mlx import sampling
-from engine.backends.mlx.kv_cache import KVCache
-from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
-from engine.backends.mlx.qwen3_5 import Qwen35Range
 from engine.checkpoint.quantize import QuantConfig
 from engine.config import ModelConfig
 from engine.lanes.sampler import SampledRows, SamplingBatch
@@ -65,8 +63,9 @@ def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], dtyp
 
 
 class MlxStage(Stage):
-    def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange | Qwen35Range,
+    def __init__(self, spec: StageSpec, config: ModelConfig, model: Any,
                  device: mx.Device) -> None:
+        # `model`: the family module's range (engine.backends.family_modules).
         super().__init__(spec, config, model)
         self.device = device
         self.dtype = mlx_dtype(self.row_format)
@@ -88,23 +87,15 @@ class MlxStage(Stage):
                on_layer: Callable[[int], None] | None) -> MlxStage:
         checkpoint, config, quant = opened.checkpoint, opened.config, opened.quant
         dtype = mlx_dtype(RowFormat.of(config))
-        total = spec.layer_range[1] - spec.layer_range[0]
-        # Streams follow the device, so two stages in one process (tests) can sit on
-        # different devices without touching the process-wide default.
+
         def load(shapes: dict[str, tuple[int, ...]]) -> dict[str, Weight]:
             return load_range_tensors(checkpoint, shapes, dtype, quant)
 
+        family = family_module("engine.backends.mlx", config)
+        # Streams follow the device, so two stages in one process (tests) can sit on
+        # different devices without touching the process-wide default.
         with mx.stream(device):
-            if config.is_hybrid:
-                state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel,
-                                              spec.context, dtype)
-                model = Qwen35Range(config, spec.layer_range, load, state, Rope(config),
-                                    on_layer)
-            else:
-                cache = KVCache(total, spec.parallel, config.num_key_value_heads,
-                                spec.context, config.head_dim, dtype)
-                model = LlamaRange(config, spec.layer_range, load, cache, Rope(config),
-                                   on_layer)
+            model = family.build_range(config, spec, load, dtype, on_layer)
         return cls(spec, config, model, device)
 
     def _computing(self) -> Any:

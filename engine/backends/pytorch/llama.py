@@ -9,6 +9,7 @@ model's dtype) so that float32 logits match it closely.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, visible_keys
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
+
+if TYPE_CHECKING:
+    from engine.backends.base import StageSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,6 +122,8 @@ DecodeBlock = Callable[..., torch.Tensor]  # decode_block, or its compiled form
 class LlamaRange:
     """Layers [start, end) of a Llama-style model, plus the ends when it is the first range."""
 
+    recurrent = None  # no per-slot recurrent state: every layer keeps KV only
+
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int],
                  load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
                  cache: KVCache, rope: Rope, on_layer: Callable[[int], None] | None = None):
@@ -153,3 +159,16 @@ class LlamaRange:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.head).float()  # [rows, vocab]
+
+
+def build_range(config: ModelConfig, spec: StageSpec,
+                load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
+                device: torch.device, dtype: torch.dtype,
+                on_layer: Callable[[int], None] | None = None) -> LlamaRange:
+    """The stage's range and its KV cache: this family's entry for the PyTorch stage."""
+    layers = spec.layer_range[1] - spec.layer_range[0]
+    cache = KVCache(layers, spec.parallel, config.num_key_value_heads, spec.context,
+                    config.head_dim, dtype, device)
+    rope = Rope(config, spec.context, device, dtype)
+    with torch.inference_mode():
+        return LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)

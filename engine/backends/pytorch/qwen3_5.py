@@ -13,17 +13,21 @@ precision so that float32 logits match it closely.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine.backends.pytorch import gated_delta
+from engine.backends.pytorch import delta_kernels, gated_delta
 from engine.backends.pytorch.delta_kernels import OURS, DeltaKernels
-from engine.backends.pytorch.kv_cache import RoundIndex
+from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
 from engine.backends.pytorch.llama import Rope, mlp, rotate_half
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.family import DeltaNetWeights, LayerWeights, load_range
+
+if TYPE_CHECKING:
+    from engine.backends.base import StageSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,6 +143,11 @@ class Qwen35Range:
         self.embed, self.norm, self.head = ends
         self.state_index = state_indices(config, layer_range)
 
+    @property
+    def recurrent(self) -> RecurrentState:
+        """The DeltaNet layers' per-slot state (what the CUDA graphs keep aside)."""
+        return self.cache.recurrent
+
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed)  # [rows, hidden]
 
@@ -176,3 +185,20 @@ def layer_counts(config: ModelConfig, layer_range: tuple[int, int]) -> tuple[int
     types = [config.layer_type(layer) for layer in range(*layer_range)]
     linear = types.count(LINEAR_ATTENTION)
     return len(types) - linear, linear
+
+
+def build_range(config: ModelConfig, spec: StageSpec,
+                load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
+                device: torch.device, dtype: torch.dtype,
+                on_layer: Callable[[int], None] | None = None) -> Qwen35Range:
+    """The stage's range, KV for its attention layers and recurrent state for its DeltaNet
+    layers: this family's entry for the PyTorch stage."""
+    attention_layers, deltanet_layers = layer_counts(config, spec.layer_range)
+    cache = KVCache(attention_layers, spec.parallel, config.num_key_value_heads,
+                    spec.context, config.head_dim, dtype, device)
+    rope = Rope(config, spec.context, device, dtype)
+    with torch.inference_mode():
+        state = HybridState(cache, RecurrentState(config, deltanet_layers, spec.parallel,
+                                                  dtype, device))
+        kernels = delta_kernels.choose(device, spec.delta_kernel)
+        return Qwen35Range(config, spec.layer_range, load, state, rope, on_layer, kernels)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
-from engine.backends.pytorch import delta_kernels, dequant, packed_linear, sampling
+from engine.backends.family_modules import family_module
+from engine.backends.pytorch import dequant, packed_linear, sampling
 from engine.backends.pytorch.compiled_step import compiled_decode_block, compiles
 from engine.backends.pytorch.graphs import DecodeGraphs
-from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
-from engine.backends.pytorch.llama import LlamaRange, Rope
-from engine.backends.pytorch.qwen3_5 import Qwen35Range, layer_counts
-from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
+from engine.backends.pytorch.kv_cache import RoundIndex
 from engine.backends.pytorch.row_transfer import RowTransfer
 from engine.config import ModelConfig
 from engine.lanes.sampler import SampledRows, SamplingBatch
@@ -28,8 +27,9 @@ def torch_dtype(row_format: RowFormat) -> torch.dtype:
 
 
 class TorchStage(Stage):
-    def __init__(self, spec: StageSpec, config: ModelConfig, model: LlamaRange | Qwen35Range,
+    def __init__(self, spec: StageSpec, config: ModelConfig, model: Any,
                  device: torch.device, *, packed: bool = False) -> None:
+        # `model`: the family module's range (engine.backends.family_modules).
         super().__init__(spec, config, model)
         self.device = device
         self.dtype = torch_dtype(self.row_format)
@@ -44,8 +44,7 @@ class TorchStage(Stage):
             # other SDPA kernels need no plan. One stage a process, so the switch is ours.
             torch.backends.cuda.enable_cudnn_sdp(False)
         if device.type == "cuda" and spec.cuda_graphs:
-            recurrent = model.cache.recurrent if config.is_hybrid else None
-            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, recurrent,
+            self.graphs = DecodeGraphs(model, spec.context, config.sliding_window, model.recurrent,
                                        live_keys=spec.live_keys, step=self.decode_step)
 
     @staticmethod
@@ -77,24 +76,13 @@ class TorchStage(Stage):
             tensors = checkpoint.load_tensors(list(shapes), "pt", str(device))
             return {n: t.to(dtype) for n, t in tensors.items()}
 
-        attention_layers, deltanet_layers = layer_counts(config, spec.layer_range)
-        cache = KVCache(attention_layers, spec.parallel, config.num_key_value_heads,
-                        spec.context, config.head_dim, dtype, device)
-        rope = Rope(config, spec.context, device, dtype)
-        with torch.inference_mode():
-            if config.is_hybrid:
-                state = HybridState(cache, RecurrentState(config, deltanet_layers,
-                                                          spec.parallel, dtype, device))
-                kernels = delta_kernels.choose(device, spec.delta_kernel)
-                model = Qwen35Range(config, spec.layer_range, load, state, rope, on_layer,
-                                    kernels)
-            else:
-                model = LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)
+        family = family_module("engine.backends.pytorch", config)
+        model = family.build_range(config, spec, load, device, dtype, on_layer)
         return cls(spec, config, model, device, packed=packed)
 
     def recurrent_states(self) -> int:
-        if self.config.is_hybrid:  # what was preallocated, not what was asked for
-            return self.model.cache.recurrent.slots
+        if self.model.recurrent is not None:  # what was preallocated, not what was asked for
+            return self.model.recurrent.slots
         return super().recurrent_states()
 
     def _computing(self) -> torch.inference_mode:
