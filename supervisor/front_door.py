@@ -31,6 +31,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from engine.api.auth import bearer_token
 from engine.api.connections import (
     ConnectionGuard,
     GuardedSite,
@@ -137,16 +138,10 @@ def sse_error(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _as_bytes(text: str) -> bytes:
-    # Headers arrive as str; a non-ASCII key must compare (and fail) as bytes, not raise.
-    return text.encode("utf-8", "surrogatepass")
-
-
-def key_matches(given: str, keys: frozenset[str]) -> bool:
-    given_bytes = _as_bytes(given)
+def key_matches(given: bytes, keys: frozenset[str]) -> bool:
     matched = False
     for key in keys:  # every key compared, so timing says nothing about which one is near
-        matched |= hmac.compare_digest(given_bytes, _as_bytes(key))
+        matched |= hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
     return matched
 
 
@@ -154,8 +149,7 @@ def key_matches(given: str, keys: frozenset[str]) -> bool:
 async def check_api_key(request: web.Request, handler: Callable) -> web.StreamResponse:
     keys = request.app[CONFIG].api_keys
     if keys and request.path != "/health":
-        auth = request.headers.get("Authorization", "")
-        given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        given = bearer_token(request)  # the scheme's name in any case (RFC 9110 11.1)
         if not given or not key_matches(given, keys):
             return error(401, "a valid API key is required (Authorization: Bearer KEY)",
                          kind="invalid_request_error", code="invalid_api_key")

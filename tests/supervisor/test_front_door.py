@@ -266,6 +266,13 @@ def test_api_keys_when_configured():
         async with s.post("/v1/chat/completions", json=ask("m"),
                           headers={"Authorization": "Bearer k1"}) as r:
             assert r.status == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive
+            async with s.post("/v1/chat/completions", json=ask("m"),
+                              headers={"Authorization": f"{scheme} k1"}) as r:
+                assert r.status == 200, scheme
+        async with s.post("/v1/chat/completions", json=ask("m"),
+                          headers={"Authorization": "Basic k1"}) as r:
+            assert r.status == 401  # another scheme is no bearer key
         # Non-ASCII keys, as UTF-8 and as bytes that are not UTF-8 at all: refused, not a 500.
         body = json.dumps(ask("m")).encode()
         for key in ("é".encode(), b"\xe9", "k1é".encode()):
@@ -276,7 +283,7 @@ def test_api_keys_when_configured():
             assert status_of(reply) == 401, reply[:200]
             assert b"invalid_api_key" in reply
         # The client's key stays at the door; the replica's secret goes upstream.
-        assert door.upstream.authorizations == ["Bearer replica-secret"]
+        assert door.upstream.authorizations == ["Bearer replica-secret"] * 3
     run(check, api_keys=frozenset({"k1"}))
 
 
