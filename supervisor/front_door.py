@@ -32,12 +32,14 @@ import structlog
 from aiohttp import web
 
 from engine.api.auth import bearer_token
+from engine.api.bodies import read_body
 from engine.api.connections import (
     ConnectionGuard,
     GuardedSite,
     HttpLimits,
     default_max_connections,
 )
+from engine.api.errors import ApiError
 from engine.api.repeated_errors import RepeatedLog
 from supervisor.relays import (
     Relays,
@@ -121,11 +123,16 @@ LOGS = web.AppKey("front_door_logs", RepeatedLog)
 GUARD = web.AppKey("front_door_guard", ConnectionGuard)
 
 
+def error_response(exc: ApiError) -> web.Response:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
           param: str | None = None, retry: bool = False) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    """An OpenAI-style error, its body built by engine.api.errors like rank 0's."""
+    return error_response(ApiError(status, message, kind=kind, code=code, param=param,
+                                   retry_after_s=RETRY_AFTER_S if retry else None))
 
 
 def unavailable(message: str) -> web.Response:
@@ -170,15 +177,9 @@ async def health(request: web.Request) -> web.Response:
 async def proxy(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     try:
-        async with asyncio.timeout(config.limits.body_s):
-            raw = await request.read()
-    except TimeoutError:
-        return error(408, f"the request body did not arrive within "
-                     f"{config.limits.body_s:g} s", kind="invalid_request_error")
-    except web.HTTPRequestEntityTooLarge:
-        return error(413, f"the request body is larger than {config.limits.max_body_bytes} "
-                     "bytes",
-                     kind="invalid_request_error")
+        raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_s)
+    except ApiError as exc:  # 408, 413 (a compressed body too, stopped at the bound), 415
+        return error_response(exc)
     try:
         body = json.loads(raw)
     except ValueError:
@@ -384,7 +385,8 @@ async def open_front_door(config: FrontDoorConfig, host: str, port: int) -> web.
     reply ends (and closes its upstream request) with its client.
     """
     app = make_front_door(config)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
+    # auto_decompress off: bodies are decoded within their bound by engine.api.bodies.
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, auto_decompress=False,
                            handler_cancellation=True, keepalive_timeout=config.limits.idle_s,
                            lingering_time=LINGERING_S)
     await runner.setup()

@@ -8,6 +8,7 @@ passed through as it is, 404 for a model the fleet does not serve, 401 without a
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -415,6 +416,27 @@ def test_slow_heads_and_bodies_are_cut_and_health_still_answers():
                                      data=b" " * (MAX_BODY_BYTES + 1)) as r:
             assert r.status == 413 and "larger than" in (await r.json())["error"]["message"]
     run(check, limits=limits)
+
+
+def test_compressed_bodies_are_decoded_within_the_bound():
+    """A gzip body is decoded and relayed as JSON; a gzip bomb is a 413 (the decoder stops
+    at the bound: tests/api/test_bodies.py), and the door serves on."""
+    from tests.api.test_bodies import gzip_bomb
+
+    async def check(door: Door) -> None:
+        packed = gzip.compress(json.dumps(ask("m")).encode())
+        async with door.session.post("/v1/chat/completions", data=packed, headers={
+                "Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+            assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "stop"
+        async with door.session.post("/v1/chat/completions", data=gzip_bomb(64 << 20),
+                                     headers={"Content-Encoding": "gzip"}) as r:
+            assert r.status == 413 and "larger than 1048576" in (await r.json())["error"]["message"]
+        async with door.session.post("/v1/chat/completions", data=b"x",
+                                     headers={"Content-Encoding": "br"}) as r:
+            assert r.status == 415
+        async with door.session.get("/health") as r:
+            assert r.status == 200
+    run(check, limits=HttpLimits(max_body_bytes=1 << 20))
 
 
 def test_connections_beyond_the_cap_get_a_503_and_a_close():
