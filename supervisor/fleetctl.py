@@ -37,7 +37,7 @@ from supervisor.memory import format_bytes
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 STATE_STYLE = {"serving": "green", "alive": "green", "warming": "cyan", "starting": "cyan",
-               "placing": "yellow", "draining": "yellow", "suspect": "yellow",
+               "placing": "yellow", "draining": "yellow", "cordoned": "yellow", "suspect": "yellow",
                "failed": "red", "dead": "red", "left": "dim", "stopped": "dim"}
 
 
@@ -144,7 +144,9 @@ def show_status(data: dict[str, Any]) -> None:
     for col in ("node", "state", "seen", "platform", "RAM", "backends", "engines", "url"):
         nodes.add_column(col)
     for m in data["members"]:
-        state = styled(m["state"]) + (" [yellow](cordoned)[/]" if m["cordoned"] else "")
+        state = styled(m["state"])  # draining, then cordoned, for an alive cordoned node
+        if m["cordoned"] and m["state"] not in ("draining", "cordoned"):
+            state += " [yellow](cordoned)[/]"  # suspect, dead: cordoned as well
         ram = format_bytes(m["ram_total_bytes"]) if m.get("ram_total_bytes") else "?"
         engines = ", ".join(f"{k}: {v}" for k, v in m["engines"].items()) or "-"
         nodes.add_row(m["node"], state, f"{m['seen_s_ago']} s ago",
