@@ -36,6 +36,7 @@ from supervisor.membership import (
     on_goodbye,
     on_heartbeat,
     on_unreachable,
+    shown_state,
     tick,
 )
 from supervisor.memory import ModelShape
@@ -470,10 +471,13 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         now = time.time()
         members = []
+        holding = {s.node for r in self.replicas.values() if r.state in lc.LIVE_STATES
+                   for s in r.stages}
         for m in sorted(self.members.values(), key=lambda m: m.node):
             host = (m.facts or {}).get("host", {})
             members.append({
-                "node": m.node, "state": m.state, "cordoned": m.cordoned, "url": m.url,
+                "node": m.node, "state": shown_state(m, m.node in holding),
+                "membership_state": m.state, "cordoned": m.cordoned, "url": m.url,
                 "seen_s_ago": round(now - m.last_heartbeat_at, 1), "reason": m.reason,
                 "platform": host.get("platform"), "arch": host.get("arch"),
                 "ram_total_bytes": host.get("ram_total_bytes"),

@@ -37,7 +37,7 @@ from supervisor.memory import format_bytes
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 STATE_STYLE = {"serving": "green", "alive": "green", "warming": "cyan", "starting": "cyan",
-               "placing": "yellow", "draining": "yellow", "suspect": "yellow",
+               "placing": "yellow", "draining": "yellow", "cordoned": "yellow", "suspect": "yellow",
                "failed": "red", "dead": "red", "left": "dim", "stopped": "dim"}
 
 
@@ -144,7 +144,9 @@ def show_status(data: dict[str, Any]) -> None:
     for col in ("node", "state", "seen", "platform", "RAM", "backends", "engines", "url"):
         nodes.add_column(col)
     for m in data["members"]:
-        state = styled(m["state"]) + (" [yellow](cordoned)[/]" if m["cordoned"] else "")
+        state = styled(m["state"])  # draining, then cordoned, for an alive cordoned node
+        if m["cordoned"] and m["state"] not in ("draining", "cordoned"):
+            state += " [yellow](cordoned)[/]"  # suspect, dead: cordoned as well
         ram = format_bytes(m["ram_total_bytes"]) if m.get("ram_total_bytes") else "?"
         engines = ", ".join(f"{k}: {v}" for k, v in m["engines"].items()) or "-"
         nodes.add_row(m["node"], state, f"{m['seen_s_ago']} s ago",
@@ -357,6 +359,23 @@ def add_common_options(parser: argparse.ArgumentParser, *, before_command: bool)
                         **unset)
 
 
+def add_out_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """For a command that prints a secret: write it to a file only its owner can read, since
+    a shell's `> FILE` makes it 0644 (readable by every local user)."""
+    parser.add_argument("--out", type=Path, metavar="FILE",
+                        help=f"write {what} to FILE (mode 0600) instead of printing it")
+
+
+def write_secret(path: Path, text: str) -> None:
+    """`text` into `path`, 0600 from its first byte, replacing any older (wider) file."""
+    from agent.pki import write_private
+
+    try:
+        write_private(path, text.encode() + b"\n")
+    except OSError as exc:
+        raise CtlError(f"--out {path}: {exc.strerror or exc}", 2) from exc
+
+
 def choose_credentials(args: argparse.Namespace) -> Path:
     if args.credentials is not None:
         return args.credentials
@@ -384,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the node name it joins as (a token is bound to one node)")
     token.add_argument("--ttl-s", type=ttl_seconds, default=3600.0,
                        help="seconds it stays good (at most 30 days)")
+    add_out_option(token, "the token")
     for name, what in (("apply", "make the fleet look like FILE"),
                        ("plan", "show the placement FILE would get (changes nothing)")):
         cmd = command(name, help=what)
@@ -442,7 +462,11 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
     client = Client(credentials, args.supervisor)
     if args.command == "token":
         data = client.call("POST", "/v1/tokens", {"node": args.node, "ttl_s": args.ttl_s})
-        print(json.dumps(data) if args.json else data["token"])
+        if args.out is None:
+            print(json.dumps(data) if args.json else data["token"])
+            return 0
+        write_secret(args.out, json.dumps(data) if args.json else data["token"])
+        err.print(f"join token for {args.node} written to {args.out} (mode 0600)", markup=False)
     elif args.command in ("apply", "plan"):
         text = read_fleet_file(args.file)
         body = {"text": text, "source": str(args.file)}

@@ -31,12 +31,15 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from engine.api.auth import bearer_token
+from engine.api.bodies import read_body
 from engine.api.connections import (
     ConnectionGuard,
     GuardedSite,
     HttpLimits,
     default_max_connections,
 )
+from engine.api.errors import ApiError
 from engine.api.repeated_errors import RepeatedLog
 from supervisor.relays import (
     Relays,
@@ -120,11 +123,16 @@ LOGS = web.AppKey("front_door_logs", RepeatedLog)
 GUARD = web.AppKey("front_door_guard", ConnectionGuard)
 
 
+def error_response(exc: ApiError) -> web.Response:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
           param: str | None = None, retry: bool = False) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    """An OpenAI-style error, its body built by engine.api.errors like rank 0's."""
+    return error_response(ApiError(status, message, kind=kind, code=code, param=param,
+                                   retry_after_s=RETRY_AFTER_S if retry else None))
 
 
 def unavailable(message: str) -> web.Response:
@@ -137,16 +145,10 @@ def sse_error(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _as_bytes(text: str) -> bytes:
-    # Headers arrive as str; a non-ASCII key must compare (and fail) as bytes, not raise.
-    return text.encode("utf-8", "surrogatepass")
-
-
-def key_matches(given: str, keys: frozenset[str]) -> bool:
-    given_bytes = _as_bytes(given)
+def key_matches(given: bytes, keys: frozenset[str]) -> bool:
     matched = False
     for key in keys:  # every key compared, so timing says nothing about which one is near
-        matched |= hmac.compare_digest(given_bytes, _as_bytes(key))
+        matched |= hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
     return matched
 
 
@@ -154,8 +156,7 @@ def key_matches(given: str, keys: frozenset[str]) -> bool:
 async def check_api_key(request: web.Request, handler: Callable) -> web.StreamResponse:
     keys = request.app[CONFIG].api_keys
     if keys and request.path != "/health":
-        auth = request.headers.get("Authorization", "")
-        given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        given = bearer_token(request)  # the scheme's name in any case (RFC 9110 11.1)
         if not given or not key_matches(given, keys):
             return error(401, "a valid API key is required (Authorization: Bearer KEY)",
                          kind="invalid_request_error", code="invalid_api_key")
@@ -176,15 +177,9 @@ async def health(request: web.Request) -> web.Response:
 async def proxy(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG]
     try:
-        async with asyncio.timeout(config.limits.body_s):
-            raw = await request.read()
-    except TimeoutError:
-        return error(408, f"the request body did not arrive within "
-                     f"{config.limits.body_s:g} s", kind="invalid_request_error")
-    except web.HTTPRequestEntityTooLarge:
-        return error(413, f"the request body is larger than {config.limits.max_body_bytes} "
-                     "bytes",
-                     kind="invalid_request_error")
+        raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_s)
+    except ApiError as exc:  # 408, 413 (a compressed body too, stopped at the bound), 415
+        return error_response(exc)
     try:
         body = json.loads(raw)
     except ValueError:
@@ -199,10 +194,20 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         code = "model_not_found" if route.status == 404 else None
         return error(route.status, route.message, kind="invalid_request_error", code=code,
                      param="model")
-    targets = [t for t in (route, *route.fallbacks) if config.relays.failure(t.replica) is None]
+    relays = config.relays
+    every = (route, *route.fallbacks)
+    targets = [t for t in every
+               if relays.failure(t.replica) is None and relays.held(t.replica) is None]
+    # A replica seen silent before, and not heard from since, goes after those that answer.
+    targets.sort(key=lambda t: relays.on_probation(t.replica))
     if not targets:
-        failure = config.relays.failure(route.replica)
-        return unavailable(f"the replica serving {model!r} failed ({failure}); retry shortly")
+        failure = relays.failure(route.replica)
+        if failure is not None:
+            return unavailable(f"the replica serving {model!r} failed ({failure}); "
+                               "retry shortly")
+        why = "; ".join(f"{t.replica}: {relays.held(t.replica) or relays.failure(t.replica)}"
+                        for t in every)
+        return unavailable(f"no replica of {model!r} can take it now ({why}); retry shortly")
     refusal: web.StreamResponse | None = None
     for i, target in enumerate(targets):
         with config.relays.open(target.replica) as watch:
@@ -264,6 +269,7 @@ class Relay:
             self.warn("upstream not reachable", error=str(exc) or type(exc).__name__)
             return self.refused(unavailable(f"the replica serving {model!r} is not reachable; "
                                             "retry shortly"))
+        self.config.relays.answered(self.route.replica)  # its reply began: it lives
         if upstream.status == 503 and not self.last:  # busy, draining or failed: the next
             upstream.close()
             raise TryElsewhere(None)
@@ -390,7 +396,8 @@ async def open_front_door(config: FrontDoorConfig, host: str, port: int) -> web.
     reply ends (and closes its upstream request) with its client.
     """
     app = make_front_door(config)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0,
+    # auto_decompress off: bodies are decoded within their bound by engine.api.bodies.
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, auto_decompress=False,
                            handler_cancellation=True, keepalive_timeout=config.limits.idle_s,
                            lingering_time=LINGERING_S)
     await runner.setup()

@@ -190,3 +190,14 @@ def tick(members: Mapping[str, Member], now: float,
                 f"heartbeats late: none for {silent_s:.1f} s (it beats every "
                 f"{member.beat_interval_s:.1f} s)"))
     return out
+
+
+DRAINING, CORDONED = "draining", "cordoned"  # shown states of an alive, cordoned member
+
+
+def shown_state(member: Member, holds_stages: bool) -> str:
+    """What `status` calls a member: an alive one that is cordoned is `draining` while a
+    live replica still has a stage on it, then `cordoned`; any other, its membership state."""
+    if member.state != ALIVE or not member.cordoned:
+        return member.state
+    return DRAINING if holds_stages else CORDONED

@@ -19,7 +19,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def bearer_token(request: web.Request) -> bytes:
-    """The token of an `Authorization: Bearer ...` header, as bytes ("" when none)."""
+    """The token of an `Authorization: Bearer ...` header, as bytes ("" when none). The
+    scheme's name is case-insensitive (RFC 9110 section 11.1): `bearer KEY` is the same.
+    Rank 0 and the front door both read the header here."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer":
         return b""

@@ -82,7 +82,9 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
     app = make_app(host, ApiConfig(served, env.placement, int(time.time()), env.api_secret,
                                    limits=limits, hops=ring.hops.transports if ring else ()),
                    host.metrics)
+    # auto_decompress off: bodies are decoded within their bound by engine.api.bodies.
     web_runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               auto_decompress=False,
                                keepalive_timeout=limits.idle_s,
                                shutdown_timeout=HANDLERS_FINISH_S)
     await web_runner.setup()  # starts the round loop

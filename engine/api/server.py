@@ -5,8 +5,9 @@ sampling, detokenizing or shaping its reply; resending it would fail again), and
 `Retry-After` only when the engine is busy, draining or has failed (its ring included).
 A stream that has already sent tokens ends with an SSE error event and no
 `finish_reason`, so the client can tell it is incomplete. A client that goes away cancels
-its stream, which frees its slot in the next round. Bodies are read under a deadline and
-parsed, checked and tokenized on a worker thread, so a 1 MB prompt does not hold the loop.
+its stream, which frees its slot in the next round. Bodies are read under a deadline and a
+bound that holds for compressed ones too (`engine.api.bodies`, the runner's own
+decompression off), and parsed, checked and tokenized on a worker thread, so a 1 MB prompt does not hold the loop.
 
 The app owns the lane host's round loop: it starts with the app and, when the app shuts
 down, every stream left ends (503s and SSE error events) before the server waits for
@@ -28,6 +29,7 @@ import structlog
 from aiohttp import web
 
 from engine.api.auth import api_secret_middlewares
+from engine.api.bodies import read_body
 from engine.api.connections import ConnectionGuard, HttpLimits
 from engine.api.errors import RETRY_AFTER_S, ApiError, request_failed, unavailable
 from engine.api.json_values import load_body
@@ -200,12 +202,7 @@ async def _generate(request: web.Request, parse: Callable, fmt: type) -> web.Str
     config, host = request.app[CONFIG], request.app[HOST]
     if host.failure:  # fail fast: no need to read and tokenize what cannot be served
         raise unavailable(f"the engine has failed: {host.failure}")
-    try:
-        async with asyncio.timeout(config.limits.body_s):
-            raw = await request.read()
-    except TimeoutError as exc:
-        raise ApiError(408, f"the request body did not arrive within {config.limits.body_s} s",
-                       code="request_timeout") from exc
+    raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_s)
 
     def parse_and_tokenize() -> ParsedRequest:
         return parse(load_body(raw), config.served)

@@ -192,7 +192,9 @@ def test_the_readme_fleet_commands_work_as_written(tmp_path):
             if command.endswith("&"):
                 wait_until(lambda: listening(readme.supervisor_address), within_s=60,
                            what="the supervisor to listen")
-        assert (readme.work / "gb10.token").read_text().startswith("rf1.")
+        token = readme.work / "gb10.token"
+        assert token.read_text().startswith("rf1.")
+        assert token.stat().st_mode & 0o777 == 0o600  # --out: readable by its owner only
 
         said = [readme.run(command).stdout for command in on_node]
         config = yaml.safe_load(readme.agent_config.read_text())

@@ -61,6 +61,9 @@ def test_a_replica_secret_guards_every_route_but_health(model_dir, tmp_path):
                 assert secret not in json.dumps(reply)
         status, models = call(base + "/v1/models", authorization=f"Bearer {secret}".encode())
         assert status == 200
+        for scheme in (b"bearer", b"BEARER", b"bEaReR"):  # RFC 9110 11.1: any case
+            assert call(base + "/v1/models",
+                        authorization=scheme + b" " + secret.encode())[0] == 200, scheme
         chat["model"] = models["data"][0]["id"]
         status, reply = call(base + "/v1/chat/completions", body=chat,
                              authorization=f"Bearer {secret}".encode())

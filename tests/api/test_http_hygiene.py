@@ -160,6 +160,34 @@ def test_a_megabyte_prompt_does_not_stall_health(guarded):
     assert len(latencies) >= 3, "the big prompt was answered too fast to measure anything"
 
 
+def test_compressed_bodies_are_decoded_within_the_bound(guarded):
+    """A gzip request is served; a gzip bomb gets its 413 from the bounded decoder
+    (tests/api/test_bodies.py shows it stops at the bound) and /health answers after it."""
+    import gzip
+    import urllib.error
+    import urllib.request
+
+    from tests.api.test_bodies import gzip_bomb
+
+    def post(data: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(f"{guarded.url}/chat/completions", data=data,
+                                         headers={"Content-Type": "application/json",
+                                                  "Content-Encoding": "gzip"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    model = json.loads(http("GET", f"{guarded.url}/models")[1])["data"][0]["id"]
+    chat = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, reply = post(gzip.compress(json.dumps(chat).encode()))
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+    status, reply = post(gzip_bomb(64 << 20))
+    assert status == 413 and "larger than" in reply["error"]["message"]
+    assert health_ok(guarded)
+
+
 def test_a_taken_api_port_exits_with_one_structured_line(make_model, tmp_path):
     with socket.socket() as taken:
         taken.bind((LOOPBACK, 0))

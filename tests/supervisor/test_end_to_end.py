@@ -209,7 +209,12 @@ def test_apply_with_a_change_drains_a_stream_then_replaces(fleet, checkpoint):
 def test_drain_node_moves_the_replica_and_rebalance_brings_it_back(fleet):
     old = serving(fleet)
     assert "cordoned" in fleet.fleetctl("drain", "node-b").stdout
+    # The JSON says what the table says: draining while a replica holds a stage there.
+    assert member(fleet.status(), "node-b")["state"] == "draining"
     moved = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != old["id"])
+    fleet.wait(lambda: member(fleet.status(), "node-b")["state"] == "cordoned", 90,
+               "node-b shown cordoned once nothing runs there")
+    assert member(fleet.status(), "node-b")["membership_state"] == "alive"
     assert [s["node"] for s in moved["stages"]] == ["node-a"] and "needs node-b" in moved["note"]
     fleet.fleetctl("drain", "node-b", "--undo")
     # A node back changes nothing by itself. The supervisor decided on the uncordoned node

@@ -76,3 +76,19 @@ def test_the_old_single_fleet_location_is_still_read(tmp_path, home, capsys):
     assert tried(capsys, ["status"]) == str(port)
     assert tried(capsys, ["status", "--supervisor", f"https://127.0.0.1:{port}"]) == \
         str(port)
+
+
+def test_out_writes_a_secret_owner_only_even_over_a_wider_file(tmp_path):
+    from supervisor.fleetctl import CtlError, write_secret
+
+    assert build_parser().parse_args(["token", "--node", "n", "--out", "t"]).out == Path("t")
+    old = tmp_path / "n.token"
+    old.write_text("an older token\n")
+    old.chmod(0o644)  # what `fleetctl token > n.token` made
+    write_secret(old, "rf1.abc.def")
+    assert old.read_text() == "rf1.abc.def\n" and old.stat().st_mode & 0o777 == 0o600
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CtlError) as refused:  # a parent that is a file: a named error, code 2
+        write_secret(tmp_path / "file" / "n.token", "x")
+    assert refused.value.code == 2 and "--out" in str(refused.value)

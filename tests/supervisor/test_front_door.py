@@ -8,6 +8,7 @@ passed through as it is, 404 for a model the fleet does not serve, 401 without a
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -66,7 +67,7 @@ async def upstream_handler(request: web.Request) -> web.StreamResponse:
     seen = request.app[UPSTREAM]
     seen.authorizations.append(request.headers.get("Authorization"))
     body = await request.json()
-    mode = body["messages"][0]["content"]
+    mode = "hang" if seen.frozen else body["messages"][0]["content"]
     try:
         return await _reply(request, body, mode)
     except asyncio.CancelledError:
@@ -118,17 +119,25 @@ class Door:
     port: int
     config: FrontDoorConfig
     upstream: Upstream
+    second: Upstream  # replica duo-g1's rank 0 (duo-g2 is `upstream`)
 
 
-async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) -> None:
+async def fake_rank0() -> tuple[web.AppRunner, int, Upstream]:
     up = web.Application()
     up[UPSTREAM] = Upstream()
     up.router.add_post("/v1/chat/completions", upstream_handler)
     up.router.add_get("/health", upstream_health)
-    up_runner = web.AppRunner(up, handler_cancellation=True)
-    await up_runner.setup()
-    up_port, door_port, closed_port = free_port(), free_port(), free_port()
-    await web.TCPSite(up_runner, "127.0.0.1", up_port).start()
+    runner = web.AppRunner(up, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port, up[UPSTREAM]
+
+
+async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) -> None:
+    up_runner, up_port, upstream = await fake_rank0()
+    second_runner, second_port, second = await fake_rank0()
+    door_port, closed_port = free_port(), free_port()
 
     def router(model: str | None) -> Route:
         if model == "m":
@@ -143,6 +152,10 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
         if model == "twice":  # two replicas on the same fake rank 0: both answer alike
             same = Route(url=f"http://127.0.0.1:{up_port}", replica="twice-g1")
             return Route(url=same.url, replica="twice-g2", fallbacks=(same,))
+        if model == "duo":  # two replicas, each with a rank 0 of its own
+            return Route(url=f"http://127.0.0.1:{second_port}", replica="duo-g1",
+                         fallbacks=(Route(url=f"http://127.0.0.1:{up_port}",
+                                          replica="duo-g2"),))
         if model == "idle":
             return Route(status=503, message="model 'idle' has no serving replica now")
         return Route(status=404, message=f"model {model!r} is not served by this fleet")
@@ -151,11 +164,12 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
     door_runner = await open_front_door(door_config, "127.0.0.1", door_port)
     try:
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{door_port}") as session:
-            await asyncio.wait_for(check(Door(session, door_port, door_config, up[UPSTREAM])),
-                                   60)
+            await asyncio.wait_for(check(Door(session, door_port, door_config, upstream,
+                                              second)), 60)
     finally:
         await door_runner.cleanup()
         await up_runner.cleanup()
+        await second_runner.cleanup()
 
 
 def ask(model: str, content: str = "hello", stream: bool = False) -> dict:
@@ -266,6 +280,13 @@ def test_api_keys_when_configured():
         async with s.post("/v1/chat/completions", json=ask("m"),
                           headers={"Authorization": "Bearer k1"}) as r:
             assert r.status == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive
+            async with s.post("/v1/chat/completions", json=ask("m"),
+                              headers={"Authorization": f"{scheme} k1"}) as r:
+                assert r.status == 200, scheme
+        async with s.post("/v1/chat/completions", json=ask("m"),
+                          headers={"Authorization": "Basic k1"}) as r:
+            assert r.status == 401  # another scheme is no bearer key
         # Non-ASCII keys, as UTF-8 and as bytes that are not UTF-8 at all: refused, not a 500.
         body = json.dumps(ask("m")).encode()
         for key in ("é".encode(), b"\xe9", "k1é".encode()):
@@ -276,7 +297,7 @@ def test_api_keys_when_configured():
             assert status_of(reply) == 401, reply[:200]
             assert b"invalid_api_key" in reply
         # The client's key stays at the door; the replica's secret goes upstream.
-        assert door.upstream.authorizations == ["Bearer replica-secret"]
+        assert door.upstream.authorizations == ["Bearer replica-secret"] * 3
     run(check, api_keys=frozenset({"k1"}))
 
 
@@ -322,18 +343,70 @@ def test_a_silent_upstream_is_lost_after_the_dead_ring_time_and_a_live_one_is_no
         stream_took = time.monotonic() - t0
         # Relays that fell silent together share one probe (each would ask on its own).
         assert door.upstream.health_asks - asks_before < len(streams)
-        t0 = time.monotonic()
+        # The door saw it go silent: the next request is refused at once, never sent there.
+        asks, sent = door.upstream.health_asks, len(door.upstream.authorizations)
         async with s.post("/v1/chat/completions", json=ask("m", "hang")) as r:
-            whole_took = time.monotonic() - t0
             assert r.status == 503 and int(r.headers["Retry-After"]) > 0
             assert "dead-ring" in (await r.json())["error"]["message"]
+        assert (door.upstream.health_asks, len(door.upstream.authorizations)) == (asks, sent)
         limit = QUICK_SILENCE.limit_s
         for rest in rests:
             assert events_of(rest)[-1]["error"]["code"] == "unavailable"
             assert "[DONE]" not in rest
-        for took in (stream_took, whole_took):
-            assert limit * 0.5 < took < limit + 1.0, took
+        assert limit * 0.5 < stream_took < limit + 1.0, stream_took
     run(check, silence=QUICK_SILENCE)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_replica_seen_silent_is_held_and_tried_last_until_it_answers():
+    clock = Clock()
+    relays = Relays(clock=clock, hold_first_s=10.0)
+
+    async def check(door: Door) -> None:
+        s = door.session
+        door.second.frozen = True  # duo-g1's rank 0 freezes; the router still lists it first
+        async with s.post("/v1/chat/completions", json=ask("duo")) as r:
+            assert r.status == 200 and r.headers["X-Ringfleet-Replica"] == "duo-g2"
+        assert relays.held("duo-g1") and "dead-ring" in relays.held("duo-g1")
+        tried = len(door.second.authorizations)
+        for _ in range(3):  # held: straight to the other replica, no wait on the frozen one
+            async with s.post("/v1/chat/completions", json=ask("duo")) as r:
+                assert r.status == 200 and r.headers["X-Ringfleet-Replica"] == "duo-g2"
+        assert len(door.second.authorizations) == tried
+        clock.now = 10.0  # the hold is over: tried again, but after the replica that answers
+        assert relays.held("duo-g1") is None and relays.on_probation("duo-g1")
+        async with s.post("/v1/chat/completions", json=ask("duo")) as r:
+            assert r.status == 200 and r.headers["X-Ringfleet-Replica"] == "duo-g2"
+        assert len(door.second.authorizations) == tried
+        # A second silence in a row holds it twice as long.
+        door.second.frozen = False
+        relays.went_silent("duo-g1")
+        assert "20 s" in relays.held("duo-g1")
+        clock.now = 29.0
+        assert relays.held("duo-g1")
+        clock.now = 30.0
+        async with s.post("/v1/chat/completions", json=ask("m", "503")) as r:
+            assert r.status == 503  # m-g1's own refusal: no hold, it answered
+        assert relays.held("m-g1") is None and not relays.on_probation("m-g1")
+        # Only duo-g1 left (duo-g2 failed): tried, it answers, and it is routed as before.
+        relays.replica_failed("duo-g2", "rank 0 exited")
+        async with s.post("/v1/chat/completions", json=ask("duo")) as r:
+            assert r.status == 200 and r.headers["X-Ringfleet-Replica"] == "duo-g1"
+        assert not relays.on_probation("duo-g1")
+        # Every replica held or failed: a 503 at once that names each one's reason.
+        relays.went_silent("duo-g1")
+        async with s.post("/v1/chat/completions", json=ask("duo")) as r:
+            message = (await r.json())["error"]["message"]
+            assert r.status == 503 and "duo-g1: rank 0 sent nothing" in message
+            assert "duo-g2: rank 0 exited" in message
+    run(check, silence=QUICK_SILENCE, relays=relays)
 
 
 def test_a_disconnecting_client_cancels_its_upstream_request():
@@ -408,6 +481,27 @@ def test_slow_heads_and_bodies_are_cut_and_health_still_answers():
                                      data=b" " * (MAX_BODY_BYTES + 1)) as r:
             assert r.status == 413 and "larger than" in (await r.json())["error"]["message"]
     run(check, limits=limits)
+
+
+def test_compressed_bodies_are_decoded_within_the_bound():
+    """A gzip body is decoded and relayed as JSON; a gzip bomb is a 413 (the decoder stops
+    at the bound: tests/api/test_bodies.py), and the door serves on."""
+    from tests.api.test_bodies import gzip_bomb
+
+    async def check(door: Door) -> None:
+        packed = gzip.compress(json.dumps(ask("m")).encode())
+        async with door.session.post("/v1/chat/completions", data=packed, headers={
+                "Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+            assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "stop"
+        async with door.session.post("/v1/chat/completions", data=gzip_bomb(64 << 20),
+                                     headers={"Content-Encoding": "gzip"}) as r:
+            assert r.status == 413 and "larger than 1048576" in (await r.json())["error"]["message"]
+        async with door.session.post("/v1/chat/completions", data=b"x",
+                                     headers={"Content-Encoding": "br"}) as r:
+            assert r.status == 415
+        async with door.session.get("/health") as r:
+            assert r.status == 200
+    run(check, limits=HttpLimits(max_body_bytes=1 << 20))
 
 
 def test_connections_beyond_the_cap_get_a_503_and_a_close():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from supervisor.membership import (
@@ -14,6 +16,7 @@ from supervisor.membership import (
     on_goodbye,
     on_heartbeat,
     on_unreachable,
+    shown_state,
     tick,
 )
 
@@ -125,3 +128,13 @@ def test_late_heartbeats_make_a_member_suspect_before_the_suspect_time():
         slow = on_heartbeat(slow, beat(), now=t).member
     assert times.late_after_s(slow.beat_interval_s) == 15.0
     assert times.late_after_s(0.0) == 15.0 and times.late_after_s(0.1) == 2.0
+
+
+def test_a_cordoned_member_is_shown_draining_then_cordoned():
+    alive = on_heartbeat(None, beat(), 0.0).member
+    assert shown_state(alive, holds_stages=True) == ALIVE
+    cordoned = replace(alive, cordoned=True)
+    assert shown_state(cordoned, holds_stages=True) == "draining"
+    assert shown_state(cordoned, holds_stages=False) == "cordoned"
+    for state in (SUSPECT, DEAD, LEFT):  # what membership knows comes first
+        assert shown_state(replace(cordoned, state=state), holds_stages=True) == state
