@@ -62,7 +62,7 @@ class CalibrationRequest:
     threads: int = 0  # CPU threads for the framework; 0: its default (all cores)
 
     def __post_init__(self) -> None:
-        from engine.link.messages import BACKENDS
+        from engine.backend_names import BACKENDS
 
         if self.backend not in BACKENDS:
             raise CalibrationError(f"unknown backend {self.backend!r} (known: "
@@ -105,7 +105,7 @@ class CalibrationRequest:
 
     def quant(self):
         """The checkpoint's mlx-lm quantization (QuantConfig), None for a dense one."""
-        from engine.checkpoint.quantize import QuantConfig, QuantConfigError
+        from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 
         try:
             return QuantConfig.from_config(self.config)

@@ -15,11 +15,11 @@ from engine.backends.mlx.kv_cache import KVCache
 from engine.backends.mlx.llama import LlamaRange, Rope
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.backends.mlx.qwen3_5 import Qwen35Range
-from engine.checkpoint.quantize import QuantConfig
+from engine.checkpoint.quant_config import QuantConfig
 from engine.config import ModelConfig
-from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
+from engine.sampling import SampledRows, SamplingBatch
 
 
 def mlx_dtype(row_format: RowFormat) -> mx.Dtype:

@@ -18,9 +18,9 @@ from engine.backends.pytorch.qwen3_5 import Qwen35Range, layer_counts
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
 from engine.backends.pytorch.row_transfer import RowTransfer
 from engine.config import ModelConfig
-from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
+from engine.sampling import SampledRows, SamplingBatch
 
 
 def torch_dtype(row_format: RowFormat) -> torch.dtype:
