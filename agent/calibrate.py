@@ -71,9 +71,7 @@ class CalibrationRequest:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        from engine.backends.base import COMPILE_MODES, DELTA_KERNELS
-        from engine.backends.quant_policy import QUANT_MODES
-        from engine.link.messages import BACKENDS
+        from engine.backend_names import BACKENDS, COMPILE_MODES, DELTA_KERNELS, QUANT_MODES
 
         if self.backend not in BACKENDS:
             raise CalibrationError(f"unknown backend {self.backend!r} (known: "
@@ -131,7 +129,7 @@ class CalibrationRequest:
 
     def quant(self):
         """The checkpoint's mlx-lm quantization (QuantConfig), None for a dense one."""
-        from engine.checkpoint.quantize import QuantConfig, QuantConfigError
+        from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 
         try:
             return QuantConfig.from_config(self.config)

@@ -41,9 +41,9 @@ from engine.checkpoint.maker import PRESETS, make_checkpoint
 from engine.harness.launch import even_stages, log_records
 from engine.harness.local_pipeline import local_pipeline, whole_runner
 from engine.lanes.host import Done, Failed, GenerationRequest, LaneHost, Token
-from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import RoundRunner
+from engine.sampling import SamplingParams
 
 # Big enough that a stage's matmuls, not Python, are most of a round on one CPU thread.
 CPU_SHAPE = replace(PRESETS["demo"], hidden_size=1024, intermediate_size=2816,

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median_s, table
 from engine.backends.pytorch.packed_linear import PackedWeight, pack_weight, unpack_codes
-from engine.checkpoint.quantize import QuantParams
+from engine.checkpoint.quant_config import QuantParams
 
 # (hidden, intermediate, attention heads, KV heads, head dim)
 SHAPES = {"8b": (4096, 14336, 32, 8, 128), "2b": (2048, 8192, 16, 8, 128),

@@ -31,15 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, checkpoint, median_s, table
-from engine.lanes.sampler import (
-    NUCLEUS_CANDIDATES,
-    RowDraw,
-    SamplingBatch,
-    SamplingParams,
-    row_uniform,
-    sample_on_host,
-)
+from engine.lanes.sampler import sample_on_host
 from engine.lanes.text import TextCodec, TextStream
+from engine.sampling import NUCLEUS_CANDIDATES, RowDraw, SamplingBatch, SamplingParams, row_uniform
 
 MODES = {
     "greedy": SamplingParams(temperature=0.0),

@@ -6,21 +6,33 @@ An IPv6 host is written in brackets ("[::1]:8000"): without them its last colon 
 told from the port's, so an unbracketed IPv6 host is refused rather than guessed at. The
 host comes back bare ("::1"), as sockets take it.
 
-The literal wildcard test is the link's `is_wildcard_host`; it is applied again to every
+The literal wildcard test is `is_wildcard_host` (the link's too); it is applied again to every
 address the host resolves to, because `0`, `0x0`, `0.0` and a host name mapped to 0.0.0.0
 all bind every interface while no literal list names them.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
-
-from engine.link.messages import is_wildcard_host
 
 
 class AddressError(ValueError):
     """Host:port text that does not parse, or a listener address that is a wildcard; the
     message names the setting and its value."""
+
+
+def is_wildcard_host(host: str) -> bool:
+    """True for any address that means "every interface" ("", "*", 0.0.0.0, ::, ...)."""
+    bare = host.strip()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]
+    if bare in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_unspecified
+    except ValueError:
+        return False
 
 
 def parse_host_port(text: str, setting: str, *, min_port: int = 0) -> tuple[str, int]:

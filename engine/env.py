@@ -10,17 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
-from engine.backends.base import COMPILE_MODES, DELTA_KERNELS, StageSpec
-from engine.backends.quant_policy import QUANT_MODES
-from engine.link.accept_loop import HANDSHAKE_DEADLINE_S
-from engine.link.messages import BACKENDS
+from engine.backend_names import BACKENDS, COMPILE_MODES, DELTA_KERNELS, QUANT_MODES
+from engine.hop_choice import HOP_TRANSPORTS
+from engine.link.hello import HANDSHAKE_DEADLINE_S
 
 MIN_API_SECRET_CHARS = 16
 DEFAULT_HTTP = "127.0.0.1:8000"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# How a hop's rows travel (engine.pipeline.hop_transport): auto (NCCL between two CUDA
-# stages, else TCP), tcp, or dist (torch.distributed: NCCL on CUDA, gloo on the CPU).
-HOP_TRANSPORTS = ("auto", "tcp", "dist")
 # The knobs `to_environ` writes only when they differ from their defaults: variable -> field.
 TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_KEEPALIVE_S": "keepalive_s", "FLEET_DEAD_AFTER": "dead_after",
@@ -109,7 +105,7 @@ class EngineEnv:
     # Rank 0's rounds in flight at once (RFC 6.3 v2/v3); 0: one per stage, so every stage
     # works at once; 1: each round lands before the next starts (v1).
     rounds_in_flight: int = 0
-    hop_transport: str = "auto"  # FLEET_HOP_TRANSPORT: one of HOP_TRANSPORTS
+    hop_transport: str = "auto"  # FLEET_HOP_TRANSPORT: one of HOP_TRANSPORTS (engine.hop_choice)
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -262,9 +258,3 @@ class EngineEnv:
     def depth(self) -> int:
         """Rounds rank 0 keeps in flight: FLEET_ROUNDS_IN_FLIGHT, or one per stage."""
         return self.rounds_in_flight or self.world_size
-
-    def stage_spec(self, n_layers: int) -> StageSpec:
-        return StageSpec(self.model_dir, self.layer_range or (0, n_layers), self.backend,
-                         self.parallel, self.context, self.chunk, self.cuda_graphs,
-                         delta_kernel=self.delta_kernel, quant=self.quant,
-                         compile=self.compile)

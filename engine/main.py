@@ -13,7 +13,7 @@ import time
 import structlog
 
 from engine.api.serve import serve
-from engine.backends.base import BackendError, Stage, load_stage
+from engine.backends.base import BackendError, Stage, StageSpec, load_stage
 from engine.checkpoint.reader import CheckpointError, open_checkpoint
 from engine.config import ConfigError, ModelConfig
 from engine.env import EngineEnv, EnvError
@@ -76,7 +76,7 @@ def main() -> int:
     try:
         checkpoint = open_checkpoint(env.model_dir)
         config = ModelConfig.from_dict(checkpoint.config)
-        spec = env.stage_spec(config.num_hidden_layers)
+        spec = StageSpec.of(env, config.num_hidden_layers)
         stage = load_stage(spec, checkpoint=checkpoint, progress=load_progress(str(env.model_dir)))
         codec = TextCodec(env.model_dir) if env.rank == 0 else None
     except (CheckpointError, ConfigError, BackendError) as exc:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from engine.backend_names import Dtype
 from engine.config import ConfigError, ModelConfig
-from engine.link.messages import Dtype
 
 
 @dataclass(frozen=True)
@@ -45,10 +43,11 @@ class RowFormat:
         return self.dtype.itemsize
 
     @property
-    def raw_numpy(self) -> np.dtype:
-        """An unsigned integer as wide as one value: carries the bits through numpy, which
-        has no bfloat16."""
-        return np.dtype(f"<u{self.itemsize}")
+    def raw_numpy(self) -> str:
+        """numpy's name for an unsigned integer as wide as one value ("<u2"): carries the
+        bits through numpy, which has no bfloat16. A name, not a dtype, so the supervisor
+        reads row formats without numpy."""
+        return f"<u{self.itemsize}"
 
     def nbytes(self, rows: int) -> int:
         """Bytes of `rows` rows on the wire."""

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from engine.addresses import AddressError, parse_host_port
-from engine.env import HOP_TRANSPORTS
-from engine.link.messages import BACKENDS, is_wildcard_host
+from engine.addresses import AddressError, is_wildcard_host, parse_host_port
+from engine.backend_names import BACKENDS
+from engine.hop_choice import HOP_TRANSPORTS
 
 OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)

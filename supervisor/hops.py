@@ -1,5 +1,5 @@
 """How each hop of a replica's ring carries its rows, as the supervisor shows it: predicted
-for a plan (the engine's own pure choice, `engine.pipeline.hop_transport.choose`, from the
+for a plan (the engine's own pure choice, `engine.hop_choice.choose`, from the
 model's `hop_transport` and the two stages' backends), and as rank 0's /health reports it
 for a running replica (a hop whose group would not form has fallen back to TCP there).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.pipeline.hop_transport import choose
+from engine.hop_choice import choose
 
 
 def predicted_hops(mode: str, backends: Sequence[str]) -> list[dict[str, str]]:

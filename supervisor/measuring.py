@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from engine.pipeline.hop_transport import choose
+from engine.hop_choice import choose
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_config
 from supervisor.fleet_config import FleetConfig, ModelSpec

@@ -20,11 +20,11 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
+from engine.backend_names import BACKENDS
 from engine.backends.quant_policy import held_bytes, packed_params, runs_packed
-from engine.checkpoint.quantize import QuantConfig, QuantConfigError
+from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.config import FULL_ATTENTION, ConfigError, ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
-from engine.link.messages import BACKENDS
 
 LOGIT_BYTES = 4  # rank 0 samples from float32 logits, whatever the weights' dtype
 GB = 1e9

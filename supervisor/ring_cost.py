@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.pipeline.hop_transport import choose
+from engine.hop_choice import choose
 from supervisor.boundaries import TIME_TOLERANCE, min_total_ms, stage_times
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from engine.lanes.sampler import SamplingBatch
 from engine.pipeline.runner import LocalRunner
 from engine.rounds import RoundPlan
+from engine.sampling import SamplingBatch
 
 STALL_LIMIT_S = 30.0  # a stalled round ends by itself this late, should a test not release it
 

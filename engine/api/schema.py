@@ -13,8 +13,8 @@ from typing import Any
 
 from engine.api.errors import ApiError, bad
 from engine.lanes.host import GenerationRequest
-from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import ChatTemplateError, TextCodec
+from engine.sampling import SamplingParams
 
 __all__ = ["ApiError", "ParsedRequest", "ServedModel", "bad", "parse_chat", "parse_completion"]
 

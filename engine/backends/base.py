@@ -13,16 +13,19 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.checkpoint.quantize import QuantConfig, QuantConfigError
+from engine.backend_names import BACKENDS
+from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
-from engine.lanes.sampler import SampledRows, SamplingBatch
-from engine.link.messages import BACKENDS
 from engine.rounds import Op, RoundPlan, RowLayout
 from engine.row_format import RowFormat
+from engine.sampling import SampledRows, SamplingBatch
 from engine.slots import SlotTable
+
+if TYPE_CHECKING:
+    from engine.env import EngineEnv
 
 if sys.byteorder != "little":  # rows and frames are little-endian raw values
     raise ImportError("ringfleet needs a little-endian host")
@@ -32,12 +35,6 @@ Progress = Callable[[int, int, str], None]  # (done, total, unit), as load_progr
 
 class BackendError(RuntimeError):
     """A backend that is not installed, or a device it cannot use."""
-
-
-# Who runs a hybrid's gated delta rule on PyTorch (engine.backends.pytorch.delta_kernels).
-DELTA_KERNELS = ("auto", "torch", "fla")
-# Whether a PyTorch stage's decode layers run compiled (engine.backends.pytorch.compiled_step).
-COMPILE_MODES = ("auto", "off", "on")
 
 
 @dataclass(frozen=True)
@@ -57,6 +54,13 @@ class StageSpec:
     delta_kernel: str = "auto"  # the gated delta rule's kernels: one of DELTA_KERNELS
     quant: str = "auto"  # FLEET_QUANT: how mlx-lm's packed weights are held (quant_policy)
     compile: str = "auto"  # FLEET_COMPILE: one of COMPILE_MODES
+
+    @classmethod
+    def of(cls, env: EngineEnv, n_layers: int) -> StageSpec:
+        """The stage an engine's environment contract asks for, of a model of `n_layers`."""
+        return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.parallel,
+                   env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
+                   quant=env.quant, compile=env.compile)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,8 @@ packed wherever the kernel runs at all, dense dequantizes everywhere.
 
 from __future__ import annotations
 
-from engine.checkpoint.quantize import QuantConfig, QuantParams
+from engine.checkpoint.quant_config import QuantConfig, QuantParams
 
-QUANT_MODES = ("auto", "packed", "dense")
 PACKED_DTYPES = {"torch-cuda": ("bfloat16",), "torch-cpu": ("bfloat16",),
                  "torch-mps": ("bfloat16", "float16")}
 INT4_PAD_ROWS = 16  # output widths PyTorch's int4 kernels take (CPU: 16, CUDA and MPS: 8)

@@ -22,12 +22,12 @@ from engine.checkpoint.maker import (
     WriteProgress,
     make_checkpoint,
 )
-from engine.checkpoint.quantize import (
+from engine.checkpoint.quant_config import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
     QuantConfigError,
-    quantize_checkpoint,
 )
+from engine.checkpoint.quantize import quantize_checkpoint
 from engine.checkpoint.reader import CheckpointError, open_checkpoint
 
 # Bytes per element for the safetensors dtype tags `info` may meet (quantized files included).

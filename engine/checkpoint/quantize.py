@@ -9,7 +9,7 @@ same dict again as `"quantization_config"`) into config.json. A layer whose inpu
 group size does not divide stays dense, as do norms and biases.
 
 Everything here is framework-free, so both backends can read the format and a checkpoint
-can be quantized on a machine without MLX: `QuantConfig` decides how each layer is stored,
+can be quantized on a machine without MLX: `QuantConfig` (engine.checkpoint.quant_config) decides how each layer is stored,
 `affine_quantize` / `pack_bits` / `unpack_bits` are MLX's CPU arithmetic in numpy (the
 tests check them bit for bit against `mx.quantize`), and `quantize_checkpoint` rewrites a
 dense checkpoint file by file, streaming, so memory stays bounded by one block of rows.
@@ -21,111 +21,26 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine.checkpoint.quant_config import (
+    AFFINE_BITS,
+    QuantConfigError,
+    QuantParams,
+)
 from engine.checkpoint.reader import INDEX_FILE, CheckpointError, open_checkpoint
 
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUP_SIZES = (32, 64, 128)
 # safetensors dtype tag -> (numpy dtype of the stored bits, bytes per value). numpy has no
 # bfloat16: its values are read as raw 16-bit patterns and widened to float32 exactly.
 FLOAT_TAGS = {"F32": ("<f4", 4), "BF16": ("<u2", 2), "F16": ("<f2", 2)}
 # Rows are quantized in blocks of about this many values, so an 8B model's embedding never
 # sits in memory as float32 whole; the result does not depend on the block size.
 _BLOCK_VALUES = 1 << 24
-
-
-class QuantConfigError(ValueError):
-    """config.json's `quantization` (or a quantize request) names a mode, bit width or group
-    size that is not mlx-lm's affine format."""
-
-
-@dataclass(frozen=True)
-class QuantParams:
-    group_size: int
-    bits: int
-
-    @classmethod
-    def from_entry(cls, where: str, entry: Mapping[str, Any],
-                   default: QuantParams | None = None) -> QuantParams:
-        mode = entry.get("mode", "affine")
-        if mode != "affine":
-            raise QuantConfigError(f"config.json: quantization{where} mode {mode!r} is not "
-                                   "supported (ringfleet reads mlx-lm's affine mode only)")
-        group_size = entry.get("group_size", default.group_size if default else None)
-        bits = entry.get("bits", default.bits if default else None)
-        return cls.checked(group_size, bits, f"config.json: quantization{where}")
-
-    @classmethod
-    def checked(cls, group_size: Any, bits: Any, where: str) -> QuantParams:
-        if bits not in AFFINE_BITS:
-            raise QuantConfigError(f"{where} bits {bits!r} is not one of {AFFINE_BITS}")
-        if group_size not in AFFINE_GROUP_SIZES:
-            raise QuantConfigError(f"{where} group_size {group_size!r} is not one of "
-                                   f"{AFFINE_GROUP_SIZES}")
-        return cls(group_size, bits)
-
-    def packs(self, in_features: int) -> bool:
-        """Whether mlx-lm packs a weight this wide (else it leaves the layer dense)."""
-        return in_features % self.group_size == 0 and (in_features * self.bits) % 32 == 0
-
-    def packed_shapes(self, path: str, out_features: int,
-                      in_features: int) -> dict[str, tuple[int, ...]]:
-        """Tensor name -> shape of the three tensors a packed [out, in] weight becomes."""
-        if not self.packs(in_features):
-            raise QuantConfigError(f"{path}: input width {in_features} cannot be packed in "
-                                   f"groups of {self.group_size} at {self.bits} bits")
-        groups = in_features // self.group_size
-        return {
-            f"{path}.weight": (out_features, in_features * self.bits // 32),
-            f"{path}.scales": (out_features, groups),
-            f"{path}.biases": (out_features, groups),
-        }
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """The checkpoint's defaults and its per-path overrides (None: left unpacked)."""
-
-    default: QuantParams
-    per_path: Mapping[str, QuantParams | None] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, raw: Mapping[str, Any]) -> QuantConfig | None:
-        """From config.json's dict; None for a checkpoint that is not quantized."""
-        entry = raw.get("quantization")
-        if entry is None:
-            legacy = raw.get("quantization_config")
-            if legacy is None:
-                return None
-            if "group_size" not in legacy or "bits" not in legacy:
-                method = legacy.get("quant_method", "?")
-                raise QuantConfigError(f"config.json: quantization_config method {method!r} "
-                                       "is not supported (ringfleet reads mlx-lm's affine)")
-            entry = legacy
-        default = QuantParams.from_entry("", entry)
-        per_path: dict[str, QuantParams | None] = {}
-        for key, value in entry.items():
-            if isinstance(value, Mapping):
-                per_path[key] = QuantParams.from_entry(f"[{key!r}]", value, default)
-            elif value is False:
-                per_path[key] = None
-        return cls(default, per_path)
-
-    def params(self, path: str, packed: bool) -> QuantParams | None:
-        """How the layer at `path` is stored; `packed`: the checkpoint holds it as uint32.
-
-        mlx-lm's loader decides the same way: a per-path entry wins, otherwise a layer is
-        packed exactly when the checkpoint stores it packed.
-        """
-        if path in self.per_path:
-            return self.per_path[path]
-        return self.default if packed else None
 
 
 def affine_quantize(w: np.ndarray, group_size: int,

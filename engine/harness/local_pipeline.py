@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from engine.backends.base import load_stage
+from engine.backends.base import StageSpec, load_stage
 from engine.config import ModelConfig
 from engine.env import EngineEnv
 from engine.harness.launch import launch
@@ -44,7 +44,7 @@ def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path
 
             torch.set_num_threads(env.cpu_threads)  # as the stage's own process would
         config = model_config(model_dir)
-        stage = load_stage(env.stage_spec(config.num_hidden_layers))
+        stage = load_stage(StageSpec.of(env, config.num_hidden_layers))
         ring = boot_ring(env, stage, config)
         runner = PipelineRunner(stage, ring, LivenessConfig(env.keepalive_s, env.dead_after),
                                 env.round_deadline_s, depth=depth or env.depth)
@@ -68,5 +68,5 @@ def whole_runner(model_dir: Path, *, backend: str = "torch-cpu", parallel: int =
                                   "FLEET_PARALLEL": str(parallel), "FLEET_CONTEXT": str(context),
                                   "FLEET_CHUNK": str(chunk),
                                   "FLEET_CUDA_GRAPHS": "1" if cuda_graphs else "0"})
-    return LocalRunner(load_stage(env.stage_spec(model_config(model_dir).num_hidden_layers)),
+    return LocalRunner(load_stage(StageSpec.of(env, model_config(model_dir).num_hidden_layers)),
                        depth=depth)

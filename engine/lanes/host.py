@@ -38,18 +38,12 @@ import numpy as np
 import structlog
 
 from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot
-from engine.lanes.sampler import (
-    Choice,
-    RowDraw,
-    SampledRows,
-    Sampler,
-    SamplingBatch,
-    SamplingParams,
-)
+from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
 from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
 from engine.pipeline.runner import RoundRunner
 from engine.rounds import Op, RoundPlan
+from engine.sampling import Choice, RowDraw, SampledRows, SamplingBatch, SamplingParams
 
 log = structlog.get_logger()
 T = TypeVar("T")

@@ -22,11 +22,9 @@ from typing import Self
 
 from engine.link.errors import ConnectionFailed, Deadline, ProtocolError
 from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES
-from engine.link.hello import Handshake, Hello
+from engine.link.hello import HANDSHAKE_DEADLINE_S, Handshake, Hello
 from engine.link.transport import Link, handshake
 
-# A real peer answers a hello within milliseconds of connecting; a stranger gets this long.
-HANDSHAKE_DEADLINE_S = 5.0
 # Handshakes in flight at once; a connection past this is closed at once, so a flood of
 # silent sockets costs a bounded number of threads (the real peer's dialler retries).
 MAX_PENDING_HANDSHAKES = 32

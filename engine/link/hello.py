@@ -43,6 +43,9 @@ PROOF_BYTES = 32  # HMAC-SHA256
 PROOF_LABEL = b"ringfleet-link-v0"
 MIN_KEY_BYTES = 16
 MAX_KEY_FILE_BYTES = 4096
+# A real peer answers a hello within milliseconds of connecting; a stranger gets this long
+# (a listener's accept loop runs each handshake under it).
+HANDSHAKE_DEADLINE_S = 5.0
 _RANKS = struct.Struct("<II")
 _HEX_KEY = re.compile(rb"[0-9a-fA-F]+")
 

@@ -10,12 +10,13 @@ docs/wire-format.md.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from engine.addresses import is_wildcard_host
+from engine.backend_names import Backend, Dtype
 from engine.link.errors import (
     BadAddress,
     BadChunkCuts,
@@ -59,49 +60,6 @@ class MessageType(IntEnum):
     DESCRIBE = 1
     READY = 2
     PLAN = 3
-
-
-class Backend(IntEnum):
-    """Where a stage runs; `label` is the FLEET_BACKEND spelling."""
-
-    TORCH_CUDA = 1
-    TORCH_MPS = 2
-    TORCH_CPU = 3
-    MLX_METAL = 4
-    MLX_CUDA = 5
-    MLX_CPU = 6
-
-    @property
-    def label(self) -> str:
-        return self.name.lower().replace("_", "-")
-
-    @classmethod
-    def from_label(cls, label: str) -> Backend:
-        try:
-            return cls[label.upper().replace("-", "_")]
-        except KeyError:
-            known = ", ".join(b.label for b in cls)
-            raise ValueError(f"unknown backend {label!r}; known: {known}") from None
-
-
-# FLEET_BACKEND's spellings, in byte order: the one list of backends every part reads.
-BACKENDS: tuple[str, ...] = tuple(b.label for b in Backend)
-
-
-class Dtype(IntEnum):
-    """A KV or boundary-row element type."""
-
-    FLOAT32 = 1
-    BFLOAT16 = 2
-    FLOAT16 = 3
-
-    @property
-    def itemsize(self) -> int:
-        return 4 if self is Dtype.FLOAT32 else 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 # Prefix ---------------------------------------------------------------------------------
@@ -419,19 +377,6 @@ def check_rows_frame(frame: Frame | FrameHeader, *, hidden: int, planes: int, dt
 
 
 # Neighbour ------------------------------------------------------------------------------
-
-
-def is_wildcard_host(host: str) -> bool:
-    """True for any address that means "every interface" ("", "*", 0.0.0.0, ::, ...)."""
-    bare = host.strip()
-    if bare.startswith("[") and bare.endswith("]"):
-        bare = bare[1:-1]
-    if bare in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(bare).is_unspecified
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

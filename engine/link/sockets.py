@@ -6,9 +6,8 @@ from __future__ import annotations
 import select
 import socket
 
-from engine.addresses import wildcard_address
+from engine.addresses import is_wildcard_host, wildcard_address
 from engine.link.errors import WildcardListen
-from engine.link.messages import is_wildcard_host
 
 
 def listen(host: str, port: int, *, backlog: int = 16) -> socket.socket:

@@ -6,7 +6,7 @@ on torch.distributed carries only the rows' bytes; the round number and row coun
 header would carry come from the plan both ends hold, and the rows arrive in plan order on
 a 2-rank process group of that hop's own (several hops in one process never share a group).
 
-Choice (`choose`): a pure decision from FLEET_HOP_TRANSPORT and both ends' backends, read
+Choice (`engine.hop_choice.choose`): a pure decision from FLEET_HOP_TRANSPORT and both ends' backends, read
 from the placement id, so both ends decide alike without asking. When it says dist, the
 sender (the hop's rank i) opens a TCPStore and proposes over the already authenticated
 data link: one frame with the store's host:port and a fresh random token (the store's key
@@ -31,6 +31,7 @@ from typing import Any
 
 import structlog
 
+from engine.hop_choice import hop_plan
 from engine.link.errors import Deadline, ProtocolError, UnexpectedFrame
 from engine.link.frame import FrameKind
 from engine.link.transport import Link
@@ -42,42 +43,6 @@ SETUP_ROUND = 0  # the round number setup frames carry
 # The longest one end waits for the other's word: the other may spend INIT_TIMEOUT_S on
 # each of reaching the store, forming the group and passing the probe.
 SETUP_DEADLINE_FACTOR = 4
-
-
-def placement_backends(placement: str, world: int) -> list[str] | None:
-    """Every rank's backend from a placement id ("0-9@torch-cpu,9-20@mlx-cpu"), or None
-    when it is not one (a standalone engine's "local")."""
-    parts = placement.split(",")
-    if len(parts) != world or not all("@" in part for part in parts):
-        return None
-    return [part.rsplit("@", 1)[1] for part in parts]
-
-
-def choose(mode: str, sender: str | None, receiver: str | None) -> tuple[str, str]:
-    """The transport of one hop ("tcp", "nccl" or "gloo") and why."""
-    if mode == "tcp":
-        return "tcp", "FLEET_HOP_TRANSPORT=tcp"
-    if sender is None or receiver is None:
-        return "tcp", "the placement id does not name both ends' backends"
-    ends = (sender, receiver)
-    if mode == "auto":
-        # NCCL hops have not yet run on two GPUs (docs/hop-transport.md): until they are
-        # measured, a CUDA-to-CUDA hop uses them only when asked for (dist).
-        return "tcp", (f"{sender} -> {receiver}: NCCL hops are opt-in (FLEET_HOP_TRANSPORT=dist)"
-                       if ends == ("torch-cuda", "torch-cuda")
-                       else f"{sender} -> {receiver} is not CUDA to CUDA")
-    if ends == ("torch-cuda", "torch-cuda"):
-        return "nccl", "both ends are torch-cuda (FLEET_HOP_TRANSPORT=dist)"
-    if all(end in ("torch-cpu",) for end in ends):
-        return "gloo", "FLEET_HOP_TRANSPORT=dist between CPU stages"
-    return "tcp", f"torch.distributed does not join {sender} and {receiver}"
-
-
-def hop_plan(mode: str, placement: str, world: int) -> list[tuple[str, str]]:
-    """The choice for every hop, hop i being rank i -> rank i + 1 (the last back to 0)."""
-    backends = placement_backends(placement, world)
-    return [choose(mode, backends[i] if backends else None,
-                   backends[(i + 1) % world] if backends else None) for i in range(world)]
 
 
 class DistHop:

@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import structlog
 
 from engine.backends.base import Stage
-from engine.lanes.sampler import SamplingBatch
 from engine.link.errors import ProtocolError, UnexpectedFrame
 from engine.link.frame import Frame, FrameKind
 from engine.pipeline.liveness import Fate, KeepAlive, LivenessConfig, watch
@@ -31,6 +30,7 @@ from engine.pipeline.rows import receive_ring_rows, send_ring_rows
 from engine.pipeline.runner import Head, LaunchAndLand, head_of
 from engine.pipeline.timing import RoundClock
 from engine.rounds import RoundPlan
+from engine.sampling import SamplingBatch
 
 log = structlog.get_logger()
 

@@ -22,11 +22,12 @@ import structlog
 
 from engine import ENGINE_VERSION
 from engine.addresses import format_host_port
+from engine.backend_names import Backend
 from engine.backends.base import Stage
 from engine.checkpoint.fingerprint import checkpoint_digest, layout_fingerprint
 from engine.config import ModelConfig
 from engine.env import EngineEnv
-from engine.link.accept_loop import HANDSHAKE_DEADLINE_S, AcceptLoop, Refusal
+from engine.link.accept_loop import AcceptLoop, Refusal
 from engine.link.errors import (
     ConnectionFailed,
     Deadline,
@@ -36,9 +37,9 @@ from engine.link.errors import (
     UnexpectedFrame,
 )
 from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES, Frame, FrameKind
-from engine.link.hello import Handshake, read_key_file
+from engine.link.hello import HANDSHAKE_DEADLINE_S, Handshake, read_key_file
 from engine.link.layout import check_descriptions
-from engine.link.messages import Backend, Describe, Neighbour, Ready, decode_message
+from engine.link.messages import Describe, Neighbour, Ready, decode_message
 from engine.link.transport import Link, connect, handshake, listen
 from engine.pipeline.hop_transport import Hops, setup_hops
 

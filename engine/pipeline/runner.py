@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.backends.base import Stage
-from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RoundPlan
+from engine.sampling import SampledRows, SamplingBatch
 from engine.slots import SlotTable
 
 # What a round's head makes of the returned rows: the batch's draws, or the logits.

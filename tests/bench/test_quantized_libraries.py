@@ -24,7 +24,7 @@ from bench.quantized import (
     main,
 )
 from engine.backends.pytorch.dequant import dequantize
-from engine.checkpoint.quantize import QuantParams
+from engine.checkpoint.quant_config import QuantParams
 
 CPU = torch.device("cpu")
 PARAMS = QuantParams(64, 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.backends.base import StageSpec
 from engine.backends.pytorch import delta_kernels, gated_delta
 from engine.backends.pytorch.delta_kernels import DeltaKernelError, choose
 from engine.env import EngineEnv, EnvError
@@ -25,7 +26,7 @@ def test_the_engine_environment_carries_the_choice(tmp_path):
     base = {"FLEET_MODEL": str(tmp_path)}
     assert EngineEnv.from_environ(base).delta_kernel == "auto"
     env = EngineEnv.from_environ({**base, "FLEET_DELTA_KERNEL": "torch"})
-    assert env.stage_spec(4).delta_kernel == "torch"
+    assert StageSpec.of(env, 4).delta_kernel == "torch"
     assert env.to_environ()["FLEET_DELTA_KERNEL"] == "torch"
     assert "FLEET_DELTA_KERNEL" not in EngineEnv.from_environ(base).to_environ()
     with pytest.raises(EnvError) as caught:

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from engine.lanes.host import Busy, Done, GenerationRequest, LaneHost
-from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import LocalRunner
+from engine.sampling import SamplingParams
 from tests.engine.conftest import whole_stage
 from tests.stalling_runner import StallingRunner
 

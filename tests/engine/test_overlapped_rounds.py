@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from engine.lanes.host import Done, Failed, GenerationRequest, LaneHost
-from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import LocalRunner
 from engine.rounds import Op
+from engine.sampling import SamplingParams
 from tests.engine.conftest import whole_stage
 
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from engine.backends.pytorch import dequant, packed_linear
 from engine.backends.pytorch.packed_linear import PackedWeight, pack_weight
-from engine.checkpoint.quantize import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantParams, affine_quantize
+from engine.checkpoint.quant_config import AFFINE_BITS, AFFINE_GROUP_SIZES, QuantParams
+from engine.checkpoint.quantize import affine_quantize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

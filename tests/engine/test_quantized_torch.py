@@ -24,9 +24,8 @@ from safetensors.numpy import save_file
 
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.checkpoint import reader
+from engine.checkpoint.quant_config import AFFINE_BITS, QuantConfigError
 from engine.checkpoint.quantize import (
-    AFFINE_BITS,
-    QuantConfigError,
     affine_quantize,
     pack_bits,
     quantize_checkpoint,

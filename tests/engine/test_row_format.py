@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.backend_names import Dtype
 from engine.config import ConfigError, ModelConfig
-from engine.link.messages import Dtype
 from engine.row_format import RowFormat
 
 SHAPE = dict(model_type="qwen3", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -22,7 +22,7 @@ def test_a_models_rows(name, itemsize):
     rows = RowFormat.of(ModelConfig.from_dict(dict(SHAPE, torch_dtype=name)))
     assert (rows.dtype.label, rows.name, rows.hidden, rows.planes) == (name, name, 48, 1)
     assert rows.nbytes(5) == 5 * 48 * itemsize
-    assert rows.raw_numpy == np.dtype(f"<u{itemsize}") and rows.raw_numpy.itemsize == itemsize
+    assert rows.raw_numpy == np.dtype(f"<u{itemsize}") and np.dtype(rows.raw_numpy).itemsize == itemsize
 
 
 def test_a_dtype_the_wire_lacks_is_refused_by_name():

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from engine.lanes.host import Done, GenerationRequest, LaneHost, Token
-from engine.lanes.sampler import (
+from engine.lanes.sampler import sample_on_host
+from engine.lanes.text import TextCodec
+from engine.pipeline.runner import LocalRunner
+from engine.sampling import (
     NUCLEUS_CANDIDATES,
     RowDraw,
     SampledRows,
@@ -18,10 +21,7 @@ from engine.lanes.sampler import (
     SamplingError,
     SamplingParams,
     row_uniform,
-    sample_on_host,
 )
-from engine.lanes.text import TextCodec
-from engine.pipeline.runner import LocalRunner
 from tests.engine.conftest import whole_stage
 
 

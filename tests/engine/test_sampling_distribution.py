@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.lanes.sampler import RowDraw, SamplingBatch, SamplingParams, row_uniform
+from engine.sampling import RowDraw, SamplingBatch, SamplingParams, row_uniform
 from tests.engine.test_sampling import IMPLS, sample_with
 
 DRAWS = 10_000

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
+from engine.backend_names import Backend, Dtype
 from engine.harness.make_fixtures import DESCRIBE
 from engine.link import errors
 from engine.link.layout import check_descriptions, check_layout
-from engine.link.messages import Backend, Describe, Dtype
+from engine.link.messages import Describe
 
 
 @pytest.mark.parametrize("ranges", [[(0, 36)], [(0, 20), (20, 36)], [(0, 1), (1, 2), (2, 36)]])

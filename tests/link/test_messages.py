@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.addresses import is_wildcard_host
+from engine.backend_names import Backend, Dtype
 from engine.harness.make_fixtures import DESCRIBE, PLAN
 from engine.link import errors
 from engine.link.frame import MAX_CONTROL_PAYLOAD_BYTES, Frame, FrameKind, FrameParser
@@ -15,8 +17,6 @@ from engine.link.messages import (
     ENTRY_BYTES,
     MAX_PLAN_BYTES,
     Abort,
-    Backend,
-    Dtype,
     Neighbour,
     Ready,
     check_rows_frame,
@@ -32,7 +32,6 @@ from engine.link.messages import (
     encode_neighbour,
     encode_plan,
     encode_ready,
-    is_wildcard_host,
     rows_payload_size,
 )
 from engine.rounds import Op, RoundPlan, StreamEntry

@@ -10,8 +10,8 @@ import numpy as np
 
 from engine.harness.local_pipeline import local_pipeline
 from engine.lanes.host import Done, Failed, GenerationRequest, LaneHost
-from engine.lanes.sampler import SamplingParams
 from engine.lanes.text import TextCodec
+from engine.sampling import SamplingParams
 from tests.waiting import wait_until_async
 
 

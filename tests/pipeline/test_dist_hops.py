@@ -14,8 +14,8 @@ import pytest
 from engine.env import EngineEnv, EnvError
 from engine.harness.launch import launch, log_records
 from engine.harness.local_pipeline import whole_runner
+from engine.hop_choice import choose, hop_plan, placement_backends
 from engine.pipeline import hop_transport
-from engine.pipeline.hop_transport import choose, hop_plan, placement_backends
 from tests.pipeline.conftest import greedy_trace, pipeline
 from tests.waiting import rank0_health, wait_until
 

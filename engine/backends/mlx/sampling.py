@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from engine.lanes.sampler import SampledRows, SamplingBatch
+from engine.sampling import SampledRows, SamplingBatch
 
 
 def sample(logits: mx.array, batch: SamplingBatch) -> SampledRows:

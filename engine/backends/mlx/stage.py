@@ -13,11 +13,11 @@ from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
 from engine.backends.family_modules import family_module
 from engine.backends.mlx import sampling
 from engine.backends.mlx.quant import QuantizedWeight, Weight
-from engine.checkpoint.quantize import QuantConfig
+from engine.checkpoint.quant_config import QuantConfig
 from engine.config import ModelConfig
-from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
+from engine.sampling import SampledRows, SamplingBatch
 
 
 def mlx_dtype(row_format: RowFormat) -> mx.Dtype:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends.base import DELTA_KERNELS as CHOICES
+from engine.backend_names import DELTA_KERNELS as CHOICES
 from engine.backends.pytorch import gated_delta
 
 AUTO, TORCH, FLA = CHOICES

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from engine.backends.pytorch.packed_linear import PackedWeight, pack_weight
-from engine.checkpoint.quantize import QuantConfig, QuantParams, unpack_bits
+from engine.checkpoint.quant_config import QuantConfig, QuantParams
+from engine.checkpoint.quantize import unpack_bits
 
 
 def dequantize(packed: Any, scales: torch.Tensor, biases: torch.Tensor,

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.backends import quant_policy
-from engine.checkpoint.quantize import QuantConfig, QuantParams
+from engine.checkpoint.quant_config import QuantConfig, QuantParams
 
 log = structlog.get_logger()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.lanes.sampler import SampledRows, SamplingBatch
+from engine.sampling import SampledRows, SamplingBatch
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:

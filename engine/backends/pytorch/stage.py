@@ -17,9 +17,9 @@ from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import RoundIndex
 from engine.backends.pytorch.row_transfer import RowTransfer
 from engine.config import ModelConfig
-from engine.lanes.sampler import SampledRows, SamplingBatch
 from engine.rounds import RowLayout
 from engine.row_format import RowFormat
+from engine.sampling import SampledRows, SamplingBatch
 
 
 def torch_dtype(row_format: RowFormat) -> torch.dtype:

@@ -1,0 +1,59 @@
+"""The names every part spells backends, element types and a stage's knobs by: pure Python,
+so the wire codec, the environment contract, the agent and the supervisor read one list
+without loading a framework or a backend."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Backend(IntEnum):
+    """Where a stage runs; the value is its byte on the wire (DESCRIBE), `label` the
+    FLEET_BACKEND spelling."""
+
+    TORCH_CUDA = 1
+    TORCH_MPS = 2
+    TORCH_CPU = 3
+    MLX_METAL = 4
+    MLX_CUDA = 5
+    MLX_CPU = 6
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @classmethod
+    def from_label(cls, label: str) -> Backend:
+        try:
+            return cls[label.upper().replace("-", "_")]
+        except KeyError:
+            known = ", ".join(b.label for b in cls)
+            raise ValueError(f"unknown backend {label!r}; known: {known}") from None
+
+
+# FLEET_BACKEND's spellings, in byte order: the one list of backends every part reads.
+BACKENDS: tuple[str, ...] = tuple(b.label for b in Backend)
+
+
+class Dtype(IntEnum):
+    """A state or boundary-row element type; the value is its byte on the wire."""
+
+    FLOAT32 = 1
+    BFLOAT16 = 2
+    FLOAT16 = 3
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is Dtype.FLOAT32 else 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# Who runs a hybrid's gated delta rule on PyTorch (engine.backends.pytorch.delta_kernels).
+DELTA_KERNELS = ("auto", "torch", "fla")
+# Whether a PyTorch stage's decode layers run compiled (engine.backends.pytorch.compiled_step).
+COMPILE_MODES = ("auto", "off", "on")
+# How a PyTorch stage holds mlx-lm's packed weights (engine.backends.quant_policy).
+QUANT_MODES = ("auto", "packed", "dense")
