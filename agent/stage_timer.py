@@ -75,7 +75,7 @@ class StageTimer:
                  context: int, chunk: int, workdir: Path, *, layer_type: str, dtype: str = "",
                  threads: int = 0, stage_options: dict[str, Any] | None = None) -> None:
         from engine.backends.base import BackendError, StageSpec, load_stage
-        from engine.checkpoint.quantize import QuantConfigError
+        from engine.checkpoint.quant_config import QuantConfigError
         from engine.checkpoint.reader import CheckpointError
         from engine.checkpoint.synthetic import write_range
 

@@ -17,7 +17,7 @@ packed wherever the kernel runs at all, dense dequantizes everywhere.
 
 from __future__ import annotations
 
-from engine.checkpoint.quant_config import QuantConfig, QuantParams
+from engine.checkpoint.quant_config import QuantParams, packed_params  # noqa: F401 - the supervisor's and calibration's name for it
 
 PACKED_DTYPES = {"torch-cuda": ("bfloat16",), "torch-cpu": ("bfloat16",),
                  "torch-mps": ("bfloat16", "float16")}
@@ -33,17 +33,6 @@ def runs_packed(backend: str, dtype: str, mode: str = "auto") -> bool:
     if mode == "packed":
         return True  # where the kernel runs at all (the stage checks it at load)
     return dtype in PACKED_DTYPES.get(backend, ())
-
-
-def packed_params(quant: QuantConfig | None, name: str,
-                  shape: tuple[int, ...]) -> QuantParams | None:
-    """How mlx-lm would pack weight `name` of `shape` (its loader's rule: a per-path entry
-    wins, else a 2-D weight whose input width packs), None where it stays dense. For shapes
-    known only from config.json (the supervisor, calibration's random weights)."""
-    if quant is None or len(shape) != 2 or not name.endswith(".weight"):
-        return None
-    params = quant.params(name.removesuffix(".weight"), quant.default.packs(shape[1]))
-    return params if params is not None and params.packs(shape[1]) else None
 
 
 def int4_passes(bits: int) -> int:

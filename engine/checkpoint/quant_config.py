@@ -99,3 +99,14 @@ class QuantConfig:
         if path in self.per_path:
             return self.per_path[path]
         return self.default if packed else None
+
+
+def packed_params(quant: QuantConfig | None, name: str,
+                  shape: tuple[int, ...]) -> QuantParams | None:
+    """How mlx-lm would pack weight `name` of `shape` (its loader's rule: a per-path entry
+    wins, else a 2-D weight whose input width packs), None where it stays dense. For shapes
+    known only from config.json (the supervisor, calibration's random weights)."""
+    if quant is None or len(shape) != 2 or not name.endswith(".weight"):
+        return None
+    params = quant.params(name.removesuffix(".weight"), quant.default.packs(shape[1]))
+    return params if params is not None and params.packs(shape[1]) else None

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from engine.backends.quant_policy import packed_params
-from engine.checkpoint.quantize import QuantConfig, affine_quantize
+from engine.checkpoint.quant_config import QuantConfig, packed_params
+from engine.checkpoint.quantize import affine_quantize
 from engine.checkpoint.reader import Checkpoint
 from engine.config import ModelConfig
 from engine.family import layer_tensor_shapes
