@@ -194,20 +194,10 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         code = "model_not_found" if route.status == 404 else None
         return error(route.status, route.message, kind="invalid_request_error", code=code,
                      param="model")
-    relays = config.relays
-    every = (route, *route.fallbacks)
-    targets = [t for t in every
-               if relays.failure(t.replica) is None and relays.held(t.replica) is None]
-    # A replica seen silent before, and not heard from since, goes after those that answer.
-    targets.sort(key=lambda t: relays.on_probation(t.replica))
+    targets = [t for t in (route, *route.fallbacks) if config.relays.failure(t.replica) is None]
     if not targets:
-        failure = relays.failure(route.replica)
-        if failure is not None:
-            return unavailable(f"the replica serving {model!r} failed ({failure}); "
-                               "retry shortly")
-        why = "; ".join(f"{t.replica}: {relays.held(t.replica) or relays.failure(t.replica)}"
-                        for t in every)
-        return unavailable(f"no replica of {model!r} can take it now ({why}); retry shortly")
+        failure = config.relays.failure(route.replica)
+        return unavailable(f"the replica serving {model!r} failed ({failure}); retry shortly")
     refusal: web.StreamResponse | None = None
     for i, target in enumerate(targets):
         with config.relays.open(target.replica) as watch:
@@ -269,7 +259,6 @@ class Relay:
             self.warn("upstream not reachable", error=str(exc) or type(exc).__name__)
             return self.refused(unavailable(f"the replica serving {model!r} is not reachable; "
                                             "retry shortly"))
-        self.config.relays.answered(self.route.replica)  # its reply began: it lives
         if upstream.status == 503 and not self.last:  # busy, draining or failed: the next
             upstream.close()
             raise TryElsewhere(None)

@@ -5,15 +5,12 @@ A frozen rank 0 (SIGSTOP, a hung host) keeps its sockets open: the kernel still 
 and acknowledges, so a relay that only waits for bytes waits until something kills the
 process. Two bounds end that wait: every relay of a replica the supervisor marks failed is
 ended at once (`Relays.replica_failed`), and a wait with no bytes for `UpstreamSilence`
-asks rank 0's `/health`, which a live rank 0 answers even while it thinks for long. A
-replica whose probe went unanswered is held (`Hold`): no new request waits on it again
-until its hold ends, whatever the supervisor says of it meanwhile.
+asks rank 0's `/health`, which a live rank 0 answers even while it thinks for long.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -60,11 +57,10 @@ class UpstreamSilence:
 class ReplicaWatch:
     """One replica's relays share this: the event is set when the supervisor fails it."""
 
-    def __init__(self, on_silent: Callable[[], None] = lambda: None) -> None:
+    def __init__(self) -> None:
         self.failed = asyncio.Event()
         self.reason = ""
         self.relays = 0
-        self.on_silent = on_silent  # rank 0 did not answer the shared probe
         self._probe: asyncio.Future[bool] | None = None
         self._closers: set[Callable[[], None]] = set()
 
@@ -95,73 +91,22 @@ class ReplicaWatch:
         stream of a frozen rank 0 does) share it instead of each asking."""
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(ask())
-            self._probe.add_done_callback(self._probed)
         # Shielded: one relay's client leaving must not cancel the probe the others wait on.
         return await asyncio.shield(self._probe)
 
-    def _probed(self, probe: asyncio.Future[bool]) -> None:
-        if not probe.cancelled() and probe.exception() is None and not probe.result():
-            self.on_silent()
-
-
-@dataclass(frozen=True)
-class Hold:
-    """A replica the front door saw fall silent: not routed to until `until` (monotonic
-    seconds), then tried only after the replicas that answered, until one reply of its own
-    clears it. Each silence in a row doubles the time, up to `HOLD_MAX_S`."""
-
-    reason: str
-    until: float
-    times: int = 1
-
-
-HOLD_FIRST_S = RING_LIVENESS.keepalive_s * RING_LIVENESS.dead_after  # the dead-ring time
-HOLD_MAX_S = 60.0
-
 
 class Relays:
-    """The front door's open relays, by replica, the replicas failed lately, and those it
-    saw time out itself (held: see `Hold`), so that it stops routing to a frozen rank 0 at
-    once instead of waiting for the supervisor's verdict, which for a frozen one-stage
-    replica may never come."""
+    """The front door's open relays, by replica, and the replicas failed lately."""
 
     REMEMBERED_FAILURES = 256  # replica ids are never reused; this only bounds memory
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 hold_first_s: float = HOLD_FIRST_S) -> None:
+    def __init__(self) -> None:
         self._watches: dict[str, ReplicaWatch] = {}
         self._failed: OrderedDict[str, str] = OrderedDict()
-        self._held: OrderedDict[str, Hold] = OrderedDict()
-        self.clock, self.hold_first_s = clock, hold_first_s
 
     def failure(self, replica: str) -> str | None:
         """Why `replica` was failed, or None while it is not known to have failed."""
         return self._failed.get(replica)
-
-    def went_silent(self, replica: str) -> None:
-        """A relay's probe of `replica` went unanswered: hold it (see `Hold`)."""
-        earlier = self._held.get(replica)
-        times = earlier.times + 1 if earlier else 1
-        hold_s = min(HOLD_MAX_S, self.hold_first_s * 2 ** (times - 1))
-        self._held[replica] = Hold(f"rank 0 sent nothing and did not answer /health for the "
-                                   f"ring's dead-ring time; tried again in {hold_s:g} s",
-                                   self.clock() + hold_s, times)
-        self._held.move_to_end(replica)
-        while len(self._held) > self.REMEMBERED_FAILURES:
-            self._held.popitem(last=False)
-
-    def held(self, replica: str) -> str | None:
-        """Why no request goes to `replica` now, or None (it may be on probation)."""
-        hold = self._held.get(replica)
-        return hold.reason if hold is not None and self.clock() < hold.until else None
-
-    def on_probation(self, replica: str) -> bool:
-        """Held once and not yet heard from since: try it after the others."""
-        return replica in self._held
-
-    def answered(self, replica: str) -> None:
-        """A reply came whole from `replica`: it is routed as any other again."""
-        self._held.pop(replica, None)
 
     def open_count(self, replica: str) -> int:
         watch = self._watches.get(replica)
@@ -169,9 +114,7 @@ class Relays:
 
     @contextmanager
     def open(self, replica: str) -> Iterator[ReplicaWatch]:
-        watch = self._watches.get(replica)
-        if watch is None:
-            watch = self._watches[replica] = ReplicaWatch(lambda: self.went_silent(replica))
+        watch = self._watches.setdefault(replica, ReplicaWatch())
         if replica in self._failed:
             watch.fail(self._failed[replica])
         watch.relays += 1
