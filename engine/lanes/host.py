@@ -37,7 +37,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import structlog
 
-from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot
+from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot, resume_point
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
 from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
@@ -217,7 +217,9 @@ class LaneHost:
         if self.draining:
             raise Busy("the engine is draining: it takes no new requests")
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
-        if any(s is None for s in self.slots):
+        if self._closing_slot_reuses_more(stream):
+            self.waiting.append(stream)  # placed a round from now, when that slot's CLOSE lands
+        elif any(s is None for s in self.slots):
             self._place(stream)
         elif len(self.waiting) < self.max_waiting:
             self.waiting.append(stream)
@@ -229,6 +231,18 @@ class LaneHost:
 
     def idle(self) -> bool:
         return self.slots_in_use() == 0 and not self.waiting
+
+    def _closing_slot_reuses_more(self, stream: Stream) -> bool:
+        """Whether a slot whose stream has finished, its CLOSE not yet landed, would give
+        `stream` a longer reuse than any free slot. A client sends its next turn as soon as
+        the last one's reply ends, which is a round before that slot is free: placed at
+        once, the next turn would miss the very state it continues."""
+        prompt = stream.request.prompt_ids
+        best_free = max((resume_point(self.kept[i], prompt, self.chunk, self.recurrent)
+                         for i, s in enumerate(self.slots) if s is None), default=0)
+        return any(resume_point(self._kept(s, self.round_no), prompt, self.chunk,
+                                self.recurrent) > best_free
+                   for s in self.slots if s is not None and s.finished and not s.failed)
 
     def _place(self, stream: Stream) -> None:
         """Put `stream` in the free slot whose kept prompt state it reuses most (the prompt
