@@ -6,8 +6,9 @@ import pytest
 
 from agent.calibrate import CalibrationError, CalibrationRequest, calibrate, make_timer
 from engine.config import FULL_ATTENTION
+from tests.requirements import require
 
-pytest.importorskip("mlx.core")
+require("mlx.core")
 
 SHAPE = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,

@@ -34,8 +34,9 @@ from engine.checkpoint.maker import (
 from engine.checkpoint.reader import open_checkpoint
 from engine.checkpoint.tokenizer import CHATML_TEMPLATE, EOS_TOKEN_ID, build_tokenizer
 from tests.checkpoint.conftest import family_spec
+from tests.requirements import require
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 transformers.logging.set_verbosity_error()
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import ConfigError, ModelConfig
 from engine.families import BY_MODEL_TYPE, FAMILIES, SUPPORTED_MODEL_TYPES, family_of
+from tests.requirements import require
 
 BACKEND_PACKAGES = ("engine.backends.pytorch", "engine.backends.mlx")
 
@@ -37,7 +38,7 @@ def test_each_model_type_has_one_family():
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_each_backend_has_a_module_for_each_family(package, family):
     if package.endswith(".mlx"):
-        pytest.importorskip("mlx.core")
+        require("mlx.core")
     module = importlib.import_module(f"{package}.{family.backend_module}")
     assert callable(module.build_range)
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
+from tests.requirements import require
+
+mx = require("mlx.core")
+mlx_lm_utils = require("mlx_lm.utils")
 from mlx_lm.convert import convert
 from mlx_lm.generate import generate_step
 

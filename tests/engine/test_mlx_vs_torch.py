@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+mx = require("mlx.core")
 
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.backends.mlx import stage as mlx_stage_module

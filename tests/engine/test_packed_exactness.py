@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-mx = pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+mx = require("mlx.core")
 from mlx import nn
 from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
 from mlx_lm.utils import load as mlx_lm_load

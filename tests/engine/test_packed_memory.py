@@ -22,8 +22,9 @@ from engine.config import ModelConfig
 from engine.family import DeltaNetWeights
 from engine.row_format import RowFormat
 from supervisor.memory import ExecutionShape, model_shape_from_config, stage_memory
+from tests.requirements import require
 
-mx = pytest.importorskip("mlx.core")
+mx = require("mlx.core")
 
 GROUP = 32
 # hidden 64 and intermediate 96 pack every projection at group 32; head_dim 18 leaves o_proj

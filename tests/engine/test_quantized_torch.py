@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-mx = pytest.importorskip("mlx.core")
-mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
+from tests.requirements import require
+
+mx = require("mlx.core")
+mlx_lm_utils = require("mlx_lm.utils")
 from mlx_lm.convert import convert
 from safetensors.numpy import save_file
 

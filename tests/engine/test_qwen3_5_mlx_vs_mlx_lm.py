@@ -17,9 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.requirements import require
+
+mx = require("mlx.core")
+torch = require("torch")
+transformers = require("transformers")
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5 as mlx_lm_qwen3_5
 

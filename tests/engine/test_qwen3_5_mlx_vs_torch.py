@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+mx = require("mlx.core")
 
 from engine.backends.base import StageSpec, load_stage
 from engine.checkpoint.maker import CheckpointSpec, make_checkpoint

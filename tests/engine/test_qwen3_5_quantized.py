@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+require("mlx.core")
 
 from engine.backends.base import StageSpec, load_stage
 from engine.checkpoint.quantize import quantize_checkpoint

@@ -23,6 +23,7 @@ from engine.sampling import (
     row_uniform,
 )
 from tests.engine.conftest import whole_stage
+from tests.requirements import require
 
 
 def sample_with(impl: str, logits: np.ndarray, batch: SamplingBatch) -> SampledRows:
@@ -36,7 +37,7 @@ def sample_with(impl: str, logits: np.ndarray, batch: SamplingBatch) -> SampledR
 
         return sample(torch.from_numpy(logits).to("cuda" if impl == "torch-cuda" else "cpu"),
                       batch)
-    mx = pytest.importorskip("mlx.core")
+    mx = require("mlx.core")
     from engine.backends.mlx.sampling import sample
 
     return sample(mx.array(logits), batch)
@@ -180,7 +181,7 @@ def generate(model_dir, requests: list[GenerationRequest], backend: str) -> list
     if backend == "torch-cpu":
         stage = whole_stage(model_dir, parallel=4, context=64, chunk=8)
     else:
-        pytest.importorskip("mlx.core")
+        require("mlx.core")
         layers = (0, model_config(model_dir).num_hidden_layers)
         stage = load_stage(StageSpec(model_dir, layers, backend, 4, 64, 8))
     host = LaneHost(LocalRunner(stage), TextCodec(model_dir), chunk=8, max_waiting=4)

@@ -17,6 +17,7 @@ from engine.backends import base
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.checkpoint.reader import open_checkpoint
 from engine.rounds import Op, RoundPlan, StreamEntry
+from tests.requirements import require
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 BACKENDS = ["torch-cpu", pytest.param("mlx-cpu", marks=pytest.mark.skipif(
@@ -91,11 +92,11 @@ def test_an_unavailable_device_is_named_before_any_file_is_read(tmp_path, backen
     # PyTorch opened the checkpoint first, so a missing device was reported as a bad
     # checkpoint; both now ask for the device first.
     if backend == "torch-cuda":
-        torch = pytest.importorskip("torch")
+        torch = require("torch")
         if torch.cuda.is_available():
             pytest.skip("CUDA is available here: nothing to refuse")
     else:
-        mx = pytest.importorskip("mlx.core")
+        mx = require("mlx.core")
         if mx.metal.is_available():
             pytest.skip("Metal is available here: nothing to refuse")
     with pytest.raises(BackendError, match=backend):

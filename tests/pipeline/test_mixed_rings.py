@@ -26,7 +26,9 @@ import torch
 from openai import OpenAI
 from safetensors.torch import load_file, save_file
 
-pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+require("mlx.core")
 
 from engine.checkpoint.quantize import quantize_checkpoint
 from engine.harness.driver import RoundDriver

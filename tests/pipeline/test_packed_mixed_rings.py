@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+require("mlx.core")
 
 from engine.backends.base import StageSpec, load_stage
 from engine.checkpoint.quantize import quantize_checkpoint

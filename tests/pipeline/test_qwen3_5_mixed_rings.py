@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+require("mlx.core")
 
 from engine.harness.driver import RoundDriver
 from engine.harness.local_pipeline import whole_runner

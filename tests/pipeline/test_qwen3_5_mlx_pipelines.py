@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("mlx.core")
+from tests.requirements import require
+
+require("mlx.core")
 
 from engine.harness.local_pipeline import whole_runner
 from tests.pipeline.conftest import greedy_trace, hybrid_prompts, pipeline

@@ -9,6 +9,7 @@ import pytest
 
 from engine.harness.launch import launch
 from scripts.real_model import RealModelError, ensure_real_model
+from tests.requirements import require
 
 STAGES = [(0, 15), (15, 30)]
 BACKENDS = ["torch-cpu", "mlx-cpu"]
@@ -27,7 +28,7 @@ def real_model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def mixed_ring(real_model_dir, tmp_path_factory):
-    pytest.importorskip("mlx.core")
+    require("mlx.core")
     fleet = launch(real_model_dir, STAGES, BACKENDS, context=1024, parallel=2, chunk=128,
                    run_dir=tmp_path_factory.mktemp("real-ring"))
     try:
