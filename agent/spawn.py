@@ -35,6 +35,7 @@ ENV_FIELDS = {"RANK": "rank", "WORLD_SIZE": "world_size", "MASTER_ADDR": "master
               "FLEET_LAYOUT": "layout", "FLEET_LISTEN": "listen", "FLEET_HTTP": "http",
               "FLEET_KEY_FILE": "key_file", "FLEET_PLACEMENT": "placement",
               "FLEET_CONTEXT": "context", "FLEET_PARALLEL": "parallel", "FLEET_CHUNK": "chunk",
+              "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots",
               "FLEET_DRAIN_S": "drain_s", "FLEET_MODEL_ID": "model_id",
               "FLEET_API_SECRET_FILE": "api_secret", "FLEET_HOP_TRANSPORT": "hop_transport"}
 
@@ -75,6 +76,7 @@ class EngineSpec:
     model_id: str = ""
     context: int = 2048
     parallel: int = 4
+    prompt_cache_slots: int = 0  # slots past `parallel` that keep finished conversations
     chunk: int = 256
     drain_s: float | None = None  # None: the agent's drain_s
     hop_transport: str = "auto"  # how each hop's rows travel (docs/hop-transport.md)
@@ -116,6 +118,7 @@ class EngineSpec:
             "FLEET_PLACEMENT": self.placement or self.replica or "local",
             "FLEET_CONTEXT": str(self.context), "FLEET_PARALLEL": str(self.parallel),
             "FLEET_CHUNK": str(self.chunk),
+            "FLEET_PROMPT_CACHE_SLOTS": str(self.prompt_cache_slots),
             "FLEET_DRAIN_S": str(self.drain_s if self.drain_s is not None else drain_s),
         }
         optional = {"FLEET_LAYERS": self.layers, "FLEET_LAYOUT": self.layout,

@@ -110,7 +110,8 @@ def measure(ring: list[str], kind: str, histories: list[int], args) -> list[list
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-prompt-cache-") as run_dir, \
             launch(model_dir, even_stages(layers, len(ring)), ring, context=args.context,
-                   parallel=args.parallel, chunk=args.chunk, run_dir=Path(run_dir)) as fleet:
+                   parallel=args.parallel, chunk=args.chunk,
+                   prompt_cache_slots=args.prompt_cache_slots, run_dir=Path(run_dir)) as fleet:
         fleet.wait_ready(timeout_s=300)
         rng = np.random.default_rng(0)
         for history in histories:
@@ -136,6 +137,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--prompt-cache-slots", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     histories = [int(h) for h in args.histories.split(",")]

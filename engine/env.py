@@ -29,7 +29,8 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_HTTP_BODY_S": "http_body_s", "FLEET_DELTA_KERNEL": "delta_kernel",
           "FLEET_COMPILE": "compile",
           "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight",
-          "FLEET_HOP_TRANSPORT": "hop_transport"}
+          "FLEET_HOP_TRANSPORT": "hop_transport",
+          "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots"}
 
 
 class EnvError(ValueError):
@@ -86,6 +87,9 @@ class EngineEnv:
     http: tuple[str, int] | None = None  # rank 0's API
     context: int = 2048
     parallel: int = 4
+    # Slots past `parallel` that only keep finished conversations for the prompt cache: each
+    # stage holds parallel + these slots' state (docs/prompt-cache.md).
+    prompt_cache_slots: int = 0
     chunk: int = 256
     max_waiting: int = 64
     model_id: str = ""  # "": the checkpoint directory's name
@@ -201,6 +205,7 @@ class EngineEnv:
             placement=env.get("FLEET_PLACEMENT", default["placement"]), http=http,
             context=integer("FLEET_CONTEXT", "context"),
             parallel=integer("FLEET_PARALLEL", "parallel"),
+            prompt_cache_slots=integer("FLEET_PROMPT_CACHE_SLOTS", "prompt_cache_slots", 0),
             chunk=integer("FLEET_CHUNK", "chunk"),
             max_waiting=integer("FLEET_MAX_WAITING", "max_waiting", 0),
             model_id=env.get("FLEET_MODEL_ID") or model_dir.resolve().name,
@@ -222,6 +227,11 @@ class EngineEnv:
             http_idle_s=number("FLEET_HTTP_IDLE_S", "http_idle_s"),
             http_body_s=number("FLEET_HTTP_BODY_S", "http_body_s"),
         )
+
+    @property
+    def slots(self) -> int:
+        """Slots every stage holds: streams at once, and the kept conversations past them."""
+        return self.parallel + self.prompt_cache_slots
 
     def to_environ(self) -> dict[str, str]:
         """The variables `from_environ` reads back as this record (the secret by its file).

@@ -314,7 +314,8 @@ class Supervisor:
             link_key=self.secrets.make(replica.id, LINK_KEY),
             api_secret=self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
             placement=replica.placement_id, model_id=spec.id, context=spec.context,
-            parallel=spec.parallel, chunk=spec.chunk, drain_s=self.settings.policy.drain_s,
+            parallel=spec.parallel, prompt_cache_slots=spec.prompt_cache_slots,
+            chunk=spec.chunk, drain_s=self.settings.policy.drain_s,
             hop_transport=spec.hop_transport))
 
     async def _spawn_all(self, replica: lc.Replica) -> None:

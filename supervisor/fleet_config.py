@@ -25,6 +25,9 @@ OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
 DEFAULT_PARALLEL = 1
 DEFAULT_CHUNK = 512
+# Conversations a replica keeps past its streams, for the prompt cache: 8 slots of KV (and
+# recurrent state) more on every stage, which placement charges.
+DEFAULT_PROMPT_CACHE_SLOTS = 8
 AUTO_REPLICAS = 0  # `replicas: auto`: as many as fit
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 LAYERS_PATTERN = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -84,6 +87,9 @@ class ModelSpec:
     backends: tuple[str, ...]  # backends a stage may use
     context: int  # positions per stream
     parallel: int = DEFAULT_PARALLEL  # streams served at once
+    # Slots past `parallel` that keep finished conversations for the prompt cache; every
+    # stage holds their state, and placement charges it (docs/prompt-cache.md).
+    prompt_cache_slots: int = DEFAULT_PROMPT_CACHE_SLOTS
     chunk: int = DEFAULT_CHUNK  # prompt rows per round
     objective: str = "decode"  # or "prompt"
     placement: tuple[ExplicitStage, ...] = ()  # empty: auto
@@ -328,7 +334,8 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
     return tuple(nodes)
 
 
-_MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "chunk", "objective",
+_MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "prompt_cache_slots",
+                 "chunk", "objective",
                  "prompt_tokens", "placement", "rank0", "replicas", "hop_transport")
 
 
@@ -341,6 +348,8 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     backends = _parse_backends(f["backends"]) if "backends" in f else BACKENDS
     context = f["context"].integer()
     parallel = f["parallel"].integer() if "parallel" in f else DEFAULT_PARALLEL
+    kept = (f["prompt_cache_slots"].integer(minimum=0) if "prompt_cache_slots" in f
+            else DEFAULT_PROMPT_CACHE_SLOTS)
     chunk = f["chunk"].integer() if "chunk" in f else DEFAULT_CHUNK
     objective = f["objective"].choice(OBJECTIVES, "objective") if "objective" in f else "decode"
     prompt_tokens = f["prompt_tokens"].integer() if "prompt_tokens" in f else None
@@ -361,7 +370,8 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     hop_transport = (f["hop_transport"].choice(HOP_TRANSPORTS, "hop transport")
                      if "hop_transport" in f else "auto")
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
-                     parallel=parallel, chunk=chunk, objective=objective, placement=placement,
+                     parallel=parallel, prompt_cache_slots=kept, chunk=chunk,
+                     objective=objective, placement=placement,
                      rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens,
                      hop_transport=hop_transport)
 

@@ -161,13 +161,19 @@ class ExecutionShape:
     context: int  # positions per stream
     parallel: int  # streams served at once
     chunk: int  # prompt rows per round
+    prompt_cache_slots: int = 0  # slots past `parallel` that keep finished conversations
+
+    @property
+    def slots(self) -> int:
+        """Slots whose state every stage holds: the streams' and the kept conversations'."""
+        return self.parallel + self.prompt_cache_slots
 
 
 def layer_bytes(layer: LayerType, execution: ExecutionShape) -> int:
     """One layer's weights plus its KV for `context` positions and its recurrent state, for
-    `parallel` streams."""
-    kv = layer.kv_bytes_per_position * execution.context * execution.parallel
-    return layer.weight_bytes + kv + layer.state_bytes_per_slot * execution.parallel
+    every slot."""
+    kv = layer.kv_bytes_per_position * execution.context * execution.slots
+    return layer.weight_bytes + kv + layer.state_bytes_per_slot * execution.slots
 
 
 def fixed_bytes(shape: ModelShape, execution: ExecutionShape, is_rank0: bool) -> StageMemory:
@@ -186,11 +192,11 @@ def stage_memory(shape: ModelShape, execution: ExecutionShape, layer_range: tupl
                  is_rank0: bool) -> StageMemory:
     """Memory of a stage holding the layers of `layer_range` (and rank 0's extras on rank 0)."""
     fixed = fixed_bytes(shape, execution, is_rank0)
-    streams_positions = execution.context * execution.parallel
+    streams_positions = execution.context * execution.slots
     return StageMemory(
         weights_bytes=shape.range_sum("weight_bytes", layer_range),
         kv_bytes=shape.range_sum("kv_bytes_per_position", layer_range) * streams_positions,
-        state_bytes=shape.range_sum("state_bytes_per_slot", layer_range) * execution.parallel,
+        state_bytes=shape.range_sum("state_bytes_per_slot", layer_range) * execution.slots,
         staging_bytes=fixed.staging_bytes, embedding_bytes=fixed.embedding_bytes,
         final_norm_bytes=fixed.final_norm_bytes, head_bytes=fixed.head_bytes)
 

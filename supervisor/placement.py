@@ -320,13 +320,17 @@ def _layers_text(problem: RingCosts) -> str:
     for t in problem.shape.types:
         text = f"{t.name} x{counts[t.name]}: weights {format_bytes(t.weight_bytes)}"
         if t.kv_bytes_per_position or not t.state_bytes_per_slot:
-            kv = t.kv_bytes_per_position * execution.context * execution.parallel
+            kv = t.kv_bytes_per_position * execution.context * execution.slots
             text += (f" + KV {format_bytes(kv)} for {execution.context} x "
-                     f"{execution.parallel} positions")
+                     f"{execution.slots} positions")
         if t.state_bytes_per_slot:
-            text += (f" + recurrent state {format_bytes(t.state_bytes_per_slot * execution.parallel)}"
-                     f" for {execution.parallel} stream(s)")
+            text += (f" + recurrent state {format_bytes(t.state_bytes_per_slot * execution.slots)}"
+                     f" for {execution.slots} slot(s)")
         parts.append(text)
+    if execution.prompt_cache_slots:
+        parts.append(f"{execution.slots} slots: {execution.parallel} stream(s) and "
+                     f"{execution.prompt_cache_slots} kept for the prompt cache "
+                     "(prompt_cache_slots)")
     return "; ".join(parts)
 
 

@@ -14,7 +14,12 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from supervisor.fleet_config import AUTO_REPLICAS, FleetConfig, ModelSpec
+from supervisor.fleet_config import (
+    AUTO_REPLICAS,
+    DEFAULT_PROMPT_CACHE_SLOTS,
+    FleetConfig,
+    ModelSpec,
+)
 from supervisor.joint_placement import most_replicas, place_replicas
 from supervisor.measurements import NOTHING_MEASURED, Measured, NodeTiming, timing_key
 from supervisor.membership import Member
@@ -42,11 +47,13 @@ def spec_digest(spec: ModelSpec) -> str:
     of canonical JSON (sorted keys, no spacing), not of a repr that a Python upgrade or a new
     field's default could change."""
     # The replica count is left out: more or fewer replicas add or retire some, and leave
-    # the serving ones where they are. An unset prompt length and the default hop transport
-    # are left out too, so the digests of specs written before they existed stay as they were.
+    # the serving ones where they are. An unset prompt length, the default hop transport and
+    # the default kept slots are left out too, so the digests of specs written before they
+    # existed stay as they were.
     fields_ = {k: v for k, v in asdict(spec).items()
                if k != "replicas" and not (k == "prompt_tokens" and v is None)
-               and not (k == "hop_transport" and v == "auto")}
+               and not (k == "hop_transport" and v == "auto")
+               and not (k == "prompt_cache_slots" and v == DEFAULT_PROMPT_CACHE_SLOTS)}
     canonical = json.dumps(fields_, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

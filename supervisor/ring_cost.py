@@ -117,7 +117,8 @@ class RingCosts:
     def __init__(self, spec: ModelSpec, shape: ModelShape, nodes: Sequence[NodeSnapshot],
                  prompt_tokens: int) -> None:
         self.spec, self.shape = spec, shape
-        self.execution = ExecutionShape(spec.context, spec.parallel, spec.chunk)
+        self.execution = ExecutionShape(spec.context, spec.parallel, spec.chunk,
+                                        spec.prompt_cache_slots)
         self.chunks = max(1, math.ceil(prompt_tokens / spec.chunk))
         self.prompt_tokens = prompt_tokens
         self.nodes = {n.name: n for n in nodes}

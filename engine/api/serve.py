@@ -74,7 +74,8 @@ async def serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
 async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
                  config: ModelConfig) -> int:
     install_repeated_errors(asyncio.get_running_loop(), RepeatedLog())
-    host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting)
+    host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting,
+                    streams=env.parallel)
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting))
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
     limits = http_limits(env)

@@ -58,7 +58,7 @@ class StageSpec:
     @classmethod
     def of(cls, env: EngineEnv, n_layers: int) -> StageSpec:
         """The stage an engine's environment contract asks for, of a model of `n_layers`."""
-        return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.parallel,
+        return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.slots,
                    env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
                    quant=env.quant, compile=env.compile)
 

@@ -133,6 +133,7 @@ class LocalFleet:
 
 def stage_envs(model_dir: Path, stages: list[tuple[int, int]], backends: list[str], *,
                key_file: Path, http_port: int, context: int, parallel: int, chunk: int,
+               prompt_cache_slots: int = 0,
                extra_env: dict[str, str] | None = None) -> list[dict[str, str]]:
     """The environment contract of every rank of one replica on loopback."""
     master_port = free_port()
@@ -144,7 +145,7 @@ def stage_envs(model_dir: Path, stages: list[tuple[int, int]], backends: list[st
             backend=backend, listen=(LOOPBACK, free_port()), key_file=key_file,
             placement=placement_id(stages, backends), http=(LOOPBACK, http_port),
             context=context, parallel=parallel, chunk=chunk,
-            cpu_threads=max(1, (os.cpu_count() or 1) // len(stages)))
+            prompt_cache_slots=prompt_cache_slots, cpu_threads=max(1, (os.cpu_count() or 1) // len(stages)))
         env = dict(os.environ)
         env.update(contract.to_environ())
         env.update(extra_env or {})
@@ -159,7 +160,8 @@ def write_key_file(path: Path) -> Path:
 
 
 def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] | None = None, *,
-           context: int = 1024, parallel: int = 4, chunk: int = 128, run_dir: Path | None = None,
+           context: int = 1024, parallel: int = 4, chunk: int = 128, prompt_cache_slots: int = 0,
+           run_dir: Path | None = None,
            http_port: int | None = None, extra_env: dict[str, str] | None = None,
            rank_env: dict[int, dict[str, str]] | None = None, spawn: list[int] | None = None,
            log_to_files: bool = True) -> LocalFleet:
@@ -173,7 +175,8 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
     fleet = LocalFleet(Path(model_dir), stages, backends, run_dir, http_port or free_port())
     fleet.envs = stage_envs(Path(model_dir), stages, backends, key_file=key_file,
                             http_port=fleet.http_port, context=context, parallel=parallel,
-                            chunk=chunk, extra_env=extra_env)
+                            chunk=chunk, prompt_cache_slots=prompt_cache_slots,
+                            extra_env=extra_env)
     for rank, overrides in (rank_env or {}).items():
         fleet.envs[rank].update(overrides)
     fleet.log_paths = [run_dir / f"rank{rank}.log" for rank in range(len(stages))]

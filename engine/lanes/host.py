@@ -180,7 +180,7 @@ class Stream:
 
 class LaneHost:
     def __init__(self, runner: RoundRunner, codec: TextCodec, *, chunk: int, max_waiting: int,
-                 metrics: TokenMetrics | None = None,
+                 streams: int | None = None, metrics: TokenMetrics | None = None,
                  on_round: Callable[[RoundPlan, np.ndarray], None] | None = None) -> None:
         self.runner = runner
         self.depth = runner.depth  # rounds in flight at once
@@ -191,6 +191,9 @@ class LaneHost:
         # Sees every round's logits (tests, traces): only then do they come to the host.
         self.on_round = on_round
         self.slots: list[Stream | None] = [None] * runner.slots.parallel
+        # Streams served at once (FLEET_PARALLEL); the stages' slots past it hold kept
+        # conversations only (FLEET_PROMPT_CACHE_SLOTS), so more of them resume.
+        self.streams = streams or len(self.slots)
         # What each closed slot's state holds for a later request (the prompt cache); a
         # recurrent (hybrid) state resumes only where it was saved.
         self.kept: list[KeptPrompt | None] = [None] * runner.slots.parallel
@@ -219,18 +222,21 @@ class LaneHost:
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
         if self._closing_slot_reuses_more(stream):
             self.waiting.append(stream)  # placed a round from now, when that slot's CLOSE lands
-        elif any(s is None for s in self.slots):
+        elif self._can_place():
             self._place(stream)
         elif len(self.waiting) < self.max_waiting:
             self.waiting.append(stream)
         else:
-            raise Busy(f"all {len(self.slots)} slots are busy and {self.max_waiting} requests wait")
+            raise Busy(f"all {self.streams} streams are busy and {self.max_waiting} requests wait")
         self._settled.clear()
         self._wake.set()
         return stream
 
     def idle(self) -> bool:
         return self.slots_in_use() == 0 and not self.waiting
+
+    def _can_place(self) -> bool:
+        return self.slots_in_use() < self.streams and any(s is None for s in self.slots)
 
     def _closing_slot_reuses_more(self, stream: Stream) -> bool:
         """Whether a slot whose stream has finished, its CLOSE not yet landed, would give
@@ -260,7 +266,7 @@ class LaneHost:
     def _admit_waiting(self) -> None:
         """Waiters into the free slots, in arrival order (one that ended while it waited
         leaves the queue without a slot)."""
-        while self.waiting and any(s is None for s in self.slots):
+        while self.waiting and self._can_place():
             stream = self.waiting.popleft()
             if not (stream.cancelled or stream.finished):
                 self._place(stream)

@@ -93,7 +93,7 @@ def describe(stage: Stage, env: EngineEnv) -> Describe:
         kv_dtype=rows.dtype, rank=env.rank, world=env.world_size, layer_first=start, layer_end=end,
         hidden=rows.hidden, row_dtype=rows.dtype, planes=rows.planes,
         prompt_chunk=env.chunk, max_rows_per_round=env.parallel + env.chunk,
-        parallel=env.parallel, context=env.context, drafter_width=0,
+        parallel=env.slots, context=env.context, drafter_width=0,
         kv_rows=stage.kv_capacity_rows(), recurrent_states=stage.recurrent_states(),
     )
 
@@ -110,7 +110,7 @@ def boot_ring(env: EngineEnv, stage: Stage, config: ModelConfig) -> Ring:
     if env.rank == 0:
         ring = boot_rank0(ring_config, own, n_layers=config.num_hidden_layers,
                           engine_version=ENGINE_VERSION, context=env.context,
-                          parallel=env.parallel)
+                          parallel=env.slots)
     else:
         ring = boot_follower(ring_config, own)
     try:  # the links are up and authenticated: each hop may now move to torch.distributed

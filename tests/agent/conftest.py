@@ -3,7 +3,6 @@ processes on loopback, mTLS clients, and a tiny checkpoint."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -12,7 +11,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from agent.config import AgentConfig
 from agent.pki import FleetCA, NodeCredentials, cert_pem, utcnow
 from agent.tls import server_context
 from engine.harness.launch import free_port
+from tests.waiting import wait_until_async
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,15 +124,13 @@ async def client(fleet: Fleet, name: str | None = "admin",
 
 async def wait_state(session: aiohttp.ClientSession, url: str, engine_id: str, states: set[str],
                      timeout_s: float = 90.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    view: dict = {}
-    while time.monotonic() < deadline:
+    async def in_state() -> dict | None:
         async with session.get(f"{url}/v1/engines/{engine_id}") as r:
             view = await r.json()
-        if view.get("state") in states:
-            return view
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{engine_id} not in {states} after {timeout_s} s: {view}")
+        return view if view.get("state") in states else None
+
+    return await wait_until_async(in_state, within_s=timeout_s, what=f"{engine_id} in {states}",
+                                  poll_s=0.2)
 
 
 @pytest.fixture(scope="session")
@@ -169,18 +166,17 @@ class AgentProcess:
         self.url = f"https://{config.listen_host}:{config.listen_port}"
 
     async def wait_up(self, fleet: Fleet, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
         async with client(fleet, timeout_s=5) as session:
-            while time.monotonic() < deadline:
+            async def healthy() -> bool:
                 assert self.proc.poll() is None, f"agent exited {self.proc.returncode}"
                 try:
                     async with session.get(self.url + "/v1/health") as r:
-                        if r.status == 200:
-                            return
+                        return r.status == 200
                 except (aiohttp.ClientError, OSError):
-                    pass
-                await asyncio.sleep(0.2)
-        raise AssertionError("agent did not come up")
+                    return False
+
+            await wait_until_async(healthy, within_s=timeout_s, what="the agent's /v1/health",
+                                   poll_s=0.2)
 
     def signal(self, sig: signal.Signals) -> None:
         if self.proc.poll() is None:

@@ -135,3 +135,42 @@ def test_a_mixed_ring(make_model, tmp_path):
             pipeline(model_dir, [(0, 1), (1, 3)], tmp_path / "b", chunk=CHUNK,
                      backends=backends) as fresh:
         check_second_turn_is_fresh(cached, fresh, model_dir)
+
+
+def test_slots_past_the_streams_keep_more_conversations(make_model):
+    # One stream at a time over three slots (FLEET_PARALLEL=1, FLEET_PROMPT_CACHE_SLOTS=2):
+    # three conversations stay kept, and the first one's next turn still resumes.
+    model_dir = make_model("qwen3", num_hidden_layers=2)
+    runner = whole_runner(model_dir, chunk=CHUNK, parallel=3)
+    host = LaneHost(runner, TextCodec(model_dir), chunk=CHUNK, max_waiting=4, streams=1)
+    rng = np.random.default_rng(7)
+    histories = [rng.integers(0, 300, FIRST).tolist() for _ in range(3)]
+    greedy = SamplingParams(temperature=0.0)
+
+    async def go() -> list[Done]:
+        task = asyncio.create_task(host.run())
+        # Two at once: the second waits for the one stream.
+        first = [host.submit(GenerationRequest(tuple(h), max_tokens=4, sampling=greedy))
+                 for h in histories[:2]]
+        assert host.slots_in_use() == 1 and len(host.waiting) == 1
+        ends = [await until_done(s) for s in first]
+        ends.append(await until_done(host.submit(
+            GenerationRequest(tuple(histories[2]), max_tokens=4, sampling=greedy))))
+        await wait_until_async(lambda: host.slots_in_use() == 0, within_s=60,
+                               what="every slot closed")
+        assert sum(k is not None for k in host.kept) == 3
+        again = [*histories[0], *rng.integers(0, 300, 9).tolist()]
+        ends.append(await until_done(host.submit(
+            GenerationRequest(tuple(again), max_tokens=4, sampling=greedy))))
+        task.cancel()
+        return ends
+
+    ends = asyncio.run(go())
+    host.close()
+    assert [e.cached_tokens for e in ends] == [0, 0, 0, 96]
+
+
+async def until_done(stream) -> Done:
+    while not isinstance(event := await stream.events.get(), Done):
+        assert not isinstance(event, Failed), event.reason
+    return event

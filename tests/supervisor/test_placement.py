@@ -44,7 +44,8 @@ def with_layers(shape: ModelShape, n_layers: int, **changes) -> ModelShape:
 
 def spec(**overrides) -> ModelSpec:
     fields = dict(id="m", checkpoint=CheckpointPaths(all_nodes="/m"), backends=BACKENDS,
-                  context=1000, parallel=2, chunk=100, objective="decode")
+                  context=1000, parallel=2, chunk=100, objective="decode",
+                  prompt_cache_slots=0)  # the figures by hand count streams' slots only
     return ModelSpec(**(fields | overrides))
 
 
@@ -76,7 +77,7 @@ def ms(node: NodeSnapshot, shape: ModelShape, layer_range: tuple[int, int], what
 
 def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
                 prompt_tokens: int | None = None) -> float | None:
-    execution = ExecutionShape(s.context, s.parallel, s.chunk)
+    execution = ExecutionShape(s.context, s.parallel, s.chunk, s.prompt_cache_slots)
     chunks = math.ceil((prompt_tokens or s.context) / s.chunk)
     by_name = {n.name: n for n in nodes}
     candidates = [n.name for n in nodes
@@ -145,6 +146,7 @@ def random_case(rng: random.Random):
                           batch=rng.uniform(0.2, 5.0), prefill=rng.uniform(1.0, 40.0),
                           peers=peers, backend=rng.choice(["torch-cpu", "torch-cpu", "mlx-cpu"])))
     s = spec(context=rng.choice([100, 1000, 3000]), parallel=rng.choice([1, 2, 4]),
+             prompt_cache_slots=rng.choice([0, 2, 8]),
              chunk=rng.choice([16, 100, 400]), objective=rng.choice(["decode", "prompt"]),
              backends=rng.choice([BACKENDS, ("torch-cpu",)]),
              rank0=rng.choice([None, None, rng.choice(names)]))
@@ -376,6 +378,12 @@ def test_stage_memory_by_hand():
     follower = stage_memory(SHAPE, execution, (0, 3), is_rank0=False)
     assert follower.weights_bytes == 3 * 10 * MB
     assert follower.kv_bytes == 3 * 100 * 1000 * 2
+    # The prompt cache's kept slots hold a whole context of KV each, and nothing else grows.
+    kept = stage_memory(SHAPE, dataclasses.replace(execution, prompt_cache_slots=3), (0, 3),
+                        is_rank0=False)
+    assert kept.kv_bytes == 3 * 100 * 1000 * (2 + 3)
+    assert (kept.weights_bytes, kept.staging_bytes) == (follower.weights_bytes,
+                                                         follower.staging_bytes)
     assert follower.staging_bytes == 2 * 100 * 1000  # a chunk of rows in, one out
     rank0 = stage_memory(SHAPE, execution, (0, 3), is_rank0=True)
     assert rank0.staging_bytes == follower.staging_bytes + 2 * 1000 * 4  # float32 logits
