@@ -196,6 +196,9 @@ class LocalFleet:
     def stop_supervisor(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
         return _stop(self.supervisor, sig, timeout_s)
 
+    def stop_front_door(self, timeout_s: float = 20.0) -> int | None:
+        return _stop(self.front_door_proc, signal.SIGTERM, timeout_s)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """Agents first (they drain their engines and say goodbye), then the supervisor."""
         for proc in self.agents.values():
@@ -204,7 +207,7 @@ class LocalFleet:
         for proc in self.agents.values():
             _stop(proc, signal.SIGTERM, timeout_s)
         self.stop_supervisor()
-        _stop(self.front_door_proc, signal.SIGTERM, timeout_s)
+        self.stop_front_door(timeout_s)
 
     def __enter__(self) -> Self:
         """Started, and stopped again whatever happens after (a half-started fleet too)."""

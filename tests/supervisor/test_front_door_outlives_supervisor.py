@@ -3,7 +3,8 @@ of its own, as real processes on loopback (a supervisor, one agent, one torch-cp
 Four clients keep asking through the front door (whole replies and streams, a bounded count
 and time) while the supervisor is killed with `kill -9` and started again about 2 s later:
 no request fails, requests are answered while the supervisor is down, and the front door
-re-syncs its routes from the supervisor that came back."""
+re-syncs its routes from the supervisor that came back; then, the supervisor down again, a
+front door restarted serves from the routes it kept on disk."""
 
 from __future__ import annotations
 
@@ -125,3 +126,14 @@ def test_killing_the_supervisor_mid_load_fails_no_request(tmp_path: Path, checkp
         assert "supervisor not reachable; serving from the last routes" in log
         routes_file = fleet.state_dir / "pki" / "front-door" / "routes.json"
         assert routes_file.stat().st_mode & 0o777 == 0o600
+
+        # A front door restarted while the supervisor is down serves from the routes it kept.
+        assert fleet.stop_supervisor(signal.SIGKILL) == -signal.SIGKILL
+        fleet.supervisor = None  # gone for good: `fleet.wait` stops at an exited supervisor
+        assert fleet.stop_front_door() == 0
+        fleet.start_front_door()
+        restarted = Client(fleet.front_door_url, True, threading.Event())
+        restarted.ask()
+        assert restarted.failures == [] and restarted.answered
+        assert "serving from the routes kept on disk" in (
+            fleet.logs / "front-door.log").read_text()
