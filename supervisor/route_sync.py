@@ -118,7 +118,10 @@ class RouteSync:
                         break
                 status = reply.status
         except (*TRANSPORT_ERRORS, ssl.SSLError) as exc:
-            self.trouble(f"unreachable: {str(exc) or type(exc).__name__}",
+            # A refused connection's own error, not aiohttp's text around it (which names
+            # the SSL context object, different in every process).
+            cause = getattr(exc, "os_error", None) or exc
+            self.trouble(f"unreachable: {str(cause) or type(cause).__name__}",
                          "supervisor not reachable; serving from the last routes")
             return False
         if status != 200:
