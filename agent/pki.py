@@ -4,7 +4,8 @@ Pure functions over `cryptography` objects and PEM bytes; nothing here opens a s
 supervisor's issuing endpoint and the tests use the same code. Keys are ECDSA P-256.
 
 A certificate names its node (CN and a DNS SAN) and its role (OU): `agent` for a node,
-`supervisor` for the supervisor, `admin` for `fleetctl`. A join token carries a one-time
+`supervisor` for the supervisor, `admin` for `fleetctl`, `front-door` for a front door of
+its own process (`fleet-front-door`, which reads its routes from the supervisor). A join token carries a one-time
 secret and the SHA-256 fingerprint of the CA certificate, so a joining node can pin the CA
 before it trusts anything the supervisor says.
 """
@@ -29,7 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-ROLES = ("agent", "supervisor", "admin")
+ROLES = ("agent", "supervisor", "admin", "front-door")
 TOKEN_PREFIX = "rf1"
 NODE_CERT_DAYS = 365
 CA_DAYS = 3650

@@ -3,8 +3,9 @@ the health checks and the front door (its own plain-HTTP port) owned by `cleanup
 
 Routes are marked with the roles that may call them (the OU of the caller's certificate):
 agents report about themselves only (the certificate's name must be the path's node);
-fleetctl's `admin` certificate drives everything else. `/v1/pki/ca` and `/v1/pki/join`
-are open: a joining node has no certificate yet, and its token is the proof.
+`fleet-front-door`'s `front-door` certificate reads the route table (`GET /v1/routes`: the
+replicas, their secrets, the client API keys); fleetctl's `admin` certificate drives
+everything else. `/v1/pki/ca` and `/v1/pki/join` are open: a joining node has no certificate yet, and its token is the proof.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ async def goodbye(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+# --- a front door of its own process -----------------------------------------------------
+@roles("front-door")
+async def routes(request: web.Request) -> web.Response:
+    """The route table (supervisor/route_table.py) that `fleet-front-door` polls."""
+    table = request.app[SUPERVISOR].route_table()
+    return web.Response(body=table.to_json(), content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
 # --- fleetctl -----------------------------------------------------------------------------
 async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[SUPERVISOR].status())
@@ -164,6 +174,7 @@ async def supervisor_ctx(app: web.Application) -> AsyncIterator[None]:
     agents = AgentClient(client_context(issuing.supervisor_credentials(settings.state_dir)))
     await agents.start()
     app[SUPERVISOR] = Supervisor(settings, agents)
+    issuing.ensure_front_door_credentials(settings.state_dir, app[CA], settings.listen)
     yield
     await app[SUPERVISOR].close()
     await agents.close()
@@ -181,7 +192,12 @@ async def loops_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def front_door_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The front door in this process (the one-process setup); none with `--no-front-door`,
+    where `fleet-front-door` serves it from `GET /v1/routes`."""
     settings, supervisor = app[SETTINGS], app[SUPERVISOR]
+    if not settings.front_door:
+        yield
+        return
     config = FrontDoorConfig(supervisor.route, supervisor.models, frozenset(settings.api_keys),
                              relays=supervisor.relays)
     host, port = split_address(settings.front_door, "front_door")
@@ -211,6 +227,7 @@ def make_app(settings: SupervisorSettings) -> web.Application:
         web.post("/v1/plan", plan),
         web.post("/v1/rebalance", rebalance),
         web.get("/v1/events", event_log),
+        web.get("/v1/routes", routes),
     ])
     # Torn down in reverse: the front door closes first, then the loops, then the state.
     app.cleanup_ctx.extend([supervisor_ctx, loops_ctx, front_door_ctx])

@@ -21,7 +21,7 @@ from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
-from supervisor.front_door import ReplicaLoad, Route, by_free_slots
+from supervisor.front_door import Route
 from supervisor.hops import planned_hops, reported_hops
 from supervisor.issuing import check_pin
 from supervisor.measuring import Measurer
@@ -44,6 +44,7 @@ from supervisor.orphans import DrainOrphan, orphaned_engines
 from supervisor.planning import plan_replicas, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
+from supervisor.route_table import ModelRoutes, ReplicaRoute, RouteTable
 from supervisor.settings import SupervisorSettings
 from supervisor.speed import SpeedWatch, predict, speed_report
 from supervisor.state import State
@@ -527,42 +528,38 @@ class Supervisor:
                           "seconds_left": body.get("drain_seconds_left")}}
 
     # --- the front door's view ------------------------------------------------------------
+    def route_table(self) -> RouteTable:
+        """What a front door routes by (supervisor/route_table.py), from this moment's
+        replicas, rank 0 health and secrets: the in-process front door reads it per request,
+        a front door of its own process polls it (`GET /v1/routes`)."""
+        models = []
+        for spec in self.desired.models if self.desired else ():
+            serving = [r for r in self.replicas.values()
+                       if r.model_id == spec.id and r.state == lc.SERVING]
+            taking = [r for r in serving if self.rank0_draining(r.id) is None]
+            why = ""
+            if not serving:
+                replica = lc.latest_by_model(self.replicas).get(spec.id)
+                state = replica.state if replica else "not placed"
+                why = f"model {spec.id!r} has no serving replica now ({state}); retry shortly"
+            elif not taking:  # they would refuse: say why here
+                why = (f"model {spec.id!r}: replica {', '.join(r.id for r in serving)} is "
+                       "draining and takes no new requests; retry shortly")
+            models.append(ModelRoutes(spec.id, spec.parallel, bool(serving), tuple(
+                ReplicaRoute(r.id, r.url, self.secrets.read(r.id, API_SECRET) or "", int(
+                    (self.rank0_health.get(r.id) or {}).get("slots_in_use") or 0))
+                for r in sorted(taking, key=lambda r: r.id)), why))
+        failed = tuple((r.id, r.reason or "the replica failed")
+                       for r in self.replicas.values() if r.state == lc.FAILED)
+        return RouteTable(tuple(models), frozenset(self.settings.api_keys), failed)
+
     def route(self, model: str | None) -> Route:
-        ids = [m.id for m in self.desired.models] if self.desired else []
-        if model is None:
-            return Route(status=400, message="'model' is required (models: "
-                         f"{', '.join(ids) or 'none'})")
-        if model not in ids:
-            return Route(status=404, message=f"model {model!r} is not served by this fleet "
-                         f"(models: {', '.join(ids) or 'none'})")
-        serving = [r for r in self.replicas.values()
-                   if r.model_id == model and r.state == lc.SERVING]
-        if not serving:
-            replica = lc.latest_by_model(self.replicas).get(model)
-            state = replica.state if replica else "not placed"
-            return Route(status=503, message=f"model {model!r} has no serving replica now "
-                         f"({state}); retry shortly")
-        taking = [r for r in serving if self.rank0_draining(r.id) is None]
-        if not taking:  # they would refuse: say why here
-            return Route(status=503, message=f"model {model!r}: replica "
-                         f"{', '.join(r.id for r in serving)} is draining and takes no new "
-                         "requests; retry shortly")
+        """The in-process front door's router."""
         self.route_turn += 1
-        spec = self.desired.model(model) if self.desired else None
-        loads = [ReplicaLoad(r.id, spec.parallel if spec else 1, max(
-            self.relays.open_count(r.id),
-            int((self.rank0_health.get(r.id) or {}).get("slots_in_use") or 0)))
-            for r in taking]
-        routes = [Route(url=self.replicas[load.replica].url, replica=load.replica,
-                        api_secret=self.secrets.read(load.replica, API_SECRET))
-                  for load in by_free_slots(loads, self.route_turn)]
-        return replace(routes[0], fallbacks=tuple(routes[1:]))
+        return self.route_table().route(model, self.relays, self.route_turn)
 
     def models(self) -> list[dict[str, Any]]:
-        serving = {r.model_id for r in self.replicas.values() if r.state == lc.SERVING}
-        return [{"id": m.id, "object": "model", "owned_by": "ringfleet",
-                 "serving": m.id in serving}
-                for m in (self.desired.models if self.desired else ())]
+        return self.route_table().model_entries()
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -190,7 +190,7 @@ def show_status(data: dict[str, Any]) -> None:
         out.print(table)
     if not data["replicas"]:
         out.print("no replicas" + ("" if data["models"] else " (nothing applied yet)"))
-    out.print(f"front door: {data['front_door']}")
+    out.print(f"front door: {data['front_door'] or 'fleet-front-door (its own process)'}")
 
 
 def render_plan(p: dict[str, Any]) -> Table:

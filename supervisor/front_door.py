@@ -111,10 +111,14 @@ def front_door_limits() -> HttpLimits:
 class FrontDoorConfig:
     router: Callable[[str | None], Route]  # model id (None: not given) -> where to go
     models: Callable[[], list[dict[str, Any]]]  # /v1/models entries
-    api_keys: frozenset[str] = frozenset()
+    # The keys, or where to read them per request (fleet-front-door's synced route table).
+    api_keys: frozenset[str] | Callable[[], frozenset[str]] = frozenset()
     relays: Relays = field(default_factory=Relays)  # the supervisor fails replicas here
     silence: UpstreamSilence = field(default_factory=UpstreamSilence)
     limits: HttpLimits = field(default_factory=front_door_limits)
+
+    def keys(self) -> frozenset[str]:
+        return self.api_keys() if callable(self.api_keys) else self.api_keys
 
 
 CONFIG = web.AppKey("front_door_config", FrontDoorConfig)
@@ -154,7 +158,7 @@ def key_matches(given: bytes, keys: frozenset[str]) -> bool:
 
 @web.middleware
 async def check_api_key(request: web.Request, handler: Callable) -> web.StreamResponse:
-    keys = request.app[CONFIG].api_keys
+    keys = request.app[CONFIG].keys()
     if keys and request.path != "/health":
         given = bearer_token(request)  # the scheme's name in any case (RFC 9110 11.1)
         if not given or not key_matches(given, keys):

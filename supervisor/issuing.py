@@ -4,6 +4,8 @@ credentials; the issuing endpoint signs a joining node's CSR on a valid one-time
 Files under the supervisor's state directory:
   pki/ca.pem, pki/ca.key (0600)            the fleet CA
   pki/supervisor/{ca,node}.pem, node.key   the supervisor's own certificate (role supervisor)
+  pki/front-door/{ca,node}.pem, node.key   `fleet-front-door`'s (role front-door), and its
+                                           `supervisor_url`: made by the supervisor at start
 and in fleetctl's directory: ca.pem, node.pem, node.key (role admin) and `supervisor_url`.
 Every directory is 0700 and every key 0600.
 
@@ -84,6 +86,25 @@ def supervisor_credentials(state_dir: Path) -> NodeCredentials:
     return NodeCredentials(state_dir / "pki" / "supervisor")
 
 
+def front_door_credentials(state_dir: Path) -> NodeCredentials:
+    return NodeCredentials(state_dir / "pki" / "front-door")
+
+
+def ensure_front_door_credentials(state_dir: Path, ca: FleetCA, listen: str) -> NodeCredentials:
+    """`fleet-front-door`'s certificate (made once, also for a state directory from before
+    the front door had a process of its own) and the supervisor URL it polls (written at
+    every start: the address may change)."""
+    creds = front_door_credentials(state_dir)
+    if not creds.exist():
+        key, cert = ca.issue_credentials("front-door", "front-door")
+        creds.store(cert_pem(ca.cert), cert, key)
+    url = f"https://{listen}\n"
+    path = creds.directory / "supervisor_url"
+    if not path.is_file() or path.read_text() != url:
+        path.write_text(url)
+    return creds
+
+
 def init_pki(state_dir: Path, address: str, fleetctl_dir: Path, *,
              fleet_name: str = "ringfleet", force: bool = False) -> InitResult:
     """Create the fleet CA, the supervisor's certificate for `address`, and fleetctl's."""
@@ -135,4 +156,5 @@ def ca_body(ca: FleetCA) -> dict:
 
 
 __all__ = ["AlreadyMember", "InitError", "InitResult", "PinVerdict", "TokenRecord", "ca_body",
-           "check_pin", "init_pki", "join", "new_token", "supervisor_credentials"]
+           "check_pin", "ensure_front_door_credentials",
+           "front_door_credentials", "init_pki", "join", "new_token", "supervisor_credentials"]

@@ -2,7 +2,10 @@
 
 What the one-machine demo (`scripts/fleet_demo.py`) and the end-to-end tests run: `fleetctl
 init`, `fleet-supervisor`, and per node a join token, `fleet-agent join` and `fleet-agent
-run`, each with its own state directory under one root and its log in `root/logs/`.
+run`, each with its own state directory under one root and its log in `root/logs/`. The
+front door runs in the supervisor's process, or with `front_door_process=True` as
+`fleet-front-door` of its own (the supervisor then runs with `--no-front-door`), as an
+installed fleet runs it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,7 +36,7 @@ class LocalFleetError(RuntimeError):
 class LocalFleet:
     def __init__(self, root: Path, nodes: tuple[str, ...] = ("node-a", "node-b"), *,
                  supervisor_flags: tuple[str, ...] = (), agent_settings: dict | None = None,
-                 engine_ports: int = 200) -> None:
+                 engine_ports: int = 200, front_door_process: bool = False) -> None:
         self.root = root
         self.nodes = nodes
         self.supervisor_flags = supervisor_flags
@@ -47,7 +51,9 @@ class LocalFleet:
         self.credentials = root / "fleetctl"
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.front_door_process = front_door_process
         self.supervisor: subprocess.Popen | None = None
+        self.front_door_proc: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
         self.agent_ports: dict[str, int] = {}
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -80,12 +86,33 @@ class LocalFleet:
         self.fleetctl("init", "--state-dir", str(self.state_dir), "--address", self.address)
 
     def start_supervisor(self, timeout_s: float = 30.0) -> None:
+        front_door = (["--no-front-door"] if self.front_door_process
+                      else ["--front-door", self.front_door])
         self.supervisor = self._popen(
             ["-m", "supervisor.main", "--state-dir", str(self.state_dir), "--listen",
-             self.address, "--front-door", self.front_door, "--engine-ports", self.engine_ports,
+             self.address, *front_door, "--engine-ports", self.engine_ports,
              *self.supervisor_flags], "supervisor.log")
         self.wait(lambda: self.fleetctl("status", check=False).returncode == 0, timeout_s,
                   "the supervisor to answer", "supervisor.log")
+
+    def start_front_door(self, timeout_s: float = 30.0) -> None:
+        """`fleet-front-door` with the credentials the supervisor made at its start."""
+        self.front_door_proc = self._popen(
+            ["-m", "supervisor.front_door_main", "--credentials",
+             str(self.state_dir / "pki" / "front-door"), "--listen", self.front_door],
+            "front-door.log")
+        host, port = self.front_door.rsplit(":", 1)
+
+        def listening() -> bool:
+            if self.front_door_proc.poll() is not None:
+                raise LocalFleetError(f"fleet-front-door exited {self.front_door_proc.returncode}"
+                                      ":\n" + self.tail("front-door.log"))
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                return True
+            except OSError:
+                return False
+        self.wait(listening, timeout_s, "the front door to listen", "front-door.log")
 
     def agent_state_dir(self, node: str) -> Path:
         return self.root / "agents" / node
@@ -117,6 +144,8 @@ class LocalFleet:
         """init, the supervisor, and every node joined and running; wait until all are alive."""
         self.init()
         self.start_supervisor()
+        if self.front_door_process:
+            self.start_front_door()
         for node in self.nodes:
             self.join(node)
             self.start_agent(node)
@@ -167,6 +196,9 @@ class LocalFleet:
     def stop_supervisor(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
         return _stop(self.supervisor, sig, timeout_s)
 
+    def stop_front_door(self, timeout_s: float = 20.0) -> int | None:
+        return _stop(self.front_door_proc, signal.SIGTERM, timeout_s)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """Agents first (they drain their engines and say goodbye), then the supervisor."""
         for proc in self.agents.values():
@@ -175,6 +207,7 @@ class LocalFleet:
         for proc in self.agents.values():
             _stop(proc, signal.SIGTERM, timeout_s)
         self.stop_supervisor()
+        self.stop_front_door(timeout_s)
 
     def __enter__(self) -> Self:
         """Started, and stopped again whatever happens after (a half-started fleet too)."""

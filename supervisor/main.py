@@ -1,12 +1,14 @@
 """`fleet-supervisor`: run the supervisor (the mutual-TLS API, the loop, the front door).
 
-    fleet-supervisor --state-dir DIR [--listen HOST:PORT] [--front-door HOST:PORT]
+    fleet-supervisor --state-dir DIR [--listen HOST:PORT] [--front-door HOST:PORT | --no-front-door]
 
 `fleetctl init --state-dir DIR --address HOST:PORT` must have made the fleet CA first.
 One supervisor per state directory: a second one on the same DIR exits at once (code 2)
 naming the pid that holds it (`DIR/supervisor.lock`).
 SIGTERM or Ctrl-C stops it; the replicas keep serving (their agents own the engines) and a
-supervisor started again on the same state directory re-adopts them.
+supervisor started again on the same state directory re-adopts them. With
+`--no-front-door`, `fleet-front-door` serves clients as a process of its own, which keeps
+serving while this one is down (docs/supervisor.md).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def parse_args(argv: list[str] | None) -> SupervisorSettings:
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--listen", default="127.0.0.1:7400", help="the mutual-TLS API")
     p.add_argument("--front-door", default="127.0.0.1:8000", help="the OpenAI endpoint")
+    p.add_argument("--no-front-door", action="store_true",
+                   help="serve no front door here: fleet-front-door serves it as its own "
+                        "process, from the routes it reads from this supervisor")
     p.add_argument("--api-keys-file", type=Path,
                    help="client API keys for the front door, one a line")
     p.add_argument("--suspect-after-s", type=float, default=15.0)
@@ -100,8 +105,8 @@ def parse_args(argv: list[str] | None) -> SupervisorSettings:
     first, _, last = args.engine_ports.partition(":")
     try:
         return SupervisorSettings(
-            state_dir=args.state_dir, listen=args.listen, front_door=args.front_door,
-            api_keys=keys,
+            state_dir=args.state_dir, listen=args.listen,
+            front_door="" if args.no_front_door else args.front_door, api_keys=keys,
             membership=MembershipTimes(args.suspect_after_s, args.dead_after_s),
             policy=Policy(backoff_first_s=args.backoff_first_s,
                           backoff_max_s=args.backoff_max_s,

@@ -28,7 +28,9 @@ def split_address(text: str, what: str) -> tuple[str, int]:
 class SupervisorSettings:
     state_dir: Path
     listen: str = "127.0.0.1:7400"  # the mutual-TLS API for agents and fleetctl
-    front_door: str = "127.0.0.1:8000"  # the OpenAI endpoint for clients (plain HTTP)
+    # The OpenAI endpoint for clients (plain HTTP), served in this process; "": none here,
+    # `fleet-front-door` serves it as a process of its own (docs/supervisor.md).
+    front_door: str = "127.0.0.1:8000"
     api_keys: tuple[str, ...] = ()  # empty: the front door takes any client
     membership: MembershipTimes = field(default_factory=MembershipTimes)
     policy: Policy = field(default_factory=Policy)
@@ -45,7 +47,8 @@ class SupervisorSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).expanduser())
         split_address(self.listen, "listen")
-        split_address(self.front_door, "front_door")
+        if self.front_door:
+            split_address(self.front_door, "front_door")
         if not 0 < self.engine_port_first < self.engine_port_last < 65536:
             raise SettingsError(f"engine ports {self.engine_port_first}..{self.engine_port_last}"
                                 ": expected 1 <= first < last <= 65535")
@@ -63,4 +66,4 @@ class SupervisorSettings:
 
     @property
     def front_door_url(self) -> str:
-        return f"http://{self.front_door}/v1"
+        return f"http://{self.front_door}/v1" if self.front_door else ""

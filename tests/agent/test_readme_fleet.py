@@ -65,6 +65,7 @@ SHIMS = {
     # Fast calibrations, and engine ports of its own beside other tests on this machine.
     "fleet-supervisor": ('exec "$PY" -m supervisor.main "$@" --calibration-budget-s 2 '
                          '--engine-ports "$ENGINE_PORTS"'),
+    "fleet-front-door": 'exec "$PY" -m supervisor.front_door_main "$@"',
     "fleet-agent": '''sub="$1"; shift
 case "$sub" in
   join) set -- "$@" --state-dir "$AGENT_STATE" ;;
