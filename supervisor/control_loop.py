@@ -553,10 +553,10 @@ class Supervisor:
                        for r in self.replicas.values() if r.state == lc.FAILED)
         return RouteTable(tuple(models), frozenset(self.settings.api_keys), failed)
 
-    def route(self, model: str | None) -> Route:
+    def route(self, model: str | None, conversation: str | None = None) -> Route:
         """The in-process front door's router."""
         self.route_turn += 1
-        return self.route_table().route(model, self.relays, self.route_turn)
+        return self.route_table().route(model, self.relays, self.route_turn, conversation)
 
     def models(self) -> list[dict[str, Any]]:
         return self.route_table().model_entries()

@@ -1,8 +1,9 @@
 """The front door: a stable OpenAI-compatible endpoint that proxies to a serving replica's
 rank 0, streaming included, with the fleet's client semantics.
 
-- a model with several serving replicas: the request goes to the one with the most free
-  slots (`by_free_slots`); one that cannot take it before anything was sent to the client
+- a model with several serving replicas: the request goes to the one that holds its
+  conversation while that one has a free slot (supervisor.affinity), else to the one with
+  the most free slots (`by_free_slots`); one that cannot take it before anything was sent to the client
   (unreachable, lost, or its own 503: busy, draining, failed) hands it to the next, so a
   503 reaches the client only when every replica is full or down;
 
@@ -41,6 +42,7 @@ from engine.api.connections import (
 )
 from engine.api.errors import ApiError
 from engine.api.repeated_errors import RepeatedLog
+from supervisor.affinity import conversation_key
 from supervisor.relays import (
     Relays,
     ReplicaLost,
@@ -109,7 +111,8 @@ def front_door_limits() -> HttpLimits:
 
 @dataclass(frozen=True)
 class FrontDoorConfig:
-    router: Callable[[str | None], Route]  # model id (None: not given) -> where to go
+    # (model id or None, the conversation's key or None: supervisor.affinity) -> where to go
+    router: Callable[[str | None, str | None], Route]
     models: Callable[[], list[dict[str, Any]]]  # /v1/models entries
     # The keys, or where to read them per request (fleet-front-door's synced route table).
     api_keys: frozenset[str] | Callable[[], frozenset[str]] = frozenset()
@@ -191,7 +194,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         return error(400, "expected a JSON object", kind="invalid_request_error")
     model = body.get("model")
-    route = config.router(model if isinstance(model, str) else None)
+    route = config.router(model if isinstance(model, str) else None, conversation_key(body))
     if route.status == 503:
         return unavailable(route.message)
     if route.status != 200:

@@ -49,9 +49,9 @@ class RouteSync:
         self._saved: RouteTable | None = None  # what the file holds, less the loads
 
     # --- what the front door reads ----------------------------------------------------------
-    def route(self, model: str | None) -> Route:
+    def route(self, model: str | None, conversation: str | None = None) -> Route:
         self.turn += 1
-        return self.table.route(model, self.relays, self.turn)
+        return self.table.route(model, self.relays, self.turn, conversation)
 
     def models(self) -> list[dict]:
         return self.table.model_entries()

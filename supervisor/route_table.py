@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from supervisor.affinity import preferred
 from supervisor.front_door import ReplicaLoad, Route, by_free_slots
 from supervisor.relays import Relays
 
@@ -53,9 +54,11 @@ class RouteTable:
     def model(self, model_id: str) -> ModelRoutes | None:
         return next((m for m in self.models if m.id == model_id), None)
 
-    def route(self, model: str | None, relays: Relays, turn: int) -> Route:
+    def route(self, model: str | None, relays: Relays, turn: int,
+              conversation: str | None = None) -> Route:
         """Where a request for `model` goes: the replicas by free slots (relays open here
-        or slots rank 0 said were taken, the more of the two), or why nowhere."""
+        or slots rank 0 said were taken, the more of the two), the one that holds the
+        `conversation` (supervisor.affinity) first while it has a free slot; or why nowhere."""
         ids = ", ".join(m.id for m in self.models) or "none"
         if model is None:
             return Route(status=400, message=f"'model' is required (models: {ids})")
@@ -70,9 +73,14 @@ class RouteTable:
         loads = [ReplicaLoad(r.replica, entry.parallel,
                              max(relays.open_count(r.replica), r.slots_in_use))
                  for r in entry.replicas]
+        order = by_free_slots(loads, turn)
+        if conversation is not None:
+            free = [load.replica for load in order if load.free > 0]
+            if free:
+                chosen = preferred(free, conversation)
+                order.sort(key=lambda load: load.replica != chosen)  # stable: the rest stay
         routes = [Route(url=by_id[load.replica].url, replica=load.replica,
-                        api_secret=by_id[load.replica].api_secret)
-                  for load in by_free_slots(loads, turn)]
+                        api_secret=by_id[load.replica].api_secret) for load in order]
         return replace(routes[0], fallbacks=tuple(routes[1:]))
 
     def model_entries(self) -> list[dict[str, Any]]:

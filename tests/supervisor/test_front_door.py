@@ -131,7 +131,7 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
     up_port, door_port, closed_port = free_port(), free_port(), free_port()
     await web.TCPSite(up_runner, "127.0.0.1", up_port).start()
 
-    def router(model: str | None) -> Route:
+    def router(model: str | None, conversation: str | None = None) -> Route:
         if model == "m":
             return Route(url=f"http://127.0.0.1:{up_port}", replica="m-g1",
                          api_secret="replica-secret")

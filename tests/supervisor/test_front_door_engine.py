@@ -59,7 +59,7 @@ class Clients:
 async def with_door(fleet: LocalFleet, check: Callable[[Clients], Awaitable[None]]) -> None:
     port = free_port()
     route = Route(url=base_url(fleet), replica="m-g1", api_secret=SECRET)
-    config = FrontDoorConfig(lambda model: route, lambda: [{"id": "m", "serving": True}])
+    config = FrontDoorConfig(lambda model, conversation: route, lambda: [{"id": "m", "serving": True}])
     runner = await open_front_door(config, "127.0.0.1", port)
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as door, \
