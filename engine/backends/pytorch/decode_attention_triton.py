@@ -188,6 +188,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
         WIDEN=interpreting, num_warps=4, num_stages=2)
     _combine[(n, heads)](
         m, l_sum, acc, out, out.stride(0), out.stride(1), splits,
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
         num_warps=4)
     return out

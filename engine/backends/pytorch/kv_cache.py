@@ -9,6 +9,12 @@ costs what the conversations hold, not what the fleet configured: an eager round
 keys [0, its rows' highest position + 1) of each slot it serves (a prompt span its own
 slot's [0, span end)), and a captured decode step reads [0, `key_bucket` of that).
 
+Decode rows on CUDA go through a Triton split-K kernel (`decode_attention_triton`) that
+reads each row's slot and length from device tensors and the cache by strides: no view of
+a run, no gather of scattered slots, no mask, and every key of a group's query heads read
+once. FLEET_DECODE_ATTENTION=sdpa (or a CUDA without Triton) keeps SDPA under the mask,
+which is what the CPU and MPS always run.
+
 A prompt span on CUDA without a sliding window builds no mask: its rows are the last of
 the keys they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
 memory-efficient kernel. Elsewhere the span carries the explicit mask: the CPU would
