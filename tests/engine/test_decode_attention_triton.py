@@ -57,3 +57,46 @@ def test_an_unknown_choice_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("FLEET_DECODE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="FLEET_DECODE_ATTENTION='flash': expected one of"):
         decode_kernel_runs(torch.device("cpu"))
+
+
+def compiled_for_sm90(fn, signature: dict[str, str], constants: dict[str, object], **options):
+    """`fn` compiled ahead of time for an H100/H200 (sm_90) down to a cubin, by the
+    ptxas that ships in Triton's wheel: no GPU needed, and what the interpreter cannot
+    check (types that GPU code generation refuses, shared memory, registers) is checked."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(signature, **dict.fromkeys(constants, "constexpr"))
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@needs_triton
+@pytest.mark.parametrize(("dtype", "group", "head_dim", "window"), [
+    ("bf16", 4, 128, False),  # an 8B's heads
+    ("fp32", 8, 18, True),  # float32 products, a padded head dim, a sliding window
+    ("bf16", 6, 256, True),  # the Qwen3.5 27B's attention heads
+])
+def test_the_kernels_compile_for_an_h200(dtype, group, head_dim, window):
+    import triton
+
+    from engine.backends.pytorch import decode_attention_triton as kernel
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+                 "slots_ptr": "*i64", "lengths_ptr": "*i32", "m_ptr": "*fp32",
+                 "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    signature |= dict.fromkeys(["stride_q_row", "stride_q_head", "stride_k_slot",
+                                "stride_k_head", "stride_k_pos", "stride_v_slot",
+                                "stride_v_head", "stride_v_pos"], "i32")
+    signature |= {"scale_log2": "fp32", "window": "i32", "keys_per_split": "i32"}
+    compiled_for_sm90(kernel._partial, signature, dict(
+        GROUP=group, HEAD_DIM=head_dim, HAS_WINDOW=window, BLOCK_G=16,
+        BLOCK_N=kernel.BLOCK_KEYS if block_d <= 128 else kernel.BLOCK_KEYS // 2,
+        BLOCK_D=block_d, PRECISION="ieee" if dtype == "fp32" else "tf32", WIDEN=False),
+        num_warps=4, num_stages=2)
+    compiled_for_sm90(kernel._combine, {
+        "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": f"*{dtype}",
+        "stride_o_row": "i32", "stride_o_head": "i32", "splits": "i32"},
+        dict(HEAD_DIM=head_dim, BLOCK_S=64, BLOCK_D=block_d), num_warps=4)
