@@ -109,12 +109,16 @@ def interpreter_reads_numpy_scalars() -> None:
     """Triton 3.5's interpreter turns a loaded scalar (a one-element array) into a Python
     int with int(array), which numpy 2.4 refuses; triton's own fix (#9172) squeezes it
     first, which is what this does until that release is the one installed."""
+    import inspect
+
     from triton.runtime import interpreter
 
     patch = interpreter._patch_lang_tensor
+    if "squeeze" in inspect.getsource(patch):  # a release with the fix
+        return
 
-    def patched(tensor) -> None:
-        patch(tensor)
+    def patched(tensor, *scope) -> None:  # later releases pass a patch scope too
+        patch(tensor, *scope)
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
 
     interpreter._patch_lang_tensor = patched

@@ -73,6 +73,8 @@ def compiled_for_sm90(fn, signature: dict[str, str], constants: dict[str, object
 
 
 @needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a GPU runs the kernels themselves (test_kernels_cuda.py)")
 @pytest.mark.parametrize(("dtype", "group", "head_dim", "window"), [
     ("bf16", 4, 128, False),  # an 8B's heads
     ("fp32", 8, 18, True),  # float32 products, a padded head dim, a sliding window
