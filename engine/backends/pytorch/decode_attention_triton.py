@@ -154,9 +154,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     """
     n, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    if heads % kv_heads or k.shape[-1] != head_dim or v.shape != k.shape:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)}"
-                         f" and v {tuple(v.shape)}")
+    if (heads % kv_heads or k.shape[-1] != head_dim or v.shape != k.shape
+            or not q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype} does not fit k "
+                         f"{tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention: k and v need unit stride along head_dim")
     q = q if q.stride(-1) == 1 else q.contiguous()
