@@ -18,7 +18,7 @@ would be 137 GB, so only as many layers as --cache-gb holds are allocated and a 
 cycles through them (the "layers held" column): a step still reads 32 layers' bytes, from
 enough distinct memory that the L2 cache cannot serve it, except for 96-token rows,
 whose whole step can sit in L2 (times under the floor are possible there).
-Usage: python -m bench.decode_kernels --streams 1,8,32 --lengths 96,8000,30000
+Usage: python bench/decode_kernels.py --streams 1,8,32 --lengths 96,8000,30000
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import table
 from engine.backends.pytorch.kv_cache import KVCache, decode_index, key_bucket
