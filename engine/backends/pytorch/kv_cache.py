@@ -9,6 +9,12 @@ costs what the conversations hold, not what the fleet configured: an eager round
 keys [0, its rows' highest position + 1) of each slot it serves (a prompt span its own
 slot's [0, span end)), and a captured decode step reads [0, `key_bucket` of that).
 
+Decode rows on CUDA go through a Triton split-K kernel (`decode_attention_triton`) that
+reads each row's slot and length from device tensors and the cache by strides: no view of
+a run, no gather of scattered slots, no mask, and every key of a group's query heads read
+once. FLEET_DECODE_ATTENTION=sdpa (or a CUDA without Triton) keeps SDPA under the mask,
+which is what the CPU and MPS always run.
+
 A prompt span on CUDA without a sliding window builds no mask: its rows are the last of
 the keys they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
 memory-efficient kernel. Elsewhere the span carries the explicit mask: the CPU would
@@ -18,6 +24,8 @@ imports torch._dynamo, about 74 MB resident in a process that never compiles.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +57,16 @@ class RoundIndex:
     slots: torch.Tensor  # [rows] int64
     single_rows: torch.Tensor  # [n] rows that are one-row entries (decode), batched together
     single_slots: torch.Tensor  # [n]
-    single_mask: torch.Tensor | None  # [n, 1, 1, keys] bool
+    single_mask: torch.Tensor | None  # [n, 1, 1, keys] bool; None under the decode kernel
     spans: list[PromptSpan]
     # Decode slots that are consecutive (the usual case) are read as a view of the cache;
-    # any other set is gathered, which copies every key of those slots.
+    # any other set is gathered for SDPA, which copies every key of those slots.
     single_run: tuple[int, int] | None = None
+    single_keys: int = 0  # the decode rows read keys [0, single_keys) at most
+    # [n] int32, each decode row's keys (position + 1) for the decode kernel, which reads
+    # them on the device instead of a mask; None: SDPA under single_mask.
+    single_lengths: torch.Tensor | None = None
+    window: int | None = None  # the sliding window the decode kernel applies
 
     @classmethod
     def build(cls, layout: RowLayout, device: torch.device,
@@ -66,8 +79,11 @@ class RoundIndex:
                 mask = _visible(q, span.end, sliding_window, device)
             spans.append(PromptSpan(span.start, span.stop, span.slot, span.first, span.end,
                                     mask))
-        single_mask = None
-        if layout.single_rows:
+        single_mask = single_lengths = None
+        if layout.single_rows and decode_kernel_runs(device):
+            single_lengths = torch.tensor(layout.single_positions, dtype=torch.int32,
+                                          device=device) + 1
+        elif layout.single_rows:
             q = torch.tensor(layout.single_positions, device=device)[:, None]
             single_mask = _visible(q, layout.single_keys, sliding_window,
                                    device)[:, None, None, :]
@@ -77,7 +93,8 @@ class RoundIndex:
 
         return cls(as_tensor(layout.positions), as_tensor(layout.slots),
                    as_tensor(layout.single_rows), as_tensor(layout.single_slots), single_mask,
-                   spans, layout.single_run)
+                   spans, layout.single_run, layout.single_keys, single_lengths,
+                   sliding_window)
 
 
 # Positions a slot's cache holds are the context rounded up to this, so every slot's and
@@ -121,15 +138,45 @@ def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
     device tensors only (no host values), so that it can be captured in a CUDA graph.
 
     Its rows attend over keys [0, keys) (a `key_bucket` of the round's live length, or
-    the whole context) under a mask, which keeps every shape fixed for every round of
-    that bucket.
+    the whole context) under a mask, or through the decode kernel with their lengths as a
+    device tensor and `keys` as the bound that fixes its chunks; either way every shape is
+    fixed for every round of that bucket.
     """
     a, b = run
     device = positions.device
     slots = torch.arange(a, b, device=device)
-    mask = _visible(positions[:, None], keys, window, device)[:, None, None, :]
+    mask = lengths = None
+    if decode_kernel_runs(device):
+        lengths = (positions + 1).to(torch.int32)
+    else:
+        mask = _visible(positions[:, None], keys, window, device)[:, None, None, :]
     return RoundIndex(positions, slots, torch.arange(b - a, device=device), slots, mask, [],
-                      run)
+                      run, keys, lengths, window)
+
+
+DECODE_ATTENTION_CHOICES = ("triton", "sdpa")
+
+
+def decode_kernel_runs(device: torch.device) -> bool:
+    """Whether decode rows on `device` go through the Triton decode kernel
+    (`decode_attention_triton`) instead of SDPA under a mask: on CUDA when Triton imports,
+    unless FLEET_DECODE_ATTENTION=sdpa. Read when a round's index is built, so that a
+    process (or a test) can switch it; a captured graph keeps what it was captured with.
+    The CPU and MPS always run SDPA."""
+    choice = os.environ.get("FLEET_DECODE_ATTENTION", "triton")
+    if choice not in DECODE_ATTENTION_CHOICES:
+        raise ValueError(f"FLEET_DECODE_ATTENTION={choice!r}: expected one of "
+                         f"{', '.join(DECODE_ATTENTION_CHOICES)}")
+    return device.type == "cuda" and choice == "triton" and _triton_imports()
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import engine.backends.pytorch.decode_attention_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def visible_keys(q: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
@@ -210,7 +257,14 @@ class KVCache:
     def attend(self, layer: int, index: RoundIndex, q: torch.Tensor) -> torch.Tensor:
         """q: [rows, heads, head_dim] -> [rows, heads, head_dim]."""
         out = torch.empty_like(q)
-        if index.single_mask is not None:
+        if index.single_lengths is not None:
+            from engine.backends.pytorch.decode_attention_triton import decode_attention
+
+            rows = index.single_rows
+            out[rows] = decode_attention(q[rows], self.k[layer], self.v[layer],
+                                         index.single_slots, index.single_lengths,
+                                         index.single_keys, index.window)
+        elif index.single_mask is not None:
             keys = index.single_mask.shape[-1]
             if index.single_run:
                 a, b = index.single_run
