@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU session's checks and benchmarks, each step bounded, every log under $OUT (or ./out).
+#   bash bench/cuda_session.sh tests kernels decode        # steps to run, in order
+# Steps: tests (the CUDA tests), kernels (bench/decode_kernels.py), decode (whole 8B decode
+# rounds at long conversations, Triton kernel against SDPA), packed (bench/quantized.py),
+# anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then  # packages the GPU image lacks, carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T), at most ${limit}s): $*" | tee -a "$OUT/steps.log"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name: exit $? ($(date +%T))" | tee -a "$OUT/steps.log"
+  tail -25 "$OUT/$name.log"
+}
+for what in "$@"; do
+  case $what in
+    tests) step tests 300 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_kernels_cuda.py tests/engine/test_decode_attention_triton.py \
+        tests/engine/test_cuda.py tests/engine/test_qwen3_5_cuda.py \
+        tests/engine/test_compiled_cuda.py tests/engine/test_packed_cuda.py \
+        tests/pipeline/test_cuda_exactness.py tests/engine/test_sampling.py \
+        $(ls tests/engine/test_packed_triton_cuda.py 2>/dev/null) ;;
+    kernels) step kernels 240 python3 bench/decode_kernels.py --streams 1,8,32 \
+        --lengths 96,8000,30000 ;;
+    decode)
+      step decode-triton 300 python3 bench/decode.py --preset 8b --device cuda \
+        --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 --no-reference
+      FLEET_DECODE_ATTENTION=sdpa step decode-sdpa 200 python3 bench/decode.py --preset 8b \
+        --device cuda --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 \
+        --no-reference ;;
+    packed) step packed 300 python3 bench/quantized.py --device cuda --shape 8b --stage \
+        --stage-layers 32 ;;
+    anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
+        --batches 1,8 --no-reference ;;
+    hybrid) step hybrid 300 python3 bench/qwen3_5_decode.py --layers 8 ;;
+    *) echo "unknown step $what" >&2; exit 2 ;;
+  esac
+done
