@@ -1,0 +1,227 @@
+"""x @ w.T straight from mlx-lm's packed words on CUDA: Triton kernels that read the stored bytes.
+
+mlx-lm stores a weight [out, in] as codes `bits` wide packed into uint32 words little end
+first along the input dim ([out, in * bits / 32]), with `w = q * scale + bias` per group of
+`group_size` inputs ([out, in / group_size] each). That layout is row-major by output, which
+is what a GEMV wants, so it is read as stored: no repacking, and the weight in memory is the
+checkpoint's own bytes.
+
+Decode rows (up to DOT_ROWS_MAX): each program takes a tile of output features and a fixed
+chunk of the inputs (split-K, so a narrow projection still fills the GPU), unpacks the codes
+in registers, dequantizes them in float32 and accumulates in float32: one row or two as
+products summed in registers (GEMV_ROWS_MAX), more through tl.dot on the weights rounded to
+the activation dtype. The chunks' partial sums are added by a second kernel in chunk order,
+so for given shapes the result is the same bytes on every run (atomics would not be). Larger
+row counts (prompt chunks) dequantize the weight to the activation dtype tile-wise and run
+the dense matmul (cuBLAS), which measured faster than a dot kernel tuned blind.
+
+Every launch has a grid fixed by the shapes and no host synchronisation, so decode rounds
+capture as CUDA graphs. Kernels compile on first use (a stage's warm-up steps, before any
+capture). With TRITON_INTERPRET=1 set before triton is imported the same kernels run on CPU
+tensors (how CI checks them).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BITS = (2, 4, 8)  # widths whose codes never straddle a word
+GEMV_ROWS_MAX = 2  # up to this many rows: products in registers (tl.dot pads rows to 16)
+DOT_ROWS_MAX = 64  # up to this many rows: the fused kernel; above: dequantize, then cuBLAS
+
+
+@triton.jit
+def _codes_to_float(q):
+    # 0x4B000000 is 2**23 as float32 bits: with a code (< 2**23) in its mantissa it is
+    # 2**23 + q, and subtracting 2**23 converts without I2F, a fraction of the ALU's rate.
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
+                          stride_xm, stride_wn, stride_sn,
+                          BITS: tl.constexpr, GROUP: tl.constexpr, K_SPLIT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                          PARTIAL: tl.constexpr):
+    """out[m, n] (or chunk pid_s's partial sum) = sum over k of x[m, k] * w[n, k]."""
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    PER_WORD: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // PER_WORD)
+    offs_g = tl.arange(0, GROUPS)
+    shifts = tl.arange(0, PER_WORD) * BITS
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = offs_n[:, None] * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * K_SPLIT
+    for step in range(K_SPLIT // BLOCK_K):  # the same trip count in every program
+        k0 = k_start + step * BLOCK_K
+        words = tl.load(w_rows + (k0 // PER_WORD + offs_w)[None, :], mask=n_ok[:, None],
+                        other=0)  # [BLOCK_N, BLOCK_K / PER_WORD] int32
+        # Code j of a word sits at bits j * BITS up; the arithmetic shift's smeared sign
+        # bit is masked off with the rest.
+        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))  # input k = word * PER_WORD + j
+        g = s_rows + (k0 // GROUP + offs_g)[None, :]
+        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        w = _codes_to_float(q) * scale[:, :, None] + bias[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BLOCK_N, BLOCK_K] float32
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    out = offs_m[:, None] * N + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:  # float32 [splits, M, N], added up in chunk order by _sum_splits_kernel
+        tl.store(out_ptr + pid_s * M * N + out, acc, mask=ok)
+    else:
+        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the sum of the chunks' partial sums, always added in chunk order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.load(partial_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(partial_ptr + s * size + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """out [N, K] in the activation dtype = q * scale + bias (float32, rounded once)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = offs_n < N
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn
+                    + (k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD))[None, :],
+                    mask=n_ok[:, None], other=0)
+    q = (words[:, :, None] >> (tl.arange(0, PER_WORD) * BITS)[None, None, :]) \
+        & ((1 << BITS) - 1)
+    q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))
+    g = offs_n[:, None] * stride_sn + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]
+    scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    w = tl.reshape(_codes_to_float(q) * scale[:, :, None] + bias[:, :, None],
+                   (BLOCK_N, BLOCK_K))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one matmul shape runs: tiles, the input chunk each program takes, warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int  # input chunks (split-K); 1: the kernel writes the output itself
+    use_dot: bool
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _programs_wanted(device_index: int) -> int:
+    """Programs enough to keep every SM busy with a few tiles in flight each."""
+    if not torch.cuda.is_available():  # the interpreter: a small grid runs fastest
+        return 1
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _block_k(in_features: int, group_size: int, widest: int) -> int:
+    """The widest tile of inputs up to `widest` that divides the inputs, whole groups each."""
+    block = group_size
+    while block * 2 <= widest and in_features % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+@functools.cache
+def plan(rows: int, out_features: int, in_features: int, group_size: int,
+         device_index: int) -> Launch:
+    """The launch for x [rows, in] @ w.T [in, out]: a function of the shapes alone, so every
+    process running these shapes adds the same partial sums in the same order."""
+    use_dot = rows > GEMV_ROWS_MAX
+    if use_dot:
+        block_m = max(16, triton.next_power_of_2(rows))
+        block_n, block_k, warps = 64, _block_k(in_features, group_size, 128), 4
+    else:
+        block_m = triton.next_power_of_2(rows)
+        block_n, block_k, warps = 32, _block_k(in_features, group_size, 256), 4
+    tiles = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
+    k_blocks = in_features // block_k
+    # The fewest chunks that bring the grid to the programs wanted, dividing the inputs'
+    # tiles evenly (every program runs the same loop).
+    want = triton.cdiv(_programs_wanted(device_index), tiles)
+    splits = next((s for s in range(min(want, k_blocks), k_blocks + 1) if k_blocks % s == 0),
+                  k_blocks)
+    return Launch(block_m, block_n, block_k, max(1, splits), use_dot, warps, 3)
+
+
+def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                  biases: torch.Tensor, bits: int, group_size: int,
+                  launch: Launch | None = None) -> torch.Tensor:
+    """x [rows, in] (bfloat16, float16 or float32) @ w.T with w in mlx-lm's packed form:
+    words int32 [out, in * bits / 32] (the stored uint32 bits), scales and biases
+    [out, in / group_size] -> [rows, out] in x's dtype. `launch`: instead of `plan`'s."""
+    rows, in_features = x.shape
+    out_features = words.shape[0]
+    if rows > DOT_ROWS_MAX:  # prompt chunks: one dequantized weight, then cuBLAS
+        return torch.nn.functional.linear(x, dequantize(words, scales, biases, bits,
+                                                        group_size, x.dtype))
+    x = x.contiguous()
+    launch = launch or plan(rows, out_features, in_features, group_size,
+                            x.device.index if x.device.type == "cuda" else -1)
+    out = x.new_empty(rows, out_features)
+    partial = launch.splits > 1
+    target = (torch.empty(launch.splits, rows, out_features, device=x.device,
+                          dtype=torch.float32) if partial else out)
+    grid = (triton.cdiv(out_features, launch.block_n), triton.cdiv(rows, launch.block_m),
+            launch.splits)
+    _packed_matmul_kernel[grid](
+        x, words, scales, biases, target, rows, out_features,
+        x.stride(0), words.stride(0), scales.stride(0),
+        BITS=bits, GROUP=group_size, K_SPLIT=in_features // launch.splits,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        USE_DOT=launch.use_dot, PARTIAL=partial,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if partial:
+        size, block = rows * out_features, 1024
+        _sum_splits_kernel[(triton.cdiv(size, block),)](target, out, size,
+                                                        SPLITS=launch.splits, BLOCK=block)
+    return out
+
+
+def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+               group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [out, in] in `dtype` (each weight rounded once from float32)."""
+    out_features = words.shape[0]
+    in_features = words.shape[1] * 32 // bits
+    out = torch.empty(out_features, in_features, device=words.device, dtype=dtype)
+    block_n, block_k = 32, _block_k(in_features, group_size, 256)
+    grid = (triton.cdiv(out_features, block_n), in_features // block_k)
+    _dequantize_kernel[grid](words, scales, biases, out, out_features, in_features,
+                             words.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
+                             BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
