@@ -214,15 +214,17 @@ def int4_passes(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
 
 
 def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: QuantParams,
-                device: torch.device, *, matmul: bool, lookup: bool) -> PackedWeight:
+                device: torch.device, *, matmul: bool, lookup: bool,
+                kernel: str | None = None) -> PackedWeight:
     """mlx-lm's stored tensors (words: uint32 numpy [out, in * bits / 32]; scales and biases
-    [out, groups] in the model dtype, on `device`) -> a PackedWeight with the forms asked."""
+    [out, groups] in the model dtype, on `device`) -> a PackedWeight with the forms asked.
+    `kernel`: "triton" or "int4" for the matmul (None: `matmul_kernel`'s choice)."""
     stored = torch.from_numpy(np.array(words).view("u1")).to(device)  # [out, in * bits / 8]
     out_features = stored.shape[0]
     in_features = stored.shape[1] * 8 // params.bits
     passes: tuple[Int4Pass, ...] = ()
     held_words = None
-    if matmul and matmul_kernel(device, params.bits) == "triton":
+    if matmul and (kernel or matmul_kernel(device, params.bits)) == "triton":
         # The stored bytes as they are (a view: no copy); scales and biases contiguous.
         held_words = (stored.view(torch.int32), scales.contiguous(), biases.contiguous())
     elif matmul:
