@@ -6,7 +6,8 @@ Three tables, every ratio from ways measured in this run:
 1. Matmuls alone: each linear shape of the layer (q and o, k and v, gate and up, down) at
    1, 8, 32 and 64 rows, each way's weights for `--layers` layers (so they overflow L2, as
    a stage's do), replayed as a CUDA graph; the packed floor is the stored bytes over the
-   copy bandwidth measured here.
+   copy bandwidth measured here. "triton gather" is our kernel unpacking the other way
+   (packed_matmul_triton.Launch.gather), to choose the default by.
 2. A prompt chunk (2048 rows) through one layer's linears: dense, int4, ours (dequantize to
    bfloat16 tile-wise, then cuBLAS: what a stage runs above DOT_ROWS_MAX rows) and our dot
    kernel fused over those rows (what it would run instead).
@@ -93,24 +94,31 @@ def matmul_tables(shape: str, layers: int, params: QuantParams, dtype: torch.dty
         inputs = inputs_for(ways["dense"], torch.randn(rows, hidden, device=device, dtype=dtype))
         for key, linear_names in [*kinds.items(), ("layer", names)]:
             ms = {}
-            for way in ways:
-                chosen = [w for w in ways[way] if key == "layer" or tuple(w.shape) == key]
-                ms[way] = graph_s(chosen, inputs, repeats) * 1e3 / (len(chosen) if key != "layer"
-                                                                    else layers)
+            for way in [*ways, "triton gather"]:
+                chosen = [w for w in ways[way.split()[0]]
+                          if key == "layer" or tuple(w.shape) == key]
+                kernels.UNPACK_GATHER = way == "triton gather"  # read as the graph is captured
+                try:
+                    ms[way] = graph_s(chosen, inputs, repeats) * 1e3 / (
+                        len(chosen) if key != "layer" else layers)
+                finally:
+                    kernels.UNPACK_GATHER = False
             nbytes = (sum(stored[k] * len(v) for k, v in kinds.items()) if key == "layer"
                       else stored[key])
             floor_ms = nbytes / (copy_gbs * 1e9) * 1e3
             label = "/".join(linear_names) if key != "layer" else "one layer, all 7"
             size = f" {key[0]}x{key[1]}" if key != "layer" else ""
             rows_out.append([rows, label + size, ms["dense"] * 1e3, ms.get("int4", 0) * 1e3,
-                             ms["triton"] * 1e3, ms["dense"] / ms["triton"],
+                             ms["triton"] * 1e3, ms["triton gather"] * 1e3,
+                             ms["dense"] / ms["triton"],
                              ms.get("int4", float("nan")) / ms["triton"],
-                             f"{100 * floor_ms / ms['triton']:.0f} %"])
+                             f"{100 * floor_ms / ms['triton']:.0f} %",
+                             f"{100 * floor_ms / ms['triton gather']:.0f} %"])
     table(f"matmuls alone, {shape} linears x {layers} layers, {params.bits}-bit group "
           f"{params.group_size}, one CUDA graph per way (us per linear; 'layer': per layer); "
           f"floor: stored bytes over the measured copy bandwidth {copy_gbs:.0f} GB/s",
-          ["rows", "linear", "dense us", "int4 us", "triton us", "dense / triton",
-           "int4 / triton", "triton of floor"], rows_out)
+          ["rows", "linear", "dense us", "int4 us", "triton us", "triton gather us",
+           "dense / triton", "int4 / triton", "triton of floor", "gather of floor"], rows_out)
 
     # A prompt chunk through one layer's linears.
     one = len(names)
@@ -186,6 +194,19 @@ def write_random_packed_range(out_dir: Path, raw: dict, layers: int) -> None:
     (out_dir / "config.json").write_text(json.dumps(raw, indent=1))
 
 
+def range_checkpoint(where: Path):
+    """A range's checkpoint as written above (no tokenizer: the stage holds no embeddings)."""
+    from safetensors import safe_open
+
+    from engine.checkpoint.reader import Checkpoint
+    from engine.checkpoint.synthetic import FILE_NAME
+
+    with safe_open(str(where / FILE_NAME), "np") as stored:
+        names = list(stored.keys())
+    raw = json.loads((where / "config.json").read_text())
+    return Checkpoint(where, raw, {name: FILE_NAME for name in names})
+
+
 def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.device,
                  repeats: int, copy_gbs: float) -> None:
     """Decode rounds (1 and 8 streams) and a prompt chunk of a dense stage and of packed
@@ -203,6 +224,7 @@ def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.dev
     if not (dirs["packed"] / "config.json").exists():
         print(f"# writing a packed one in {dirs['packed']}", flush=True)
         write_random_packed_range(dirs["packed"], range_config(shape, layers, params), layers)
+    checkpoints = {kind: range_checkpoint(where) for kind, where in dirs.items()}
     context = PROMPT_ROWS
     stages, held = {}, {}
     for way in ("dense", "packed triton", "packed int4"):
@@ -210,9 +232,10 @@ def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.dev
         os.environ[packed_linear.KERNEL_ENV] = way.removeprefix("packed ")
         try:
             started = time.perf_counter()
-            stage = load_stage(StageSpec(dirs[way.split()[0]], (1, 1 + layers), "torch-cuda",
-                                         8, context, PROMPT_ROWS,
-                                         quant="dense" if way == "dense" else "auto"))
+            kind = way.split()[0]
+            stage = load_stage(StageSpec(dirs[kind], (1, 1 + layers), "torch-cuda", 8, context,
+                                         PROMPT_ROWS, quant="dense" if kind == "dense"
+                                         else "auto"), checkpoint=checkpoints[kind])
         finally:
             if before is None:
                 del os.environ[packed_linear.KERNEL_ENV]

@@ -85,13 +85,14 @@ def test_decode_rows_are_the_dense_product(kernels, bits, group, out_features):
     assert_is_the_dense_product(got, x[:3], dense)
 
 
-def test_split_k_adds_its_chunks_in_a_fixed_order(kernels):
-    params = QuantParams(32, 4)
+@pytest.mark.parametrize(("bits", "gather"), [(4, False), (4, True), (8, True)])
+def test_split_k_adds_its_chunks_in_a_fixed_order(kernels, bits, gather):
+    params = QuantParams(32, bits)
     words, scales, biases, dense = stored(40, 256, params, torch.bfloat16, 5)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
     for rows, use_dot, dtype in ((1, False, torch.bfloat16), (3, True, torch.float16)):
-        launch = kernels.Launch(16 if use_dot else 1, 32, 64, 4, use_dot, 4, 3)
-        args = (x[:rows].to(dtype), words, scales.to(dtype), biases.to(dtype), 4, 32)
+        launch = kernels.Launch(16 if use_dot else 1, 32, 64, 4, use_dot, 4, 3, gather)
+        args = (x[:rows].to(dtype), words, scales.to(dtype), biases.to(dtype), bits, 32)
         got = kernels.packed_matmul(*args, launch=launch)
         assert_is_the_dense_product(got, x[:rows].to(dtype), dense)
         assert torch.equal(got, kernels.packed_matmul(*args, launch=launch))

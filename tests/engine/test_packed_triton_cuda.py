@@ -4,6 +4,7 @@ running it decoding what the int4 kernel's stage decodes, replayed as CUDA graph
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -43,6 +44,8 @@ def stored(out_features: int, in_features: int, params: QuantParams, seed: int):
                                                            (1024, 4096)])
 def test_the_kernel_is_the_dense_product_and_repeatable(bits, group, out_features,
                                                         in_features):
+    from engine.backends.pytorch import packed_matmul_triton as kernels
+
     params = QuantParams(group, bits)
     words, scales, biases = stored(out_features, in_features, params, bits * group)
     weight = pack_weight(words, scales, biases, params, CUDA, matmul=True, lookup=False)
@@ -57,6 +60,11 @@ def test_the_kernel_is_the_dense_product_and_repeatable(bits, group, out_feature
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         assert ((got.double() - want).abs() <= 2**-7 * magnitude + 1e-3).all(), rows
         assert torch.equal(got, torch.nn.functional.linear(x[:rows], weight)), rows
+        if rows <= kernels.DOT_ROWS_MAX:  # the other unpacking, the same products
+            launch = kernels.plan(rows, out_features, in_features, group, 0)
+            other = kernels.packed_matmul(x[:rows], *weight.words, bits, group,
+                                          launch=dataclasses.replace(launch, gather=True))
+            assert ((other.double() - want).abs() <= 2**-7 * magnitude + 1e-3).all(), rows
 
 
 def test_the_kernel_replays_in_a_cuda_graph():

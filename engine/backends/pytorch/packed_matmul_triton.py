@@ -33,6 +33,7 @@ import triton.language as tl
 BITS = (2, 4, 8)  # widths whose codes never straddle a word
 GEMV_ROWS_MAX = 2  # up to this many rows: products in registers (tl.dot pads rows to 16)
 DOT_ROWS_MAX = 64  # up to this many rows: the fused kernel; above: dequantize, then cuBLAS
+UNPACK_GATHER = False  # plan's unpacking (Launch.gather); the bench times both
 
 
 @triton.jit
@@ -48,7 +49,7 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
                           BITS: tl.constexpr, GROUP: tl.constexpr, K_SPLIT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                          PARTIAL: tl.constexpr):
+                          PARTIAL: tl.constexpr, GATHER: tl.constexpr):
     """out[m, n] (or chunk pid_s's partial sum) = sum over k of x[m, k] * w[n, k]."""
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -66,17 +67,28 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
     k_start = pid_s * K_SPLIT
     for step in range(K_SPLIT // BLOCK_K):  # the same trip count in every program
         k0 = k_start + step * BLOCK_K
-        words = tl.load(w_rows + (k0 // PER_WORD + offs_w)[None, :], mask=n_ok[:, None],
-                        other=0)  # [BLOCK_N, BLOCK_K / PER_WORD] int32
         # Code j of a word sits at bits j * BITS up; the arithmetic shift's smeared sign
         # bit is masked off with the rest.
-        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))  # input k = word * PER_WORD + j
-        g = s_rows + (k0 // GROUP + offs_g)[None, :]
-        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        w = _codes_to_float(q) * scale[:, :, None] + bias[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BLOCK_N, BLOCK_K] float32
+        if GATHER:
+            # Each input reads its own word, scale and bias: a word's PER_WORD inputs read
+            # one address (one transaction) and no tile is reshaped (no layout change).
+            k = k0 + offs_k
+            words = tl.load(w_rows + (k // PER_WORD)[None, :], mask=n_ok[:, None], other=0)
+            q = (words >> ((k % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
+            g = s_rows + (k // GROUP)[None, :]
+            scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w = _codes_to_float(q) * scale + bias  # [BLOCK_N, BLOCK_K] float32
+        else:
+            words = tl.load(w_rows + (k0 // PER_WORD + offs_w)[None, :], mask=n_ok[:, None],
+                            other=0)  # [BLOCK_N, BLOCK_K / PER_WORD] int32
+            q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))  # input k = word * PER_WORD + j
+            g = s_rows + (k0 // GROUP + offs_g)[None, :]
+            scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w = _codes_to_float(q) * scale[:, :, None] + bias[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BLOCK_N, BLOCK_K] float32
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         if USE_DOT:
@@ -139,6 +151,9 @@ class Launch:
     use_dot: bool
     num_warps: int
     num_stages: int
+    # Unpack by reading each input's word (True) or a tile of words reshaped (False): which
+    # is faster depends on the layouts Triton picks (bench/quantized.py --triton times both).
+    gather: bool = False
 
 
 @functools.cache
@@ -159,7 +174,7 @@ def _block_k(in_features: int, group_size: int, widest: int) -> int:
 
 @functools.cache
 def plan(rows: int, out_features: int, in_features: int, group_size: int,
-         device_index: int) -> Launch:
+         device_index: int, gather: bool = False) -> Launch:
     """The launch for x [rows, in] @ w.T [in, out]: a function of the shapes alone, so every
     process running these shapes adds the same partial sums in the same order."""
     use_dot = rows > GEMV_ROWS_MAX
@@ -176,7 +191,7 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int,
     want = triton.cdiv(_programs_wanted(device_index), tiles)
     splits = next((s for s in range(min(want, k_blocks), k_blocks + 1) if k_blocks % s == 0),
                   k_blocks)
-    return Launch(block_m, block_n, block_k, max(1, splits), use_dot, warps, 3)
+    return Launch(block_m, block_n, block_k, max(1, splits), use_dot, warps, 3, gather)
 
 
 def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
@@ -192,7 +207,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                                                         group_size, x.dtype))
     x = x.contiguous()
     launch = launch or plan(rows, out_features, in_features, group_size,
-                            x.device.index if x.device.type == "cuda" else -1)
+                            x.device.index if x.device.type == "cuda" else -1, UNPACK_GATHER)
     out = x.new_empty(rows, out_features)
     partial = launch.splits > 1
     target = (torch.empty(launch.splits, rows, out_features, device=x.device,
@@ -204,7 +219,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         x.stride(0), words.stride(0), scales.stride(0),
         BITS=bits, GROUP=group_size, K_SPLIT=in_features // launch.splits,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        USE_DOT=launch.use_dot, PARTIAL=partial,
+        USE_DOT=launch.use_dot, PARTIAL=partial, GATHER=launch.gather,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if partial:
         size, block = rows * out_features, 1024
