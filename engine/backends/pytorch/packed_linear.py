@@ -68,7 +68,18 @@ def matmul_kernel(device: torch.device, bits: int) -> str:
     if device.type != "cuda" or os.environ.get(KERNEL_ENV, "triton") == "int4":
         return "int4"
     kernels = _triton_kernels()
-    return "triton" if kernels is not None and bits in kernels.BITS else "int4"
+    if kernels is None or bits not in kernels.BITS:
+        return "int4"
+    return "triton" if _triton_serves(device.type) else "int4"
+
+
+@functools.cache
+def _triton_serves(device_type: str) -> bool:
+    """Whether our Triton kernel compiles and agrees with the dense product here (once)."""
+    refusal = _kernel_refusal(device_type, torch.bfloat16, "triton")
+    if refusal is not None:
+        log.warning("packed matmuls on CUDA use the int4 kernel", reason=refusal)
+    return refusal is None
 
 
 @dataclass(frozen=True)
@@ -269,14 +280,20 @@ def _kernel_refusal(device_type: str, dtype: torch.dtype, kernel: str) -> str | 
     x = torch.randn(3, 64, generator=generator).to(dtype)
     dense = (codes.to(dtype).view(16, 2, 32) * scales[..., None] + biases[..., None]).view(16, 64)
     want = x.float() @ dense.float().T
+    want = torch.cat([want[:1], want])  # one row and three: the GEMV and the dot kernels
     name = "our Triton kernel" if kernel == "triton" else "PyTorch's int4 kernel"
     try:
         words = pack_bits(codes.numpy().astype(np.uint8), NIBBLE)
         weight = pack_weight(words, scales.to(device), biases.to(device), params, device,
-                             matmul=True, lookup=False)
-        got = weight.matmul(x.to(device)).float().cpu()
+                             matmul=True, lookup=False, kernel=kernel)
+        x = x.to(device)
+        got = torch.cat([weight.matmul(x[:1]), weight.matmul(x)]).float().cpu()
     except (RuntimeError, NotImplementedError) as exc:
         return f"{name} on {device_type} refused {dtype}: {exc}".splitlines()[0]
+    except Exception as exc:  # a JIT compiler's failure (triton raises its own errors)
+        if kernel != "triton":
+            raise
+        return f"{name} on {device_type} failed for {dtype}: {exc}".splitlines()[0]
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
     error = (got - want).abs().max().item()
     if not error <= tolerance * max(1.0, want.abs().max().item()):
