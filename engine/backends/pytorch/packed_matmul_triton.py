@@ -49,7 +49,8 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
                           BITS: tl.constexpr, GROUP: tl.constexpr, K_SPLIT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                          PARTIAL: tl.constexpr, GATHER: tl.constexpr):
+                          PARTIAL: tl.constexpr, GATHER: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     """out[m, n] (or chunk pid_s's partial sum) = sum over k of x[m, k] * w[n, k]."""
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -92,7 +93,7 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         if USE_DOT:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     out = offs_m[:, None] * N + offs_n[None, :]
@@ -220,6 +221,8 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         BITS=bits, GROUP=group_size, K_SPLIT=in_features // launch.splits,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         USE_DOT=launch.use_dot, PARTIAL=partial, GATHER=launch.gather,
+        # float32 rows in full float32, not TF32; half types ignore it (triton's default).
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if partial:
         size, block = rows * out_features, 1024
