@@ -34,6 +34,10 @@ BITS = (2, 4, 8)  # widths whose codes never straddle a word
 GEMV_ROWS_MAX = 2  # up to this many rows: products in registers (tl.dot pads rows to 16)
 DOT_ROWS_MAX = 64  # up to this many rows: the fused kernel; above: dequantize, then cuBLAS
 UNPACK_GATHER = False  # plan's unpacking (Launch.gather); the bench times both
+# Programs a launch aims for: a few per SM of an H200 (132), so a narrow projection still
+# keeps every SM busy. A constant, not the device's count, so the partial sums (and the
+# bytes) are the same on every GPU that runs the same shapes.
+PROGRAMS_WANTED = 512
 
 
 @triton.jit
@@ -157,14 +161,6 @@ class Launch:
     gather: bool = False
 
 
-@functools.cache
-def _programs_wanted(device_index: int) -> int:
-    """Programs enough to keep every SM busy with a few tiles in flight each."""
-    if not torch.cuda.is_available():  # the interpreter: a small grid runs fastest
-        return 1
-    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _block_k(in_features: int, group_size: int, widest: int) -> int:
     """The widest tile of inputs up to `widest` that divides the inputs, whole groups each."""
     block = group_size
@@ -175,7 +171,7 @@ def _block_k(in_features: int, group_size: int, widest: int) -> int:
 
 @functools.cache
 def plan(rows: int, out_features: int, in_features: int, group_size: int,
-         device_index: int, gather: bool = False) -> Launch:
+         gather: bool = False) -> Launch:
     """The launch for x [rows, in] @ w.T [in, out]: a function of the shapes alone, so every
     process running these shapes adds the same partial sums in the same order."""
     use_dot = rows > GEMV_ROWS_MAX
@@ -189,7 +185,7 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int,
     k_blocks = in_features // block_k
     # The fewest chunks that bring the grid to the programs wanted, dividing the inputs'
     # tiles evenly (every program runs the same loop).
-    want = triton.cdiv(_programs_wanted(device_index), tiles)
+    want = triton.cdiv(PROGRAMS_WANTED, tiles)
     splits = next((s for s in range(min(want, k_blocks), k_blocks + 1) if k_blocks % s == 0),
                   k_blocks)
     return Launch(block_m, block_n, block_k, max(1, splits), use_dot, warps, 3, gather)
@@ -207,8 +203,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, dequantize(words, scales, biases, bits,
                                                         group_size, x.dtype))
     x = x.contiguous()
-    launch = launch or plan(rows, out_features, in_features, group_size,
-                            x.device.index if x.device.type == "cuda" else -1, UNPACK_GATHER)
+    launch = launch or plan(rows, out_features, in_features, group_size, UNPACK_GATHER)
     out = x.new_empty(rows, out_features)
     partial = launch.splits > 1
     target = (torch.empty(launch.splits, rows, out_features, device=x.device,
