@@ -170,7 +170,7 @@ def _block_k(in_features: int, group_size: int, widest: int) -> int:
 
 
 @functools.cache
-def plan(rows: int, out_features: int, in_features: int, group_size: int,
+def plan(rows: int, out_features: int, in_features: int, group_size: int, bits: int,
          gather: bool = False) -> Launch:
     """The launch for x [rows, in] @ w.T [in, out]: a function of the shapes alone, so every
     process running these shapes adds the same partial sums in the same order."""
@@ -183,12 +183,13 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int,
         block_n, block_k, warps = 32, _block_k(in_features, group_size, 256), 4
     tiles = triton.cdiv(out_features, block_n) * triton.cdiv(rows, block_m)
     k_blocks = in_features // block_k
-    # The fewest chunks that bring the grid to the programs wanted, dividing the inputs'
-    # tiles evenly (every program runs the same loop).
+    # Chunks enough to bring the grid to the programs wanted, but their float32 partial
+    # sums (written and read again) at most a quarter of the weight's bytes; a number that
+    # divides the inputs' tiles, so every program runs the same loop.
     want = triton.cdiv(PROGRAMS_WANTED, tiles)
-    splits = next((s for s in range(min(want, k_blocks), k_blocks + 1) if k_blocks % s == 0),
-                  k_blocks)
-    return Launch(block_m, block_n, block_k, max(1, splits), use_dot, warps, 3, gather)
+    bound = max(1, in_features * bits // (128 * rows))  # splits * rows * 4 <= in * bits / 32
+    splits = max(s for s in range(1, min(want, bound, k_blocks) + 1) if k_blocks % s == 0)
+    return Launch(block_m, block_n, block_k, splits, use_dot, warps, 3, gather)
 
 
 def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
@@ -203,7 +204,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         return torch.nn.functional.linear(x, dequantize(words, scales, biases, bits,
                                                         group_size, x.dtype))
     x = x.contiguous()
-    launch = launch or plan(rows, out_features, in_features, group_size, UNPACK_GATHER)
+    launch = launch or plan(rows, out_features, in_features, group_size, bits, UNPACK_GATHER)
     out = x.new_empty(rows, out_features)
     partial = launch.splits > 1
     target = (torch.empty(launch.splits, rows, out_features, device=x.device,
