@@ -19,9 +19,10 @@ from the checkpoint's own bytes (gather the rows, then dequantize only those, as
 
 On CUDA the matmul instead reads the stored words themselves, through our Triton kernels
 (packed_matmul_triton.py, codes of 2, 4 or 8 bits): the weight is held as the checkpoint's
-bytes (one copy for a tied table's lookups and head) and runs near the memory's bandwidth,
-where PyTorch's int4 kernel measured slower than the dense matmul at decode. `FLEET_PACKED_KERNEL=int4`
-(or no triton) keeps the int4 kernel there; the CPU always runs it.
+bytes (one copy for a tied table's lookups and head), read once per matmul, where PyTorch's
+int4 kernel measured slower than the dense matmul at decode (bench/quantized.py --triton
+sets the two side by side). `FLEET_PACKED_KERNEL=int4` (or no triton, or a Triton that
+fails its check at load) keeps the int4 kernel there; the CPU always runs it.
 
 `PackedWeight` stands where a dense tensor stood in the family code: `F.linear(x, w, b)`
 and `F.embedding(ids, w)` reach it through `__torch_function__` (the protocol torchao's

@@ -11,9 +11,15 @@ chunk of the inputs (split-K, so a narrow projection still fills the GPU), unpac
 in registers, dequantizes them in float32 and accumulates in float32: one row or two as
 products summed in registers (GEMV_ROWS_MAX), more through tl.dot on the weights rounded to
 the activation dtype. The chunks' partial sums are added by a second kernel in chunk order,
-so for given shapes the result is the same bytes on every run (atomics would not be). Larger
-row counts (prompt chunks) dequantize the weight to the activation dtype tile-wise and run
-the dense matmul (cuBLAS), which measured faster than a dot kernel tuned blind.
+so for given shapes the result is the same bytes on every run: the grid and the order of
+the sums depend on the shapes only, not on the device or timing (atomics would). Larger row counts (prompt chunks) dequantize
+the weight to the activation dtype tile-wise and run the dense matmul (cuBLAS): its cost
+over dense is one write and read of the weight, small beside a chunk's FLOPs, where the dot
+kernel's tiles are not tuned for large rows (the bench times both at 2048 rows).
+
+The tile sizes and split counts were chosen without a GPU to measure on; the bench
+(bench/quantized.py --triton) times each linear shape, both unpackings (Launch.gather)
+and the packed floor, to tune them by.
 
 Every launch has a grid fixed by the shapes and no host synchronisation, so decode rounds
 capture as CUDA graphs. Kernels compile on first use (a stage's warm-up steps, before any
