@@ -84,13 +84,16 @@ def test_the_kernel_replays_in_a_cuda_graph():
         assert not torch.equal(out, eager)
 
 
-def greedy(model_dir, prompt: list[int], steps: int, **spec) -> tuple[list[int], np.ndarray]:
+def greedy(model_dir, prompt: list[int], steps: int, forced: list[int] | None = None,
+           **spec) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and each step's logits; `forced`: feed these tokens instead (teacher
+    forcing), so one near tie cannot send two stages down different continuations."""
     stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 2, 128, 16, **spec))
     driver = stage_driver(stage)
     logits = [driver.round({0: prompt})[0]]
     tokens = [int(logits[-1].argmax())]
-    for _ in range(steps - 1):
-        logits.append(driver.round({0: [tokens[-1]]})[0])
+    for i in range(steps - 1):
+        logits.append(driver.round({0: [forced[i] if forced else tokens[-1]]})[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, np.stack(logits)
 
@@ -107,8 +110,15 @@ def test_a_stage_decodes_with_the_kernel_what_it_decodes_with_int4(make_model, t
     assert stage.model.layers[0].q.words is not None
     graphs = greedy(model_dir, prompt, 24)
     eager = greedy(model_dir, prompt, 24, cuda_graphs=False)
+    scale = np.abs(int4_logits).max()
+    top2 = np.sort(int4_logits, axis=-1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 0.02 * scale  # no near tie for rounding to flip
     for tokens, logits in (graphs, eager):
-        # Two kernels' bfloat16 roundings: the same tokens, logits a rounding apart.
-        assert tokens == int4_tokens
-        np.testing.assert_allclose(logits, int4_logits, atol=0.1 * np.abs(int4_logits).max())
+        # Two kernels' bfloat16 roundings: logits a rounding apart, the same greedy tokens
+        # (wherever the int4 stage's choice was not a near tie; teacher-forced past one).
+        if tokens != int4_tokens:
+            forced_tokens, logits = greedy(model_dir, prompt, 24, forced=int4_tokens,
+                                           cuda_graphs=logits is graphs[1])
+            assert (np.array(forced_tokens) == int4_tokens)[decided].all()
+        np.testing.assert_allclose(logits, int4_logits, atol=0.05 * scale)
     assert greedy(model_dir, prompt, 24)[1].tobytes() == graphs[1].tobytes()
