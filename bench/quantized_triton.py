@@ -124,7 +124,7 @@ def matmul_tables(shape: str, layers: int, params: QuantParams, dtype: torch.dty
     one = len(names)
     inputs = inputs_for(ways["dense"], torch.randn(PROMPT_ROWS, hidden, device=device,
                                                    dtype=dtype))
-    fused = kernels.Launch(64, 128, max(64, params.group_size), 1, True, 8, 3)
+    fused = kernels.Launch(64, 128, max(16 * 32 // params.bits, params.group_size), 1, True, 8, 3)
 
     def fused_step() -> None:
         for w in ways["triton"][:one]:

@@ -91,7 +91,7 @@ def test_split_k_adds_its_chunks_in_a_fixed_order(kernels, bits, gather):
     words, scales, biases, dense = stored(40, 256, params, torch.bfloat16, 5)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
     for rows, use_dot, dtype in ((1, False, torch.bfloat16), (3, True, torch.float16)):
-        launch = kernels.Launch(16 if use_dot else 1, 32, 64, 4, use_dot, 4, 3, gather)
+        launch = kernels.Launch(16 if use_dot else 1, 32, 128, 2, use_dot, 4, 3, gather)
         args = (x[:rows].to(dtype), words, scales.to(dtype), biases.to(dtype), bits, 32)
         got = kernels.packed_matmul(*args, launch=launch)
         assert_is_the_dense_product(got, x[:rows].to(dtype), dense)
@@ -114,12 +114,12 @@ def test_prompt_chunks_dequantize_then_multiply(kernels):
 
 def test_a_packed_weight_runs_the_stored_words_and_holds_their_bytes_once(kernels):
     params = QuantParams(32, 4)
-    words, scales, biases, dense = stored(72, 128, params, torch.bfloat16, 3)
+    words, scales, biases, dense = stored(72, 128, params, torch.float16, 3)
     raw = words.view(torch.uint8)
-    weight = PackedWeight(72, 128, params, torch.bfloat16, rows=(raw, scales, biases),
+    weight = PackedWeight(72, 128, params, torch.float16, rows=(raw, scales, biases),
                           words=(words, scales, biases))  # a tied table: one copy
     assert weight.nbytes == raw.nbytes + scales.nbytes + biases.nbytes
-    x = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(4)).to(torch.float16)
     got = torch.nn.functional.linear(x, weight)
     assert got.shape == (2, 1, 72)
     assert_is_the_dense_product(got.view(2, 72), x.view(2, 128), dense)

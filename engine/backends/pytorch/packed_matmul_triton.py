@@ -8,8 +8,8 @@ checkpoint's own bytes.
 
 Decode rows (up to DOT_ROWS_MAX): each program takes a tile of output features and a fixed
 chunk of the inputs (split-K, so a narrow projection still fills the GPU), unpacks the codes
-in registers, dequantizes them in float32 and accumulates in float32: one row or two as
-products summed in registers (GEMV_ROWS_MAX), more through tl.dot on the weights rounded to
+in registers, dequantizes them in float32 and accumulates in float32: one row as products
+summed in registers (GEMV_ROWS_MAX), more through tl.dot on the weights rounded to
 the activation dtype. The chunks' partial sums are added by a second kernel in chunk order,
 so for given shapes the result is the same bytes on every run: the grid and the order of
 the sums depend on the shapes only, not on the device or timing (atomics would). Larger row counts (prompt chunks) dequantize
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 BITS = (2, 4, 8)  # widths whose codes never straddle a word
-GEMV_ROWS_MAX = 2  # up to this many rows: products in registers (tl.dot pads rows to 16)
+GEMV_ROWS_MAX = 1  # a single row: products in registers (tl.dot pads rows to 16)
 DOT_ROWS_MAX = 64  # up to this many rows: the fused kernel; above: dequantize, then cuBLAS
 UNPACK_GATHER = False  # plan's unpacking (Launch.gather); the bench times both
 # Programs a launch aims for: a few per SM of an H200 (132), so a narrow projection still
@@ -64,17 +64,16 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
     """out[m, n] (or chunk pid_s's partial sum) = sum over k of x[m, k] * w[n, k]."""
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     PER_WORD: tl.constexpr = 32 // BITS
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // PER_WORD)
-    offs_g = tl.arange(0, GROUPS)
-    shifts = tl.arange(0, PER_WORD) * BITS
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     s_rows = offs_n[:, None] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # One row: products summed elementwise over the loop, across lanes once at the end.
+    acc_1 = tl.zeros((BLOCK_N, BLOCK_K // PER_WORD), dtype=tl.float32)
     k_start = pid_s * K_SPLIT
     for step in range(K_SPLIT // BLOCK_K):  # the same trip count in every program
         k0 = k_start + step * BLOCK_K
@@ -82,7 +81,7 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
         # bit is masked off with the rest.
         if GATHER:
             # Each input reads its own word, scale and bias: a word's PER_WORD inputs read
-            # one address (one transaction) and no tile is reshaped (no layout change).
+            # one address (one transaction), one [BLOCK_N, BLOCK_K] tile.
             k = k0 + offs_k
             words = tl.load(w_rows + (k // PER_WORD)[None, :], mask=n_ok[:, None], other=0)
             q = (words >> ((k % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
@@ -90,22 +89,31 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N,
             scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
             bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
             w = _codes_to_float(q) * scale + bias  # [BLOCK_N, BLOCK_K] float32
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            if USE_DOT:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            else:  # BLOCK_M == 1
+                acc += tl.reshape(tl.sum(x.to(tl.float32) * w, axis=1), (1, BLOCK_N))
         else:
-            words = tl.load(w_rows + (k0 // PER_WORD + offs_w)[None, :], mask=n_ok[:, None],
-                            other=0)  # [BLOCK_N, BLOCK_K / PER_WORD] int32
-            q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-            q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))  # input k = word * PER_WORD + j
-            g = s_rows + (k0 // GROUP + offs_g)[None, :]
+            # One word per thread, each word's codes taken as PER_WORD planes (plane j holds
+            # inputs word * PER_WORD + j): every tile stays [BLOCK_N, words], no reshape.
+            kw = k0 // PER_WORD + offs_w
+            words = tl.load(w_rows + kw[None, :], mask=n_ok[:, None], other=0)
+            g = s_rows + (kw // (GROUP // PER_WORD))[None, :]  # a word's group
             scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
             bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            w = _codes_to_float(q) * scale[:, :, None] + bias[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # [BLOCK_N, BLOCK_K] float32
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if USE_DOT:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            for j in tl.static_range(PER_WORD):
+                q = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                w = _codes_to_float(q) * scale + bias  # [BLOCK_N, BLOCK_K / PER_WORD]
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (kw * PER_WORD + j)[None, :],
+                            mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K / PER_WORD]
+                if USE_DOT:
+                    acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+                else:  # BLOCK_M == 1
+                    acc_1 += x.to(tl.float32) * w
+    if not USE_DOT and not GATHER:
+        acc = tl.reshape(tl.sum(acc_1, axis=1), (BLOCK_M, BLOCK_N))
     out = offs_m[:, None] * N + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:  # float32 [splits, M, N], added up in chunk order by _sum_splits_kernel
@@ -162,8 +170,9 @@ class Launch:
     use_dot: bool
     num_warps: int
     num_stages: int
-    # Unpack by reading each input's word (True) or a tile of words reshaped (False): which
-    # is faster depends on the layouts Triton picks (bench/quantized.py --triton times both).
+    # Unpack by reading each input's word (True) or one word per thread taken apart into
+    # planes of codes (False: no reshape, fewer registers and instructions in the sm_90 code
+    # ptxas gives); bench/quantized.py --triton times both.
     gather: bool = False
 
 
@@ -181,9 +190,13 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int, bits: 
     """The launch for x [rows, in] @ w.T [in, out]: a function of the shapes alone, so every
     process running these shapes adds the same partial sums in the same order."""
     use_dot = rows > GEMV_ROWS_MAX
+    per_word = 32 // bits
     if use_dot:
         block_m = max(16, triton.next_power_of_2(rows))
-        block_n, block_k, warps = 64, _block_k(in_features, group_size, 128), 4
+        block_n, block_k, warps = 64, _block_k(in_features, group_size, 16 * per_word), 4
+        # The planes' dots take block_k / per_word inputs each, and tl.dot wants 16 or
+        # more: where the inputs allow no such tile, each input reads its own word.
+        gather = gather or block_k // per_word < 16
     else:
         block_m = triton.next_power_of_2(rows)
         block_n, block_k, warps = 32, _block_k(in_features, group_size, 256), 4
