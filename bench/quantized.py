@@ -19,6 +19,14 @@ layer shape (`--stage-layers` layers, vocabulary 16,000, bfloat16) quantized to 
 torch stage loaded with `FLEET_QUANT=auto` (packed) and one with `dense`, each decoding
 greedily at 1 and 8 streams; it prints ms per round and the bytes each stage's weights hold.
 
+`--triton` (CUDA) sets our Triton kernel (engine.backends.pytorch.packed_matmul_triton,
+what a CUDA stage runs by default) beside dense and PyTorch's int4 kernel, in one run: the
+matmuls alone at 1, 8, 32 and 64 rows for each linear shape, a 2048-row prompt chunk, and
+whole decode rounds of torch stages of `--stage-layers` layers with each, against the packed
+floor over the copy bandwidth measured in the run (bench/quantized_triton.py):
+
+    python bench/quantized.py --device cuda --shape 8b --triton --layers 16 --stage-layers 32
+
 `--libraries` sets the libraries made for group-wise affine low-bit weights beside ours, on
 the same weights (rows 1, 8 and 64 by default): gemlite (Triton kernels; mlx's bias is its
 additive term, zero = -bias / scale in its (q - zero) * scale form), torchao's int4
@@ -87,10 +95,11 @@ class Affine:
         w = w * self.scales[..., None]
         return (w + self.biases[..., None]).view(out_features, in_features)
 
-    def ours(self) -> PackedWeight:
-        """Packed through PyTorch's int4 kernel, as a torch stage holds it."""
+    def ours(self, kernel: str | None = None) -> PackedWeight:
+        """Packed as a torch stage holds it: for `kernel` ("int4", "triton"; None: the
+        stage's choice on this device)."""
         return pack_weight(self.words, self.scales, self.biases, self.params, self.codes.device,
-                           matmul=True, lookup=False)
+                           matmul=True, lookup=False, kernel=kernel)
 
 
 def affine_weights(shape: str, layers: int, params: QuantParams, dtype: torch.dtype,
@@ -470,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libraries", action="store_true",
                         help="compare gemlite's and torchao's int4 kernels too (each if "
                              "installed), with each way's error")
+    parser.add_argument("--triton", action="store_true",
+                        help="CUDA: our Triton kernel beside dense and int4: matmuls, a "
+                             "prompt chunk and stage rounds (--layers, --stage-layers)")
     args = parser.parse_args(argv)
     batches = [int(b) for b in (args.batches or ("1,8,64" if args.libraries else "1,8"))
                .split(",")]
@@ -477,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shape = args.shape or ("small" if device.type == "cpu" else "8b")
+    if args.triton:
+        from bench import quantized_triton
+
+        quantized_triton.run(shape, args.layers, args.stage_layers,
+                             QuantParams.checked(args.group_size, args.bits, "bench/quantized.py"),
+                             DTYPES[args.dtype], args.repeats)
+        return 0
     if args.stage:
         stage_decode(shape, args.stage_layers, batches, device, args.repeats)
         return 0

@@ -17,6 +17,13 @@ width is not is padded with zero rows and its output cut back. An embedding is l
 from the checkpoint's own bytes (gather the rows, then dequantize only those, as
 `mx.dequantize` does, bit for bit); a tied head keeps both forms.
 
+On CUDA the matmul instead reads the stored words themselves, through our Triton kernels
+(packed_matmul_triton.py, codes of 2, 4 or 8 bits): the weight is held as the checkpoint's
+bytes (one copy for a tied table's lookups and head), read once per matmul, where PyTorch's
+int4 kernel measured slower than the dense matmul at decode (bench/quantized.py --triton
+sets the two side by side). `FLEET_PACKED_KERNEL=int4` (or no triton, or a Triton that
+fails its check at load) keeps the int4 kernel there; the CPU always runs it.
+
 `PackedWeight` stands where a dense tensor stood in the family code: `F.linear(x, w, b)`
 and `F.embedding(ids, w)` reach it through `__torch_function__` (the protocol torchao's
 quantized tensors use), so the Llama and Qwen3.5 files keep one code path for both.
@@ -25,6 +32,8 @@ quantized tensors use), so the Llama and Qwen3.5 files keep one code path for bo
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +44,43 @@ import torch.nn.functional as F
 
 from engine.backends import quant_policy
 from engine.checkpoint.quant_config import QuantConfig, QuantParams
+from engine.checkpoint.quantize import pack_bits
 
 log = structlog.get_logger()
 
 NIBBLE = 4
 PAD_ROWS = quant_policy.INT4_PAD_ROWS  # output widths the CPU kernel takes (CUDA's 8 divides it)
+KERNEL_ENV = "FLEET_PACKED_KERNEL"  # on CUDA: "triton" (the default where it imports) or "int4"
+
+
+@functools.cache
+def _triton_kernels() -> Any:
+    """engine.backends.pytorch.packed_matmul_triton, or None where triton does not import."""
+    try:
+        return importlib.import_module("engine.backends.pytorch.packed_matmul_triton")
+    except ImportError as exc:
+        log.info("packed matmuls on CUDA use the int4 kernel", reason=f"no triton: {exc}")
+        return None
+
+
+def matmul_kernel(device: torch.device, bits: int) -> str:
+    """Which kernel a packed weight of `bits` on `device` runs its matmul with: "triton"
+    (mlx-lm's words as stored) or "int4" (PyTorch's int4 layout)."""
+    if device.type != "cuda" or os.environ.get(KERNEL_ENV, "triton") == "int4":
+        return "int4"
+    kernels = _triton_kernels()
+    if kernels is None or bits not in kernels.BITS:
+        return "int4"
+    return "triton" if _triton_serves(device.type) else "int4"
+
+
+@functools.cache
+def _triton_serves(device_type: str) -> bool:
+    """Whether our Triton kernel compiles and agrees with the dense product here (once)."""
+    refusal = _kernel_refusal(device_type, torch.bfloat16, "triton")
+    if refusal is not None:
+        log.warning("packed matmuls on CUDA use the int4 kernel", reason=refusal)
+    return refusal is None
 
 
 @dataclass(frozen=True)
@@ -51,16 +92,21 @@ class Int4Pass:
 
 
 class PackedWeight:
-    """A packed [out, in] weight: int4 passes for x @ w.T, the stored bytes for row lookups."""
+    """A packed [out, in] weight: int4 passes or the stored words for x @ w.T, the stored
+    bytes for row lookups."""
 
     def __init__(self, out_features: int, in_features: int, params: QuantParams,
                  dtype: torch.dtype, passes: tuple[Int4Pass, ...] = (),
-                 rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         self.out_features, self.in_features = out_features, in_features
         self.params = params
         self.dtype = dtype
-        self.passes = passes  # empty: this weight is only looked up (an untied embedding)
+        self.passes = passes  # int4 passes; empty where `words` serve or lookups only
         self.rows = rows  # (bytes uint8 [out, in * bits / 8], scales, biases); None: matmul only
+        # (int32 [out, in * bits / 32] (the stored uint32 bits), scales, biases) for the Triton
+        # kernels; a tied table's words are a view of its rows' bytes.
+        self.words = words
 
     @property
     def shape(self) -> torch.Size:
@@ -69,16 +115,21 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         held = [t for p in self.passes for t in (p.packed, p.scales_and_zeros)]
-        held += list(self.rows or ())
-        return sum(t.nbytes for t in held)
+        held += list(self.rows or ()) + list(self.words or ())
+        # Counted once each: a tied table's words and rows are the same bytes.
+        return sum({t.data_ptr(): t.nbytes for t in held}.values())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out], as x @ w.T."""
-        if not self.passes:
+        if not self.passes and self.words is None:
             raise TypeError("this packed weight holds rows for lookups only, not a matmul")
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 0:  # CUDA's kernel refuses an empty grid
             return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.words is not None:
+            out = _triton_kernels().packed_matmul(flat, *self.words, self.params.bits,
+                                                  self.params.group_size)
+            return out.view(*x.shape[:-1], self.out_features)
         out = None
         for one in self.passes:
             y = _int4_mm(flat, one, self.params.group_size)
@@ -175,18 +226,25 @@ def int4_passes(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
 
 
 def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: QuantParams,
-                device: torch.device, *, matmul: bool, lookup: bool) -> PackedWeight:
+                device: torch.device, *, matmul: bool, lookup: bool,
+                kernel: str | None = None) -> PackedWeight:
     """mlx-lm's stored tensors (words: uint32 numpy [out, in * bits / 32]; scales and biases
-    [out, groups] in the model dtype, on `device`) -> a PackedWeight with the forms asked."""
+    [out, groups] in the model dtype, on `device`) -> a PackedWeight with the forms asked.
+    `kernel`: "triton" or "int4" for the matmul (None: `matmul_kernel`'s choice)."""
     stored = torch.from_numpy(np.array(words).view("u1")).to(device)  # [out, in * bits / 8]
     out_features = stored.shape[0]
     in_features = stored.shape[1] * 8 // params.bits
     passes: tuple[Int4Pass, ...] = ()
-    if matmul:
+    held_words = None
+    if matmul and (kernel or matmul_kernel(device, params.bits)) == "triton":
+        # The stored bytes as they are (a view: no copy); scales and biases contiguous.
+        held_words = (stored.view(torch.int32), scales.contiguous(), biases.contiguous())
+    elif matmul:
         codes = unpack_codes(stored, params.bits)  # on the device: a GPU unpacks fast
         passes = int4_passes(codes, scales, biases, params, device)
     rows = (stored, scales, biases) if lookup else None
-    return PackedWeight(out_features, in_features, params, scales.dtype, passes, rows)
+    return PackedWeight(out_features, in_features, params, scales.dtype, passes, rows,
+                        held_words)
 
 
 def quantize_and_pack(weight: torch.Tensor, params: QuantParams, dtype: torch.dtype,
@@ -202,14 +260,18 @@ def quantize_and_pack(weight: torch.Tensor, params: QuantParams, dtype: torch.dt
                        matmul=True, lookup=False)
 
 
-@functools.cache
 def kernel_refusal(device_type: str, dtype: torch.dtype) -> str | None:
-    """Why the int4 kernel cannot serve this device and dtype (None: it can).
+    """Why the packed matmul kernel cannot serve this device and dtype (None: it can).
 
     Tried once per process on a small weight against the dense product, so a device whose
     PyTorch lacks the kernel, refuses the dtype (CUDA's takes bfloat16 only) or packs
     differently falls back to dense with its reason named instead of answering wrong.
     """
+    return _kernel_refusal(device_type, dtype, matmul_kernel(torch.device(device_type), NIBBLE))
+
+
+@functools.cache
+def _kernel_refusal(device_type: str, dtype: torch.dtype, kernel: str) -> str | None:
     device = torch.device(device_type)
     generator = torch.Generator().manual_seed(0)
     params = QuantParams(32, NIBBLE)
@@ -219,16 +281,24 @@ def kernel_refusal(device_type: str, dtype: torch.dtype) -> str | None:
     x = torch.randn(3, 64, generator=generator).to(dtype)
     dense = (codes.to(dtype).view(16, 2, 32) * scales[..., None] + biases[..., None]).view(16, 64)
     want = x.float() @ dense.float().T
+    want = torch.cat([want[:1], want])  # one row and three: the GEMV and the dot kernels
+    name = "our Triton kernel" if kernel == "triton" else "PyTorch's int4 kernel"
     try:
-        weight = PackedWeight(16, 64, params, dtype,
-                              int4_passes(codes, scales, biases, params, device))
-        got = weight.matmul(x.to(device)).float().cpu()
+        words = pack_bits(codes.numpy().astype(np.uint8), NIBBLE)
+        weight = pack_weight(words, scales.to(device), biases.to(device), params, device,
+                             matmul=True, lookup=False, kernel=kernel)
+        x = x.to(device)
+        got = torch.cat([weight.matmul(x[:1]), weight.matmul(x)]).float().cpu()
     except (RuntimeError, NotImplementedError) as exc:
-        return f"PyTorch's int4 kernel on {device_type} refused {dtype}: {exc}".splitlines()[0]
+        return f"{name} on {device_type} refused {dtype}: {exc}".splitlines()[0]
+    except Exception as exc:  # a JIT compiler's failure (triton raises its own errors)
+        if kernel != "triton":
+            raise
+        return f"{name} on {device_type} failed for {dtype}: {exc}".splitlines()[0]
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
     error = (got - want).abs().max().item()
     if not error <= tolerance * max(1.0, want.abs().max().item()):
-        return (f"PyTorch's int4 kernel on {device_type} disagreed with the dense product "
+        return (f"{name} on {device_type} disagreed with the dense product "
                 f"by {error:.3g} for {dtype}")
     return None
 
