@@ -22,12 +22,18 @@ step() {  # name, seconds, command...
 }
 for what in "$@"; do
   case $what in
-    tests) step tests 300 python3 -m pytest -q -x -p no:cacheprovider -rs \
-        tests/engine/test_kernels_cuda.py tests/engine/test_decode_attention_triton.py \
-        tests/engine/test_cuda.py tests/engine/test_qwen3_5_cuda.py \
-        tests/engine/test_compiled_cuda.py tests/engine/test_packed_cuda.py \
-        tests/pipeline/test_cuda_exactness.py tests/engine/test_sampling.py \
-        $(ls tests/engine/test_packed_triton_cuda.py 2>/dev/null) ;;
+    tests)  # each file bounded on its own, so one slow file leaves the others their time
+      for f in tests/engine/test_kernels_cuda.py tests/engine/test_packed_triton_cuda.py \
+          tests/engine/test_cuda.py tests/engine/test_packed_cuda.py \
+          tests/pipeline/test_cuda_exactness.py tests/engine/test_qwen3_5_cuda.py \
+          tests/engine/test_compiled_cuda.py tests/engine/test_sampling.py; do
+        step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+      done ;;
+    quick-tests)
+      for f in tests/engine/test_kernels_cuda.py tests/engine/test_packed_triton_cuda.py \
+          tests/engine/test_packed_cuda.py; do
+        step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+      done ;;
     kernels) step kernels 240 python3 bench/decode_kernels.py --streams 1,8,32 \
         --lengths 96,8000,30000 ;;
     decode)
@@ -36,8 +42,8 @@ for what in "$@"; do
       FLEET_DECODE_ATTENTION=sdpa step decode-sdpa 200 python3 bench/decode.py --preset 8b \
         --device cuda --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 \
         --no-reference ;;
-    packed) step packed 300 python3 bench/quantized.py --device cuda --shape 8b --stage \
-        --stage-layers 32 ;;
+    packed) step packed 330 python3 bench/quantized.py --device cuda --shape 8b --triton \
+        --layers 16 --stage-layers 32 ;;
     anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
         --batches 1,8 --no-reference ;;
     hybrid) step hybrid 300 python3 bench/qwen3_5_decode.py --layers 8 ;;

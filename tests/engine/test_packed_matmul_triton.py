@@ -1,125 +1,28 @@
-"""Our Triton packed matmul (engine.backends.pytorch.packed_matmul_triton) on the CPU, through
-triton's interpreter, against the float32 product of the dense dequantized weights: 4 and 8
-bits, every group size, decode rows (GEMV and dot kernels), split-K and prompt chunks.
-
-triton's interpreter is chosen as each kernel is decorated, its own library's (tl.zeros)
-included, so TRITON_INTERPRET=1 is set before triton is first imported, here, where there is
-no GPU. Where there is one the CUDA tests run the same kernels compiled
-(test_packed_triton_cuda.py) and this file stands aside.
-"""
+"""The packed matmul's interpreter cases (packed_matmul_triton_cases.py) in a pytest of their
+own, with TRITON_INTERPRET=1 set before triton is imported there and nowhere else."""
 
 from __future__ import annotations
 
-import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from engine.backends.pytorch import dequant
-from engine.backends.pytorch.packed_linear import PackedWeight
-from engine.checkpoint.quant_config import QuantParams
-from engine.checkpoint.quantize import affine_quantize
+from tests.requirements import require
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="a GPU runs these kernels compiled instead")
+ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
-    return importlib.import_module("engine.backends.pytorch.packed_matmul_triton")
-
-
-def stored(out_features: int, in_features: int, params: QuantParams, dtype: torch.dtype,
-           seed: int):
-    """A random weight as mlx-lm stores it: int32 words, scales, biases; and it dense."""
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
-    words, scales, biases = affine_quantize(w, params.group_size, params.bits)
-    scales, biases = torch.from_numpy(scales).to(dtype), torch.from_numpy(biases).to(dtype)
-    dense = dequant.dequantize(words, scales, biases, params).double()
-    return torch.from_numpy(words.view(np.int32)), scales, biases, dense
-
-
-def assert_is_the_dense_product(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor):
-    want = x.double() @ dense.T
-    assert got.shape == want.shape and got.dtype == x.dtype
-    if x.dtype == torch.float32:
-        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
-    else:
-        # The weights are dequantized in float32 and, for tl.dot, rounded once to the
-        # activation dtype; the sum is float32. The error scales with sum |x| * |w|.
-        magnitude = x.double().abs() @ dense.abs().T
-        assert ((got.double() - want).abs() <= 2**-7 * magnitude + 1e-3).all()
-
-
-def activation_dtype(rows: int, kernels) -> torch.dtype:
-    # The interpreter's tl.dot multiplies bfloat16's raw uint16 bits (triton 3.5), so its
-    # dot path is checked in float16 here and in bfloat16 on CUDA.
-    return torch.bfloat16 if rows <= kernels.GEMV_ROWS_MAX else torch.float16
-
-
-@pytest.mark.parametrize(("bits", "group", "out_features"),
-                         [(4, 32, 72), (4, 64, 200), (4, 128, 72), (8, 32, 200), (8, 64, 72),
-                          (8, 128, 200)])
-def test_decode_rows_are_the_dense_product(kernels, bits, group, out_features):
-    params = QuantParams(group, bits)
-    words, scales, biases, dense = stored(out_features, 128, params, torch.float32, bits + group)
-    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(group))
-    for rows in (1, 3, 16, 40):
-        dtype = activation_dtype(rows, kernels)
-        got = kernels.packed_matmul(x[:rows].to(dtype), words, scales.to(dtype),
-                                    biases.to(dtype), bits, group)
-        assert_is_the_dense_product(got, x[:rows].to(dtype),
-                                    dequant.dequantize(words.numpy().view(np.uint32),
-                                                       scales.to(dtype), biases.to(dtype),
-                                                       params).double())
-    got = kernels.packed_matmul(x[:3], words, scales, biases, bits, group)  # float32
-    assert_is_the_dense_product(got, x[:3], dense)
-
-
-@pytest.mark.parametrize(("bits", "gather"), [(4, False), (4, True), (8, True)])
-def test_split_k_adds_its_chunks_in_a_fixed_order(kernels, bits, gather):
-    params = QuantParams(32, bits)
-    words, scales, biases, dense = stored(40, 256, params, torch.bfloat16, 5)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
-    for rows, use_dot, dtype in ((1, False, torch.bfloat16), (3, True, torch.float16)):
-        launch = kernels.Launch(16 if use_dot else 1, 32, 128, 2, use_dot, 4, 3, gather)
-        args = (x[:rows].to(dtype), words, scales.to(dtype), biases.to(dtype), bits, 32)
-        got = kernels.packed_matmul(*args, launch=launch)
-        assert_is_the_dense_product(got, x[:rows].to(dtype), dense)
-        assert torch.equal(got, kernels.packed_matmul(*args, launch=launch))
-
-
-def test_prompt_chunks_dequantize_then_multiply(kernels):
-    params = QuantParams(64, 8)
-    words, scales, biases, dense = stored(24, 128, params, torch.bfloat16, 9)
-    w = kernels.dequantize(words, scales, biases, 8, 64, torch.bfloat16)
-    # Each weight is q * scale + bias in float32, rounded once; MLX's rule rounds the
-    # product (|q * scale| <= |w| + |bias|) and then the sum: half an ulp each.
-    bias = biases.double().repeat_interleave(64, dim=1)
-    assert ((w.double() - dense).abs() <= 2**-8 * (2 * dense.abs() + bias.abs())).all()
-    rows = kernels.DOT_ROWS_MAX + 1
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    assert_is_the_dense_product(kernels.packed_matmul(x, words, scales, biases, 8, 64), x,
-                                dense)
-
-
-def test_a_packed_weight_runs_the_stored_words_and_holds_their_bytes_once(kernels):
-    params = QuantParams(32, 4)
-    words, scales, biases, dense = stored(72, 128, params, torch.float16, 3)
-    raw = words.view(torch.uint8)
-    weight = PackedWeight(72, 128, params, torch.float16, rows=(raw, scales, biases),
-                          words=(words, scales, biases))  # a tied table: one copy
-    assert weight.nbytes == raw.nbytes + scales.nbytes + biases.nbytes
-    x = torch.randn(2, 1, 128, generator=torch.Generator().manual_seed(4)).to(torch.float16)
-    got = torch.nn.functional.linear(x, weight)
-    assert got.shape == (2, 1, 72)
-    assert_is_the_dense_product(got.view(2, 72), x.view(2, 128), dense)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs these kernels compiled "
+                    "instead (test_packed_triton_cuda.py)")
+def test_the_packed_kernels_under_the_interpreter():
+    require("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/engine/packed_matmul_triton_cases.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
