@@ -80,9 +80,9 @@ def wait_serving(fleet: LocalFleet, count: int, where=lambda r: True,
     return found
 
 
-def ask(fleet: LocalFleet) -> tuple[int, str]:
+def ask(fleet: LocalFleet, text: str = "Hi") -> tuple[int, str]:
     """One whole chat through the front door: (status, the replica that answered)."""
-    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
     request = urllib.request.Request(fleet.front_door_url + "/chat/completions",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -129,9 +129,13 @@ def test_two_replicas_serve_side_by_side_and_share_the_requests(fleet, checkpoin
     assert sorted(rings) == ["node-a", "node-b"]  # placed together, one replica a node
     pair = wait_serving(fleet, 2)
     assert sorted(r["stages"][0]["node"] for r in pair) == ["node-a", "node-b"]
-    answered = [ask(fleet) for _ in range(6)]
+    # Conversations spread over the replicas; each one's turns stay with the replica that
+    # holds it (supervisor.affinity), one after another as a client sends them.
+    answered = [ask(fleet, f"Hi {i}") for i in range(8)]
     assert all(status == 200 for status, _ in answered), answered
     assert {replica for _, replica in answered} == {r["id"] for r in pair}
+    again = [ask(fleet, f"Hi {i}") for i in range(8)]
+    assert [replica for _, replica in again] == [replica for _, replica in answered]
 
 
 def test_kill_9_of_one_replicas_engine_loses_no_request(fleet):
