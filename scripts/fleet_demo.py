@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -123,15 +124,7 @@ def main() -> int:
         from openai import OpenAI
 
         client = OpenAI(base_url=fleet.front_door_url, api_key="none")
-        question = "What is the capital of France?"
-        console.print(f"[bold]asking[/] {fleet.front_door_url}: {question!r}")
-        # Greedy, so the answer is the model's most likely one and the same every run.
-        reply = client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": question}], max_tokens=48,
-            temperature=0)
-        console.print(f"[bold]reply[/] (placement {reply.system_fingerprint}, "
-                      f"{reply.usage.completion_tokens} tokens):")
-        console.print(repr(reply.choices[0].message.content), markup=False)
+        two_turns(client, fleet.front_door_url)
         rolling_drain(fleet, "mlx-node")
         console.print("[bold]$ fleetctl status[/]")
         print(fleet.fleetctl("status").stdout)
@@ -150,6 +143,69 @@ def main() -> int:
         console.print("[bold]stopping[/]: agents drain their engines, then the supervisor")
         fleet.stop()
         console.print("stopped")
+
+
+SYSTEM = (
+    "You are a concise assistant for travellers. Answer in one or two sentences, name the "
+    "place you mean, and say so when you are not sure. Prefer facts a traveller can check: "
+    "official names, capitals, languages, currencies and time zones. Do not invent opening "
+    "hours, prices or addresses. When a question is ambiguous, answer the most likely reading "
+    "and say which one you chose. When asked to compare places, compare them on the same "
+    "points. Keep units metric, dates in day-month-year order, and times in 24 hours. Write "
+    "names in their usual English form, with the local form in brackets when it differs. If "
+    "the user writes in another language, answer in that language. Never give medical, legal "
+    "or visa advice beyond pointing to the official source. End without a question unless "
+    "the user asked for options. "
+)
+
+
+def two_turns(client, url: str) -> None:
+    """A two-turn chat, streamed, as a chat client sends it (the whole conversation again on
+    turn 2): the second turn resumes from the state its replica kept of the first
+    (docs/prompt-cache.md), so its time to first token is the new tokens' alone."""
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "What is the capital of France?"}]
+    console.print(f"[bold]asking[/] {url}: {messages[-1]['content']!r}")
+    first = streamed_turn(client, messages)
+    messages += [{"role": "assistant", "content": first.text},
+                 {"role": "user", "content": "And of Italy?"}]
+    console.print(f"[bold]asking again[/], the conversation resent: {messages[-1]['content']!r}")
+    second = streamed_turn(client, messages)
+    console.print(f"[bold]time to first token[/]: turn 1 {first.ttft_s * 1e3:.0f} ms, turn 2 "
+                  f"{second.ttft_s * 1e3:.0f} ms ({second.cached} of {second.prompt} prompt "
+                  f"tokens restored from the prompt cache)")
+
+
+@dataclass
+class Turn:
+    text: str = ""
+    ttft_s: float = 0.0  # time to the first token of text
+    cached: int = 0  # prompt tokens restored from the prompt cache
+    prompt: int = 0
+
+
+def streamed_turn(client, messages: list[dict]) -> Turn:
+    """One streamed chat turn; prints its reply. Greedy, so the answer is the model's most
+    likely one and the same every run."""
+    turn, started = Turn(), time.perf_counter()
+    stream = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=48, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    fingerprint = ""
+    for chunk in stream:
+        fingerprint = chunk.system_fingerprint or fingerprint
+        if chunk.usage:
+            turn.prompt = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            turn.cached = details.cached_tokens if details else 0
+        for choice in chunk.choices:
+            if choice.delta.content:
+                if not turn.text:
+                    turn.ttft_s = time.perf_counter() - started
+                turn.text += choice.delta.content
+    console.print(f"[bold]reply[/] (placement {fingerprint}):")
+    console.print(repr(turn.text), markup=False)
+    return turn
 
 
 def wait_serving(fleet: LocalFleet, count: int, where, timeout_s: float) -> list[dict]:
