@@ -30,9 +30,8 @@ for what in "$@"; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
       done ;;
     quick-tests)
-      for f in tests/engine/test_kernels_cuda.py tests/engine/test_packed_triton_cuda.py \
-          tests/engine/test_packed_cuda.py; do
-        step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+      for f in tests/engine/test_kernels_cuda.py tests/engine/test_packed_triton_cuda.py; do
+        step "$(basename "$f" .py)" 120 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
       done ;;
     kernels) step kernels 240 python3 bench/decode_kernels.py --streams 1,8,32 \
         --lengths 96,8000,30000 ;;

@@ -265,11 +265,18 @@ class LaneHost:
 
     def _admit_waiting(self) -> None:
         """Waiters into the free slots, in arrival order (one that ended while it waited
-        leaves the queue without a slot)."""
-        while self.waiting and self._can_place():
+        leaves the queue without a slot); one whose kept state is in a slot still closing
+        waits on for that slot, and those behind it may go first."""
+        still: deque[Stream] = deque()
+        while self.waiting:
             stream = self.waiting.popleft()
-            if not (stream.cancelled or stream.finished):
+            if stream.cancelled or stream.finished:
+                continue
+            if self._can_place() and not self._closing_slot_reuses_more(stream):
                 self._place(stream)
+            else:
+                still.append(stream)
+        self.waiting = still
 
     async def drain(self, deadline_s: float) -> bool:
         """Stop admitting and wait up to `deadline_s` for in-flight streams; True if all ended."""
