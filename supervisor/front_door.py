@@ -40,7 +40,8 @@ from engine.api.connections import (
     HttpLimits,
     default_max_connections,
 )
-from engine.api.errors import ApiError
+from engine.api.errors import RETRY_AFTER_S, ApiError
+from engine.api.errors import unavailable as engine_unavailable
 from engine.api.repeated_errors import RepeatedLog
 from supervisor.affinity import conversation_key
 from supervisor.relays import (
@@ -54,7 +55,6 @@ from supervisor.relays import (
 
 log = structlog.get_logger()
 
-RETRY_AFTER_S = 5
 CONNECT_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 16 << 20
 LINGERING_S = 2.0  # a refused body is drained this long at most before the connection closes
@@ -130,26 +130,20 @@ LOGS = web.AppKey("front_door_logs", RepeatedLog)
 GUARD = web.AppKey("front_door_guard", ConnectionGuard)
 
 
-def error_response(exc: ApiError) -> web.Response:
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
-
-
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
-          param: str | None = None, retry: bool = False) -> web.Response:
-    """An OpenAI-style error, its body built by engine.api.errors like rank 0's."""
-    return error_response(ApiError(status, message, kind=kind, code=code, param=param,
-                                   retry_after_s=RETRY_AFTER_S if retry else None))
+          param: str | None = None) -> web.Response:
+    """An OpenAI-style error, built by engine.api.errors like rank 0's."""
+    return ApiError(status, message, kind=kind, code=code, param=param).response()
 
 
 def unavailable(message: str) -> web.Response:
-    return error(503, message, code="unavailable", retry=True)
+    """503 + Retry-After, as rank 0 says it."""
+    return engine_unavailable(message).response()
 
 
 def sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None,
-                      "code": "unavailable"}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    """A stream's last event when its replica was lost after tokens were sent."""
+    return engine_unavailable(message).event()
 
 
 def key_matches(given: bytes, keys: frozenset[str]) -> bool:
@@ -186,7 +180,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     try:
         raw = await read_body(request, config.limits.max_body_bytes, config.limits.body_s)
     except ApiError as exc:  # 408, 413 (a compressed body too, stopped at the bound), 415
-        return error_response(exc)
+        return exc.response()
     try:
         body = json.loads(raw)
     except ValueError:

@@ -14,6 +14,7 @@ so a few thousand slowloris sockets held the API. Here:
 from __future__ import annotations
 
 import asyncio
+import json
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from engine.addresses import format_host_port
+from engine.api.errors import RETRY_AFTER_S, ApiError
 from engine.api.repeated_errors import RepeatedLog
 
 log = structlog.get_logger()
@@ -44,10 +46,10 @@ class HttpLimits:
     max_body_bytes: int = 1 << 20
 
 
-_REFUSED_BODY = (b'{"error": {"message": "too many connections", "type": "server_error", '
-                 b'"param": null, "code": "too_many_connections"}}')
+_REFUSED_BODY = json.dumps(ApiError(503, "too many connections", kind="server_error",
+                                    code="too_many_connections").body()).encode()
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-           b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+           + f"Retry-After: {RETRY_AFTER_S}\r\nConnection: close\r\nContent-Length: ".encode()
            + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
 
 

@@ -17,7 +17,6 @@ their handlers to write them, and only then does the loop stop.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +30,7 @@ from aiohttp import web
 from engine.api.auth import api_secret_middlewares
 from engine.api.bodies import read_body
 from engine.api.connections import ConnectionGuard, HttpLimits
-from engine.api.errors import RETRY_AFTER_S, ApiError, request_failed, unavailable
+from engine.api.errors import RETRY_AFTER_S, ApiError, request_failed, sse_event, unavailable
 from engine.api.json_values import load_body
 from engine.api.metrics import EngineMetrics
 from engine.api.schema import ParsedRequest, ServedModel, parse_chat, parse_completion
@@ -127,11 +126,6 @@ def _end_streams_now(host: LaneHost) -> None:
         host.fail(SHUTTING_DOWN)
 
 
-def error_response(error: ApiError) -> web.Response:
-    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s else None
-    return web.json_response(error.body(), status=error.status, headers=headers)
-
-
 def route_label(request: web.Request) -> str:
     """The route's template, never the raw path: unknown paths must not grow /metrics."""
     resource = request.match_info.route.resource
@@ -143,15 +137,15 @@ async def _errors_as_json(request: web.Request, handler: Callable) -> web.Stream
     try:
         response = await handler(request)
     except ApiError as error:
-        response = error_response(error)
+        response = error.response()
     except web.HTTPException as exc:  # 404 / 405 / 413 from aiohttp, as OpenAI-style bodies
-        response = error_response(ApiError(exc.status, exc.reason, kind="invalid_request_error"))
+        response = ApiError(exc.status, exc.reason, kind="invalid_request_error").response()
     except (asyncio.CancelledError, ConnectionError):
         raise  # the client went away: nothing to answer
     except Exception as exc:  # noqa: BLE001 - one request's bug is that request's 500
         log.error("request failed", route=route_label(request),
                   error=f"{type(exc).__name__}: {exc}")
-        response = error_response(request_failed(f"this request failed: {type(exc).__name__}"))
+        response = request_failed(f"this request failed: {type(exc).__name__}").response()
     request.app[METRICS].requests.labels(route_label(request), str(response.status)).inc()
     return response
 
@@ -251,8 +245,7 @@ async def _stream(request: web.Request, stream: Stream, out: CompletionFormat) -
     await response.prepare(request)
 
     async def send(payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        await response.write(f"data: {data}\n\n".encode())
+        await response.write(sse_event(payload))
 
     try:
         for chunk in out.opening():
