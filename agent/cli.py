@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from agent.config import (
     write_settings,
 )
 from engine.addresses import AddressError, parse_host_port
+from engine.signals import run_until_signalled
 
 
 def _config(args: argparse.Namespace, *, must_exist: bool = True) -> AgentConfig:
@@ -75,15 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         send_output_to(Path(config.log_file), config.log_max_bytes, config.log_backups)
     configure_logging(config.log_level, node=config.node)
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(config, stop)
-
     try:
-        asyncio.run(main())
+        run_until_signalled(lambda stop: serve(config, stop))
     except AgentAlreadyRunning as exc:
         print(f"fleet-agent: {exc}", file=sys.stderr)
         return 1

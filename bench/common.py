@@ -1,4 +1,5 @@
-"""What the benchmarks share: a checkpoint to measure, timing, and printing a result table."""
+"""What the benchmarks share: a checkpoint to measure, timing (a CUDA graph's replay, the
+copy bandwidth a floor is set against), and printing a result table."""
 
 from __future__ import annotations
 
@@ -54,3 +55,33 @@ def table(title: str, header: list[str], rows: list[list[object]]) -> None:
     for row in rows:
         print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row)
               + " |")
+
+
+def copy_bandwidth_gbs(device: str, repeats: int = 5) -> float:
+    """The device's memory bandwidth as a large copy sees it: bytes read + written / time
+    (1 GiB on a GPU, 256 MiB on the CPU), the median of `repeats`."""
+    import torch
+
+    size = (1 << 30) if device == "cuda" else (256 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    seconds = median_s(lambda: dst.copy_(src), repeats=repeats, warmup=2, sync=sync)
+    return 2 * size / seconds / 1e9
+
+
+def captured(step: Callable[[], object]) -> Callable[[], None]:
+    """`step` captured in a CUDA graph (warmed up on a side stream first, as the engine's
+    graphs.py does, which compiles kernels and settles the allocator): its replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay

@@ -54,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import checkpoint, median_s, n_layers, table
+from bench.common import checkpoint, copy_bandwidth_gbs, median_s, n_layers, table
 from engine.backends.base import StageSpec, load_stage
 from engine.harness.driver import RoundDriver
 from engine.pipeline.runner import LocalRunner
@@ -218,19 +218,6 @@ def weight_bytes_per_step(model_dir: Path) -> int:
         itemsize = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}.get(ckpt.tensor_dtype(name), 2)
         total += int(np.prod(shape)) * itemsize
     return total
-
-
-def copy_bandwidth_gbs(device: str, repeats: int = 5) -> float:
-    """The device's memory bandwidth as a large copy sees it: bytes read + written / time
-    (1 GiB on a GPU, 256 MiB on the CPU), the median of `repeats`."""
-    import torch
-
-    size = (1 << 30) if device == "cuda" else (256 << 20)
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    seconds = median_s(lambda: dst.copy_(src), repeats=repeats, warmup=2, sync=sync)
-    return 2 * size / seconds / 1e9
 
 
 def anchor_rows(model_dir: Path, backend: str, batches: list[int], steps: int, prompt: int,

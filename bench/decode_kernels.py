@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import table
+from bench.common import captured, copy_bandwidth_gbs, table
 from engine.backends.pytorch.kv_cache import KVCache, decode_index, key_bucket
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
@@ -57,29 +57,6 @@ def time_ms(step: Callable[[], object], repeats: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def captured(step: Callable[[], object]) -> Callable[[], None]:
-    """`step` captured in a CUDA graph (warmed up on a side stream first, as graphs.py
-    does): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting the bytes read and written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), repeats)
-    return 2 * nbytes / (ms / 1e3)
 
 
 def with_choice(choice: str, build: Callable[[], object]) -> object:
@@ -113,7 +90,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench/decode_kernels.py needs a CUDA device")
     torch.backends.cuda.enable_cudnn_sdp(False)  # as a CUDA stage runs (stage.py says why)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth_gbs("cuda", repeats=20) * 1e9  # bytes/s
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     with torch.inference_mode():

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median_s, table
+from bench.common import captured, median_s, table
 from engine.backends.pytorch.packed_linear import PackedWeight, pack_weight, unpack_codes
 from engine.checkpoint.quant_config import QuantParams
 
@@ -166,16 +166,8 @@ def timed(weights: list, inputs: dict[int, torch.Tensor], device: torch.device,
         with torch.inference_mode():
             return median_s(lambda: step(weights, inputs), repeats=repeats, warmup=2, sync=sync)
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step(weights, inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            step(weights, inputs)
-    return median_s(cuda_graph.replay, repeats=repeats, warmup=3, sync=torch.cuda.synchronize)
+        replay = captured(lambda: step(weights, inputs))
+    return median_s(replay, repeats=repeats, warmup=3, sync=torch.cuda.synchronize)
 
 
 # --- The libraries made for group-wise affine low-bit weights (--libraries) ---------------

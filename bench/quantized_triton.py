@@ -31,20 +31,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.common import ROOT, median_s, table
+from bench.common import ROOT, captured, copy_bandwidth_gbs, median_s, table
 from engine.backends.pytorch import packed_linear
 from engine.backends.pytorch import packed_matmul_triton as kernels
 from engine.checkpoint.quant_config import QuantParams
 
 PROMPT_ROWS = 2048
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """GB/s of a device-to-device copy (bytes read plus bytes written over its time)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = median_s(lambda: dst.copy_(src), repeats=10, warmup=2, sync=torch.cuda.synchronize)
-    return 2 * nbytes / seconds / 1e9
 
 
 def lean_step(weights: list, inputs: dict[int, torch.Tensor]) -> None:
@@ -56,16 +48,8 @@ def lean_step(weights: list, inputs: dict[int, torch.Tensor]) -> None:
 def graph_s(weights: list, inputs: dict[int, torch.Tensor], repeats: int) -> float:
     """Median seconds of one CUDA graph replay of `lean_step`."""
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles the kernels, settles the allocator
-                lean_step(weights, inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            lean_step(weights, inputs)
-    return median_s(graph.replay, repeats=repeats, warmup=3, sync=torch.cuda.synchronize)
+        replay = captured(lambda: lean_step(weights, inputs))
+    return median_s(replay, repeats=repeats, warmup=3, sync=torch.cuda.synchronize)
 
 
 def eager_s(action, repeats: int) -> float:
@@ -287,7 +271,7 @@ def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.dev
 def run(shape: str, layers: int, stage_layers: int, params: QuantParams, dtype: torch.dtype,
         repeats: int) -> None:
     device = torch.device("cuda")
-    copy_gbs = copy_bandwidth_gbs(device)
+    copy_gbs = copy_bandwidth_gbs(device.type)
     print(f"# {torch.cuda.get_device_name(device)}: copy bandwidth {copy_gbs:.0f} GB/s",
           flush=True)
     matmul_tables(shape, layers, params, dtype, device, repeats, copy_gbs)

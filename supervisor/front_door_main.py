@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from agent.pki import MissingCredentials, NodeCredentials, PkiError
 from agent.tls import client_context
 from engine.api.repeated_errors import RepeatedLog
 from engine.api.repeated_errors import install as install_repeated_errors
+from engine.signals import run_until_signalled
 from supervisor.front_door import FrontDoorConfig, open_front_door
 from supervisor.relays import Relays
 from supervisor.route_sync import POLL_S, RouteSync
@@ -87,15 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleet-front-door: --poll-s {args.poll_s}: must be positive", file=sys.stderr)
         return 2
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(args, url, stop)
-
     try:
-        asyncio.run(run())
+        run_until_signalled(lambda stop: serve(args, url, stop))
     except OSError as exc:
         print(f"fleet-front-door: cannot listen: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import socket
 import ssl
 import sys
@@ -27,6 +26,7 @@ from aiohttp import web
 from agent.pki import MissingCredentials, PkiError
 from engine.api.repeated_errors import RepeatedLog
 from engine.api.repeated_errors import install as install_repeated_errors
+from engine.signals import run_until_signalled
 from supervisor.app import make_app
 from supervisor.issuing import supervisor_credentials
 from supervisor.lifecycle import Policy
@@ -135,15 +135,8 @@ def main(argv: list[str] | None = None) -> int:
               f"--state-dir {settings.state_dir} --address HOST:PORT` first", file=sys.stderr)
         return 2
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(settings, stop)
-
     try:
-        asyncio.run(run())
+        run_until_signalled(lambda stop: serve(settings, stop))
     except (MissingCredentials, PkiError) as exc:
         print(f"fleet-supervisor: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Serving outlives the supervisor: a fleet whose front door is `fleet-front-door`, a process
 of its own, as real processes on loopback (a supervisor, one agent, one torch-cpu stage).
 Four clients keep asking through the front door (whole replies and streams, a bounded count
-and time) while the supervisor is killed with `kill -9` and started again about 2 s later:
+and time) while the supervisor is killed with `kill -9` and started again once the front door
+has noticed and answered every client meanwhile:
 no request fails, requests are answered while the supervisor is down, and the front door
 re-syncs its routes from the supervisor that came back; then, the supervisor down again, a
 front door restarted serves from the routes it kept on disk."""
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.local import LocalFleet
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "demo"
@@ -106,7 +108,11 @@ def test_killing_the_supervisor_mid_load_fails_no_request(tmp_path: Path, checkp
             syncs = synced_count(fleet)
             killed_at = time.monotonic()
             assert fleet.stop_supervisor(signal.SIGKILL) == -signal.SIGKILL
-            time.sleep(2.0)
+            # Down until the front door has noticed and every client was answered since.
+            wait_until(lambda: "supervisor not reachable" in (
+                fleet.logs / "front-door.log").read_text() and all(
+                    c.answered and c.answered[-1] > killed_at for c in clients),
+                within_s=60, what="answers while the supervisor is down")
             fleet.start_supervisor()
             back_at = time.monotonic()
             fleet.wait(lambda: synced_count(fleet) > syncs, 30,
