@@ -18,7 +18,9 @@ from tests.supervisor.test_lifecycle import (
 
 WHOLE_BYTES = 17_842_688  # the demo's 0:8 on one node at parallel 2
 AUTO = FLEET.replace("    placement:\n      - {node: a, layers: \"0:4\"}\n"
-                     "      - {node: b, layers: \"4:8\"}\n", "    replicas: %s\n")
+                     "      - {node: b, layers: \"4:8\"}\n",
+                     # no kept slots: the bytes below are the streams' alone
+                     "    replicas: %s\n    prompt_cache_slots: 0\n")
 
 
 def config(replicas="2", parallel=2):
