@@ -110,9 +110,14 @@ def test_an_outside_sigterm_to_rank0_shows_a_drain_and_ends_cleanly(fleet):
     # Whichever stage's clean exit the supervisor heard first (rank 0 "drained", or its
     # follower "rank 0 ended the replica"): stopped, not failed, no failure counted.
     assert "ended cleanly" in stopped["reason"], stopped
-    agent_log = (fleet.logs / "agent-node-a.log").read_text()
-    assert any('"child exited"' in line and '"reason": "drained"' in line and
-               old["stages"][0]["engine_id"] in line for line in agent_log.splitlines())
+    rank0 = old["stages"][0]["engine_id"]
+
+    def rank0_exit_logged() -> bool:  # the follower's exit may reach the supervisor first
+        log = (fleet.logs / "agent-node-a.log").read_text()
+        return any('"child exited"' in line and '"reason": "drained"' in line and rank0 in line
+                   for line in log.splitlines())
+
+    wait_until(rank0_exit_logged, within_s=30, what="node-a's agent logging rank 0 drained")
     assert stopped["failures"] == old["failures"]
     new = fleet.wait_replica(MODEL, timeout_s=120, where=lambda r: r["id"] != old["id"])
     assert new["generation"] == old["generation"] + 1
