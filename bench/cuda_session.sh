@@ -2,7 +2,8 @@
 # One GPU session's checks and benchmarks, each step bounded, every log under $OUT (or ./out).
 #   bash bench/cuda_session.sh tests kernels decode        # steps to run, in order
 # Steps: tests (the CUDA tests), kernels (bench/decode_kernels.py), decode (whole 8B decode
-# rounds at long conversations, Triton kernel against SDPA), packed (bench/quantized.py),
+# rounds at long conversations, Triton kernel against SDPA), tuning (bench/packed_tuning.py:
+# the packed kernels' launches), packed (bench/quantized.py),
 # anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py).
 set -u
 OUT=${OUT:-out}
@@ -31,7 +32,7 @@ for what in "$@"; do
       done ;;
     quick-tests)
       for f in tests/engine/test_kernels_cuda.py tests/engine/test_packed_triton_cuda.py; do
-        step "$(basename "$f" .py)" 120 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+        step "$(basename "$f" .py)" 240 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
       done ;;
     kernels) step kernels 240 python3 bench/decode_kernels.py --streams 1,8,32 \
         --lengths 96,8000,30000 ;;
@@ -41,6 +42,7 @@ for what in "$@"; do
       FLEET_DECODE_ATTENTION=sdpa step decode-sdpa 200 python3 bench/decode.py --preset 8b \
         --device cuda --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 \
         --no-reference ;;
+    tuning) step tuning 420 python3 bench/packed_tuning.py ;;
     packed) step packed 330 python3 bench/quantized.py --device cuda --shape 8b --triton \
         --layers 16 --stage-layers 32 ;;
     anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -219,11 +220,23 @@ def test_the_readme_fleet_commands_work_as_written(tmp_path):
                 wait_until(lambda: [r["state"] for r in readme.fleetctl_json("status")[
                     "replicas"] if r["model_id"] == "tiny"] == ["serving"], within_s=120,
                     what="the tiny model to be served")
+                # The front door is a process of its own that polls the supervisor's routes:
+                # it learns of the serving replica a poll later.
+                wait_until(lambda: front_door_serves(readme.front_door, "tiny"), within_s=30,
+                           what="the front door to route to the tiny model")
                 answer_through_front_door(readme.front_door)
             outputs[command] = readme.run(command).stdout
         assert "gb10" in outputs[".venv/bin/fleetctl status"]
     finally:
         readme.stop()
+
+
+def front_door_serves(front_door: str, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{front_door}/health", timeout=5) as reply:
+            return model in json.loads(reply.read())["serving"]
+    except (OSError, ValueError):  # 503 (HTTPError is an OSError) until it routes there
+        return False
 
 
 def answer_through_front_door(front_door: str) -> None:

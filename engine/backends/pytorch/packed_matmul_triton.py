@@ -258,3 +258,200 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, 
                              words.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
                              BLOCK_N=block_n, BLOCK_K=block_k)
     return out
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, words_split, steps,
+                 stride_wn, stride_sn,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr):
+    """One row: out[n] (or chunk pid_s's partial sum) = sum over k of x[k] * w[n, k].
+
+    Each word's codes are taken apart as a [.., words, codes] tile, against the inputs
+    loaded whole (PER_WORD contiguous inputs a word: one vector load each); the group's
+    scale and bias are applied per word, not per code: sum_j x_j (q_j s + b) =
+    s * sum_j x_j q_j + b * sum_j x_j."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_j = tl.arange(0, PER_WORD)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = offs_n[:, None] * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    w_start = pid_s * words_split
+    for step in range(steps):
+        kw = w_start + step * BLOCK_W + offs_w
+        words = tl.load(w_rows + kw[None, :], mask=n_ok[:, None], other=0)
+        x = tl.load(x_ptr + kw[:, None] * PER_WORD + offs_j[None, :]).to(tl.float32)
+        q = (words[:, :, None] >> (offs_j * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        dots = tl.sum(_codes_to_float(q) * x[None, :, :], axis=2)  # [BLOCK_N, BLOCK_W]
+        g = s_rows + (kw // WORDS_PER_GROUP)[None, :]
+        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        acc += dots * scale + tl.sum(x, axis=1)[None, :] * bias
+    total = tl.sum(acc, axis=1)
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * N + offs_n, total, mask=n_ok)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, k_split, steps,
+                stride_xm, stride_wn, stride_sn,
+                BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """A few rows: each tile of weights dequantized in registers (float32, rounded once to
+    the activation dtype), then one tl.dot against the rows' inputs."""
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    PER_WORD: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    offs_kw = tl.arange(0, BLOCK_K // PER_WORD)
+    shifts = tl.arange(0, PER_WORD) * BITS
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = offs_n[:, None] * stride_sn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_s * k_split
+    for step in range(steps):
+        k0 = k_start + step * BLOCK_K
+        words = tl.load(w_rows + (k0 // PER_WORD + offs_kw)[None, :], mask=n_ok[:, None],
+                        other=0)
+        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))
+        g = s_rows + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]
+        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        w = tl.reshape(_codes_to_float(q) * scale[:, :, None] + bias[:, :, None],
+                       (BLOCK_N, BLOCK_K))
+        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+    out = offs_m[:, None] * N + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * M * N + out, acc, mask=ok)
+    else:
+        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _bf16_pair(half):
+    """The two bfloat16 in a 32-bit word as float32 (low, high): a bfloat16 is a float32's
+    top 16 bits."""
+    low = (half << 16).to(tl.float32, bitcast=True)
+    high = (half & -65536).to(tl.float32, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _plane(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Code j of every word, as float32."""
+    return _codes_to_float((words >> (j * BITS)) & ((1 << BITS) - 1))
+
+
+@triton.jit
+def _gemv_planes_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, words_split, steps,
+                        stride_wn, stride_sn,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr):
+    """One bfloat16 row, every tile two-dimensional [outputs, words] so each thread keeps
+    its words' codes and their inputs in its own registers: code j of the words is one
+    plane, and the inputs of plane j (input word * PER_WORD + j) come from 64-bit loads of
+    four inputs each (x_ptr: the row's bfloat16 viewed as int64), taken apart with shifts."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    QUADS: tl.constexpr = PER_WORD // 4  # int64 loads of inputs per word
+    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BLOCK_W)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    s_rows = offs_n[:, None] * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    w_start = pid_s * words_split
+    for step in range(steps):
+        kw = w_start + step * BLOCK_W + offs_w
+        words = tl.load(w_rows + kw[None, :], mask=n_ok[:, None], other=0)
+        dots = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        xsum = tl.zeros((1, BLOCK_W), dtype=tl.float32)
+        for c in tl.static_range(QUADS):
+            # [1, BLOCK_W], not [BLOCK_W]: loaded in the words' own layout where that spreads
+            # the warps along the words (BLOCK_W = 32 * num_warps), not converted to it.
+            quad = tl.load(x_ptr + (kw * QUADS + c)[None, :])  # inputs 4c .. 4c + 3
+            x0, x1 = _bf16_pair(quad.to(tl.int32))
+            x2, x3 = _bf16_pair((quad >> 32).to(tl.int32))
+            dots += _plane(words, 4 * c, BITS) * x0
+            dots += _plane(words, 4 * c + 1, BITS) * x1
+            dots += _plane(words, 4 * c + 2, BITS) * x2
+            dots += _plane(words, 4 * c + 3, BITS) * x3
+            xsum += (x0 + x1) + (x2 + x3)
+        g = s_rows + (kw // WORDS_PER_GROUP)[None, :]
+        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        acc += dots * scale + xsum * bias
+    total = tl.sum(acc, axis=1)
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * N + offs_n, total, mask=n_ok)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch of the gemv (block_m 1) or dot kernel: tiles, split-K chunks, warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int  # inputs per loop step
+    splits: int
+    num_warps: int
+    num_stages: int
+    planes: bool = False  # one row: the two-dimensional planes kernel (bfloat16 rows)
+
+
+def run_tiles(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+              biases: torch.Tensor, bits: int, group_size: int, tiles: Tiles) -> torch.Tensor:
+    rows, in_features = x.shape
+    out_features = words.shape[0]
+    x = x.contiguous()
+    out = x.new_empty(rows, out_features)
+    partial = tiles.splits > 1
+    target = (torch.empty(tiles.splits, rows, out_features, device=x.device,
+                          dtype=torch.float32) if partial else out)
+    k_split = in_features // tiles.splits
+    steps = k_split // tiles.block_k
+    per_word = 32 // bits
+    if tiles.block_m == 1:
+        assert rows == 1
+        grid = (triton.cdiv(out_features, tiles.block_n), tiles.splits)
+        kernel = _gemv_planes_kernel if tiles.planes else _gemv_kernel
+        if tiles.planes:
+            assert x.dtype == torch.bfloat16
+            x = x.view(torch.int64)
+        kernel[grid](x, words, scales, biases, target, out_features,
+                     k_split // per_word, steps, words.stride(0), scales.stride(0),
+                     BITS=bits, GROUP=group_size, BLOCK_N=tiles.block_n,
+                     BLOCK_W=tiles.block_k // per_word, PARTIAL=partial,
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    else:
+        grid = (triton.cdiv(out_features, tiles.block_n), triton.cdiv(rows, tiles.block_m),
+                tiles.splits)
+        _dot_kernel[grid](x, words, scales, biases, target, rows, out_features, k_split, steps,
+                          x.stride(0), words.stride(0), scales.stride(0),
+                          BITS=bits, GROUP=group_size, BLOCK_M=tiles.block_m,
+                          BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PARTIAL=partial,
+                          DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if partial:
+        size, block = rows * out_features, 1024
+        _sum_splits_kernel[(triton.cdiv(size, block),)](target, out, size,
+                                                        SPLITS=tiles.splits, BLOCK=block)
+    return out
