@@ -37,25 +37,25 @@ SHAPES = {"8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
 
 
 def candidates(rows: int, out_features: int, in_features: int) -> list:
-    from engine.backends.pytorch.packed_matmul_triton import Tiles
+    from engine.backends.pytorch.packed_matmul_triton import Launch
 
     def splits_of(block_k: int) -> list[int]:
         blocks = in_features // block_k if in_features % block_k == 0 else 0
-        return [s for s in range(1, 17) if blocks and blocks % s == 0]
+        return [s for s in range(1, 33) if blocks and blocks % s == 0]
 
     found = []
-    if rows == 1:  # the planes kernel: words 32 * warps * v wide, so its warps lie along them
-        for warps, v, block_n in itertools.product((1, 2, 4, 8), (1, 2), (8, 16, 32, 64)):
+    if rows == 1:  # the planes kernel: 32 * warps threads along the words, v words each
+        for warps, v, block_n in itertools.product((1, 2, 4), (1, 2, 4), (4, 8, 16)):
             block_k = 32 * warps * v * 32 // BITS
-            found += [Tiles(1, block_n, block_k, splits, warps, 2, planes=True)
+            found += [Launch(1, block_n, block_k, splits, warps, 2)
                       for splits in splits_of(block_k)]
         return found
     block_m = max(16, 1 << (rows - 1).bit_length())
     # Around what a first sweep found best on an H200 (4 warps, 64 outputs, 128 inputs).
     grid = (itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3)) if rows <= 16
-            else itertools.product((32, 64, 128), (64, 128), (4,), (3,)))
+            else itertools.product((64, 128), (64, 128), (4,), (3,)))
     for block_n, block_k, warps, stages in grid:
-        found += [Tiles(block_m, block_n, block_k, splits, warps, stages)
+        found += [Launch(block_m, block_n, block_k, splits, warps, stages)
                   for splits in splits_of(block_k) if splits <= 8]
     return found
 
@@ -80,14 +80,14 @@ def packed_bytes(out_features: int, in_features: int) -> int:
 def warm(work: list) -> int:
     """Compile candidates on their real shapes (one copy: the specialisation the timing run
     gets); `work`: (rows, out, in, tiles) each."""
-    from engine.backends.pytorch.packed_matmul_triton import run_tiles
+    from engine.backends.pytorch.packed_matmul_triton import packed_matmul
 
     done = 0
     for rows, out_features, in_features, tiles in work:
         (w,) = random_packed(out_features, in_features, 1, "cuda")
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         try:
-            run_tiles(x, *w, BITS, GROUP, tiles)
+            packed_matmul(x, *w, BITS, GROUP, launch=tiles)
             done += 1
         except Exception as exc:  # noqa: BLE001 - out of registers or shared memory
             print(f"# not a candidate: {tiles} on {out_features}x{in_features}: "
@@ -98,7 +98,7 @@ def warm(work: list) -> int:
 
 def describe(tiles) -> str:
     return (f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} s{tiles.splits} "
-            f"w{tiles.num_warps} st{tiles.num_stages}" + (" planes" if tiles.planes else ""))
+            f"w{tiles.num_warps} st{tiles.num_stages}")
 
 
 def per_copy_us(action, copies: int) -> float:
@@ -124,8 +124,8 @@ def time_shape(x: torch.Tensor, weights: list, tiles_list: list) -> tuple:
     timed = []
     for tiles in tiles_list:
         try:
-            got = kernels.run_tiles(x, *weights[0], BITS, GROUP, tiles)
-            us = per_copy_us(lambda t=tiles: [kernels.run_tiles(x, *w, BITS, GROUP, t)
+            got = kernels.packed_matmul(x, *weights[0], BITS, GROUP, launch=tiles)
+            us = per_copy_us(lambda t=tiles: [kernels.packed_matmul(x, *w, BITS, GROUP, launch=t)
                                               for w in weights], copies)
         except Exception as exc:  # noqa: BLE001 - did not compile: not a candidate
             print(f"# not timed: {tiles}: {type(exc).__name__}", flush=True)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows, out_features, in_features, tiles_list in jobs:
         for tiles in tiles_list:
             key = (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-                   tiles.num_stages, tiles.planes, tiles.splits > 1)
+                   tiles.num_stages, tiles.splits > 1)
             by_kernel.setdefault(key, []).append((rows, out_features, in_features, tiles))
     kernel_lists = list(by_kernel.values())
     work = [[item for kernel in kernel_lists[k::args.jobs] for item in kernel]

@@ -22,21 +22,25 @@ from triton.compiler import ASTSource
 from engine.backends.pytorch import packed_matmul_triton as k
 
 target = GPUTarget("cuda", 90, 32)
-pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
-            "out_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
-            "stride_wn": "i32", "stride_sn": "i32"}
-cases = [(1, 4096, 4096, 64, 4), (8, 1024, 4096, 64, 4), (64, 4096, 14336, 128, 4),
+shared = {"w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32",
+          "steps": "i32", "stride_wn": "i32", "stride_sn": "i32"}
+cases = [(1, 4096, 4096, 64, 4), (1, 17408, 5120, 64, 4), (1, 72, 256, 32, 8),
+         (1, 200, 512, 32, 2), (8, 1024, 4096, 64, 4), (64, 4096, 14336, 128, 4),
          (3, 16, 64, 32, 4), (16, 200, 512, 32, 8), (2, 72, 256, 128, 2)]
 for rows, out_features, in_features, group, bits in cases:
-    for gather in (False, True):
-        launch = k.plan(rows, out_features, in_features, group, bits, gather)
-        constants = dict(BITS=bits, GROUP=group, K_SPLIT=in_features // launch.splits,
-                         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-                         BLOCK_K=launch.block_k, USE_DOT=launch.use_dot,
-                         PARTIAL=launch.splits > 1, GATHER=launch.gather, DOT_PRECISION="tf32")
-        signature = dict(pointers, **{name: "constexpr" for name in constants})
-        triton.compile(ASTSource(k._packed_matmul_kernel, signature, constants), target=target,
-                       options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    launch = k.plan(rows, out_features, in_features, group, bits)
+    common = dict(BITS=bits, GROUP=group, BLOCK_N=launch.block_n, PARTIAL=launch.splits > 1)
+    if launch.block_m == 1:
+        kernel, constants = k._gemv_planes_kernel, dict(
+            common, BLOCK_W=launch.block_k * bits // 32)
+        signature = dict(shared, x_ptr="*i64", words_split="i32")
+    else:
+        kernel, constants = k._dot_kernel, dict(
+            common, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, DOT_PRECISION="tf32")
+        signature = dict(shared, x_ptr="*bf16", M="i32", k_split="i32", stride_xm="i32")
+    signature.update({name: "constexpr" for name in constants})
+    triton.compile(ASTSource(kernel, signature, constants), target=target,
+                   options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
 signature = {"w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
              "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "BITS": "constexpr",
              "GROUP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}

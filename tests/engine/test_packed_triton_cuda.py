@@ -60,10 +60,10 @@ def test_the_kernel_is_the_dense_product_and_repeatable(bits, group, out_feature
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         assert ((got.double() - want).abs() <= 2**-7 * magnitude + 1e-3).all(), rows
         assert torch.equal(got, torch.nn.functional.linear(x[:rows], weight)), rows
-        if rows <= kernels.DOT_ROWS_MAX:  # the other unpacking, the same products
+        if rows <= kernels.DOT_ROWS_MAX:  # the inputs in one chunk: the same products
             launch = kernels.plan(rows, out_features, in_features, group, bits)
             other = kernels.packed_matmul(x[:rows], *weight.words, bits, group,
-                                          launch=dataclasses.replace(launch, gather=True))
+                                          launch=dataclasses.replace(launch, splits=1))
             assert ((other.double() - want).abs() <= 2**-7 * magnitude + 1e-3).all(), rows
 
 
