@@ -6,8 +6,8 @@ Three tables, every ratio from ways measured in this run:
 1. Matmuls alone: each linear shape of the layer (q and o, k and v, gate and up, down) at
    1, 8, 32 and 64 rows, each way's weights for `--layers` layers (so they overflow L2, as
    a stage's do), replayed as a CUDA graph; the packed floor is the stored bytes over the
-   copy bandwidth measured here. "triton gather" is our kernel unpacking the other way
-   (packed_matmul_triton.Launch.gather), to choose the default by.
+   copy bandwidth measured here. Our kernel runs the launch `plan` picks (the tuning bench,
+   bench/packed_tuning.py, times the others).
 2. A prompt chunk (2048 rows) through one layer's linears: dense, int4, ours (dequantize to
    bfloat16 tile-wise, then cuBLAS: what a stage runs above DOT_ROWS_MAX rows) and our dot
    kernel fused over those rows (what it would run instead).
@@ -78,37 +78,30 @@ def matmul_tables(shape: str, layers: int, params: QuantParams, dtype: torch.dty
         inputs = inputs_for(ways["dense"], torch.randn(rows, hidden, device=device, dtype=dtype))
         for key, linear_names in [*kinds.items(), ("layer", names)]:
             ms = {}
-            for way in [*ways, "triton gather"]:
-                chosen = [w for w in ways[way.split()[0]]
-                          if key == "layer" or tuple(w.shape) == key]
-                kernels.UNPACK_GATHER = way == "triton gather"  # read as the graph is captured
-                try:
-                    ms[way] = graph_s(chosen, inputs, repeats) * 1e3 / (
-                        len(chosen) if key != "layer" else layers)
-                finally:
-                    kernels.UNPACK_GATHER = False
+            for way in ways:
+                chosen = [w for w in ways[way] if key == "layer" or tuple(w.shape) == key]
+                ms[way] = graph_s(chosen, inputs, repeats) * 1e3 / (
+                    len(chosen) if key != "layer" else layers)
             nbytes = (sum(stored[k] * len(v) for k, v in kinds.items()) if key == "layer"
                       else stored[key])
             floor_ms = nbytes / (copy_gbs * 1e9) * 1e3
             label = "/".join(linear_names) if key != "layer" else "one layer, all 7"
             size = f" {key[0]}x{key[1]}" if key != "layer" else ""
             rows_out.append([rows, label + size, ms["dense"] * 1e3, ms.get("int4", 0) * 1e3,
-                             ms["triton"] * 1e3, ms["triton gather"] * 1e3,
-                             ms["dense"] / ms["triton"],
+                             ms["triton"] * 1e3, ms["dense"] / ms["triton"],
                              ms.get("int4", float("nan")) / ms["triton"],
-                             f"{100 * floor_ms / ms['triton']:.0f} %",
-                             f"{100 * floor_ms / ms['triton gather']:.0f} %"])
+                             f"{100 * floor_ms / ms['triton']:.0f} %"])
     table(f"matmuls alone, {shape} linears x {layers} layers, {params.bits}-bit group "
           f"{params.group_size}, one CUDA graph per way (us per linear; 'layer': per layer); "
           f"floor: stored bytes over the measured copy bandwidth {copy_gbs:.0f} GB/s",
-          ["rows", "linear", "dense us", "int4 us", "triton us", "triton gather us",
-           "dense / triton", "int4 / triton", "triton of floor", "gather of floor"], rows_out)
+          ["rows", "linear", "dense us", "int4 us", "triton us", "dense / triton",
+           "int4 / triton", "triton of floor"], rows_out)
 
     # A prompt chunk through one layer's linears.
     one = len(names)
     inputs = inputs_for(ways["dense"], torch.randn(PROMPT_ROWS, hidden, device=device,
                                                    dtype=dtype))
-    fused = kernels.Launch(64, 128, max(16 * 32 // params.bits, params.group_size), 1, True, 8, 3)
+    fused = kernels.Launch(64, 128, max(128, params.group_size), 1, 8, 3)
 
     def fused_step() -> None:
         for w in ways["triton"][:one]:
