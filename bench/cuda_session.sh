@@ -3,7 +3,8 @@
 #   bash bench/cuda_session.sh tests kernels decode        # steps to run, in order
 # Steps: tests (the CUDA tests), kernels (bench/decode_kernels.py), decode (whole 8B decode
 # rounds at long conversations, Triton kernel against SDPA), tuning (bench/packed_tuning.py:
-# the packed kernels' launches), packed (bench/quantized.py),
+# the packed kernels' launches), packed (bench/quantized.py), profile (bench/stage_profile.py:
+# a packed stage's round kernel by kernel),
 # anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py).
 set -u
 OUT=${OUT:-out}
@@ -43,6 +44,9 @@ for what in "$@"; do
         --device cuda --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 \
         --no-reference ;;
     tuning) step tuning 420 python3 bench/packed_tuning.py ;;
+    profile)
+      step profile-graphs 250 python3 bench/stage_profile.py --rows 1 --top 14
+      step profile-eager 300 python3 bench/stage_profile.py --rows 8 --no-graphs --top 12 ;;
     packed) step packed 330 python3 bench/quantized.py --device cuda --shape 8b --triton \
         --layers 16 --stage-layers 32 ;;
     anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \

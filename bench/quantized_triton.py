@@ -184,12 +184,8 @@ def range_checkpoint(where: Path):
     return Checkpoint(where, raw, {name: FILE_NAME for name in names})
 
 
-def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.device,
-                 repeats: int, copy_gbs: float) -> None:
-    """Decode rounds (1 and 8 streams) and a prompt chunk of a dense stage and of packed
-    stages running each kernel, one process, the stages timed in turn."""
-    from agent.stage_timer import decode_layout, prefill_layout, random_row_bytes
-    from engine.backends.base import StageSpec, load_stage
+def stage_checkpoints(shape: str, layers: int, params: QuantParams) -> dict[str, Path]:
+    """{"dense": dir, "packed": dir}: random layer ranges of `shape`, written once under build/."""
     from engine.checkpoint.synthetic import write_range
 
     out = ROOT / "build" / f"bench-triton-{shape}-{layers}-{params.bits}-{params.group_size}"
@@ -201,6 +197,17 @@ def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.dev
     if not (dirs["packed"] / "config.json").exists():
         print(f"# writing a packed one in {dirs['packed']}", flush=True)
         write_random_packed_range(dirs["packed"], range_config(shape, layers, params), layers)
+    return dirs
+
+
+def stage_tables(shape: str, layers: int, params: QuantParams, device: torch.device,
+                 repeats: int, copy_gbs: float) -> None:
+    """Decode rounds (1 and 8 streams) and a prompt chunk of a dense stage and of packed
+    stages running each kernel, one process, the stages timed in turn."""
+    from agent.stage_timer import decode_layout, prefill_layout, random_row_bytes
+    from engine.backends.base import StageSpec, load_stage
+
+    dirs = stage_checkpoints(shape, layers, params)
     checkpoints = {kind: range_checkpoint(where) for kind, where in dirs.items()}
     context = PROMPT_ROWS
     stages, held = {}, {}
