@@ -22,6 +22,9 @@ from engine.checkpoint.quant_config import QuantParams, packed_params  # noqa: F
 PACKED_DTYPES = {"torch-cuda": ("bfloat16",), "torch-cpu": ("bfloat16",),
                  "torch-mps": ("bfloat16", "float16")}
 INT4_PAD_ROWS = 16  # output widths PyTorch's int4 kernels take (CPU: 16, CUDA and MPS: 8)
+# Widths our Triton kernels read as stored on CUDA (packed_matmul_triton.py): such a weight is
+# held once, as the checkpoint's bytes, for its matmuls and lookups alike.
+TRITON_BITS = (2, 4, 8)
 
 
 def runs_packed(backend: str, dtype: str, mode: str = "auto") -> bool:
@@ -46,15 +49,17 @@ def held_bytes(backend: str, out_features: int, in_features: int, params: QuantP
     """Bytes `backend` holds for one packed [out, in] weight of the checkpoint.
 
     `packed`: as `runs_packed` decided. `matmul` / `lookup`: the forms it is used in (an
-    embedding is looked up; tied, it is the head's matmul too). MLX holds the stored tensors
-    once for both; PyTorch holds the stored bytes for lookups and its int4 layout for
-    matmuls, both for a tied table.
+    embedding is looked up; tied, it is the head's matmul too). MLX, and CUDA where our
+    Triton kernels take the width, hold the stored tensors once for both; elsewhere PyTorch
+    holds the stored bytes for lookups and its int4 layout for matmuls, both for a tied
+    table. (A CUDA stage told FLEET_PACKED_KERNEL=int4 holds that layout: placement charges
+    the default.)
     """
     groups = in_features // params.group_size
     stored = out_features * in_features * params.bits // 8 + 2 * out_features * groups * dtype_bytes
     if not packed:
         return out_features * in_features * dtype_bytes
-    if backend.startswith("mlx-"):
+    if backend.startswith("mlx-") or (backend == "torch-cuda" and params.bits in TRITON_BITS):
         return stored
     held = stored if lookup else 0
     if matmul:

@@ -61,3 +61,15 @@ def test_a_layer_type_is_charged_at_its_widest_layer(tmp_path):
     hidden, inter = 4096, 14336
     extra = hidden * inter * 4 // 8  # four more bits a weight for one down_proj
     assert mixed.layers[0].weight_bytes == plain.layers[0].weight_bytes + extra
+
+
+def test_a_tied_table_is_charged_once_where_the_triton_kernels_read_it_as_stored(tmp_path):
+    """On CUDA our Triton kernels run the head's matmul from the bytes its lookups read (one
+    copy, as MLX holds it); torch-cpu holds those bytes and its int4 layout besides."""
+    raw = raw_config("bfloat16", **QUANT) | {"tie_word_embeddings": True}
+    cuda = shape_of(tmp_path, raw, ("torch-cuda",))
+    cpu = shape_of(tmp_path, raw, ("torch-cpu",))
+    mlx = shape_of(tmp_path, raw, ("mlx-metal",))
+    assert cuda.embedding_bytes == mlx.embedding_bytes
+    assert cpu.embedding_bytes == 2 * mlx.embedding_bytes  # 128,256 rows: no padding
+    assert cuda.layers[0].weight_bytes == mlx.layers[0].weight_bytes

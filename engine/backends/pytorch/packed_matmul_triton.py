@@ -42,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-BITS = (2, 4, 8)  # widths whose codes never straddle a word, four or more codes a word
+from engine.backends import quant_policy
+
+BITS = quant_policy.TRITON_BITS  # codes that never straddle a word, four or more a word
 DOT_ROWS_MAX = 64  # up to this many rows: the dot kernel; above: dequantize, then cuBLAS
 # The planes kernel: one warp over 4 outputs and 128 words (4 words a thread, side by side).
 PLANES_OUTPUTS, PLANES_WORDS = 4, 128
