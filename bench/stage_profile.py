@@ -24,6 +24,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--no-graphs", action="store_true", help="launch eagerly")
+    parser.add_argument("--keys", type=int, default=512, help="positions each row attends to")
+    parser.add_argument("--ways", default="dense,triton,int4",
+                        help="of dense, triton, int4 (the packed kernels)")
     args = parser.parse_args()
     from agent.stage_timer import decode_layout, random_row_bytes
     from bench.quantized_triton import range_checkpoint, stage_checkpoints
@@ -31,14 +34,15 @@ def main() -> None:
     from engine.checkpoint.quant_config import QuantParams
 
     dirs = stage_checkpoints("8b", args.layers, QuantParams(group_size=64, bits=4))
-    for way in ("dense", "triton", "int4"):
+    context = max(2048, 1 << args.keys.bit_length())
+    for way in args.ways.split(","):
         kind = "dense" if way == "dense" else "packed"
         os.environ[packed_linear.KERNEL_ENV] = way if way != "dense" else "triton"
-        stage = load_stage(StageSpec(dirs[kind], (1, 1 + args.layers), "torch-cuda", 8, 2048,
-                                     2048, cuda_graphs=not args.no_graphs,
+        stage = load_stage(StageSpec(dirs[kind], (1, 1 + args.layers), "torch-cuda", max(8, args.rows),
+                                     context, 2048, cuda_graphs=not args.no_graphs,
                                      quant="dense" if kind == "dense" else "auto"),
                            checkpoint=range_checkpoint(dirs[kind]))
-        layout = decode_layout(512, args.rows)
+        layout = decode_layout(args.keys, args.rows)
         x = stage.rows_from_bytes(random_row_bytes(args.rows, stage.config.hidden_size,
                                                    stage.row_format.name), args.rows)
         for _ in range(3):
@@ -48,7 +52,8 @@ def main() -> None:
             for _ in range(3):
                 stage.run_layers_again(x, layout)
             torch.cuda.synchronize()
-        print(f"\n### {way}, {args.rows} row(s), {args.layers} layers, 3 rounds, "
+        print(f"\n### {way}, {args.rows} row(s) over {args.keys} keys, {args.layers} layers, "
+              "3 rounds, "
               f"{'eager' if args.no_graphs else 'CUDA graphs'}", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top),
               flush=True)

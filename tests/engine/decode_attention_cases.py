@@ -124,13 +124,53 @@ def interpreter_reads_numpy_scalars() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def check_compiled_block(device: str) -> None:
+    """The compiled decode layer (llama.decode_block under torch.compile, fullgraph) with its
+    attention through the kernel's operator computes what the eager layer under SDPA does,
+    over slots of unequal lengths: Inductor keeps the operator whole instead of tracing into
+    it or replacing it (its own attention copied every grouped key head)."""
+    import tempfile
+    from pathlib import Path
+
+    import engine.backends.pytorch.decode_attention_triton  # noqa: F401 - the operator
+    from engine.backends.base import StageSpec, load_stage
+    from engine.backends.pytorch.llama import decode_block
+    from engine.checkpoint.maker import CheckpointSpec, make_checkpoint
+    from engine.harness.local_pipeline import model_config
+
+    with tempfile.TemporaryDirectory() as where:
+        model_dir = make_checkpoint(Path(where), CheckpointSpec(family="qwen3", seed=5))
+        config = model_config(model_dir)
+        stage = load_stage(StageSpec(model_dir, (0, config.num_hidden_layers), "torch-cpu",
+                                     3, 64, 16))
+    model, generator = stage.model, torch.Generator().manual_seed(1)
+    positions = torch.tensor([9, 30, 2])  # each row's keys: its position + 1
+    keys = 32  # the bound a graph's bucket gives
+    model.cache.k.copy_(torch.randn(model.cache.k.shape, generator=generator))
+    model.cache.v.copy_(torch.randn(model.cache.v.shape, generator=generator))
+    x = torch.randn(3, config.hidden_size, generator=generator)
+    mask = (torch.arange(keys)[None, :] <= positions[:, None])[:, None, None, :]
+    compiled = torch.compile(decode_block, fullgraph=True)
+    outs = {}
+    for name, step, kernel in (("sdpa", decode_block, False), ("kernel", decode_block, True),
+                               ("compiled kernel", compiled, True)):
+        k, v = model.cache.k[0].clone(), model.cache.v[0].clone()  # each way writes its own
+        with torch.inference_mode():
+            outs[name] = step(x, model.layers[0], config, model.rope.cos, model.rope.sin,
+                              k, v, positions, mask, kernel)
+    for name in ("kernel", "compiled kernel"):
+        torch.testing.assert_close(outs[name], outs["sdpa"], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, name=name: f"decode_block, {name}: {m}")
+
+
 def main() -> int:
     """Every CPU case under the interpreter (the caller sets TRITON_INTERPRET=1)."""
     interpreter_reads_numpy_scalars()
     failed = 0
-    for case in CPU_CASES:
+    for check_one in [*(lambda c=c: check(c, "cpu") for c in CPU_CASES),
+                      lambda: check_compiled_block("cpu")]:
         try:
-            check(case, "cpu")
+            check_one()
         except AssertionError as error:
             failed += 1
             print(f"FAILED {error}", file=sys.stderr)

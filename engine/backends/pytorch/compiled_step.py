@@ -3,8 +3,9 @@
 Eager, a decode layer is some forty small kernels (RMSNorm alone is six, RoPE eight) and
 a CUDA graph replays every one of them; compiled, Inductor fuses each norm, the rotary
 embedding with its table lookup, the cache write and the SwiGLU activation into a few
-kernels, leaving the matmuls and attention to cuBLAS and SDPA. One graph serves every
-layer (a layer's weights and its run of the cache are inputs, not constants) and every
+kernels, leaving the matmuls to cuBLAS and attention to the Triton decode kernel on CUDA
+(an operator it keeps whole: `decode_attention_triton.decode_attention_op`), SDPA
+elsewhere. One graph serves every layer (a layer's weights and its run of the cache are inputs, not constants) and every
 decode round: the first shape is compiled as it is, and a second run of slots or key
 count recompiles it once with those sizes symbolic (Dynamo's automatic dynamic shapes),
 so a stage compiles two or three times in its life, not once per (run, bucket). On CUDA

@@ -192,3 +192,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
         HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
         num_warps=4)
     return out
+
+
+@torch.library.custom_op("ringfleet::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor, lengths: torch.Tensor, keys: int,
+                        window: int | None) -> torch.Tensor:
+    """`decode_attention` as an operator torch.compile keeps whole: Inductor neither traces
+    into the launches (their grids are host values) nor replaces them with its own
+    attention (which expanded every grouped key head into a copy of the cache)."""
+    return decode_attention(q, k, v, slots, lengths, keys, window)
+
+
+@decode_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+      lengths: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+    return torch.empty_like(q)

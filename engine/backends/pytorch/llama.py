@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, visible_keys
+from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, decode_kernel_runs, visible_keys
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
 
@@ -83,7 +83,8 @@ def block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope, cac
 
 def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                 positions: torch.Tensor, mask: torch.Tensor,
+                 kernel: bool = False) -> torch.Tensor:
     """One layer of a decode round over consecutive slots, one row each: `block`'s math
     with every input a tensor (no round index, no layer number), so that one compiled
     graph serves every layer and every round of a shape (`compiled_step.py`).
@@ -91,6 +92,8 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     x: [n, hidden]; k_cache, v_cache: [n, kv_heads, positions, head_dim], this layer's
     run of slots (a view: written in place); positions: [n]; cos, sin: the RoPE tables
     [context, head_dim]; mask: [n, 1, 1, keys] bool, the keys [0, keys) the rows read.
+    kernel: attention through the Triton decode kernel (CUDA, `kv_cache.decode_kernel_runs`)
+    instead of SDPA under the mask.
     """
     rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
     h = rms_norm(x, w.input_norm, eps)
@@ -107,6 +110,11 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     k_cache[slots, :, positions] = k
     v_cache[slots, :, positions] = v
     keys = mask.shape[-1]
+    if kernel:  # each row reads keys [0, its position]: its slot's, by strides, no copy
+        o = torch.ops.ringfleet.decode_attention(q, k_cache, v_cache, slots, positions + 1,
+                                                 keys, config.sliding_window)
+        x = x + F.linear(o.reshape(rows, config.q_width), w.o)
+        return x + mlp(rms_norm(x, w.post_norm, eps), w)
     # SDPA's own grouped heads, not kv_cache.attend_one_row_each: Inductor compiles this form
     # without the math kernel's copies, and the rows form here made an 8B's step after
     # 8,000-token conversations 2x slower on an H200 (docs/benchmarks.md, "36 layers").
@@ -150,10 +158,13 @@ class LlamaRange:
         Device tensors only, no host values: it can be captured in a CUDA graph."""
         a, b = run
         mask = visible_keys(positions[:, None], keys, window)[:, None, None, :]
+        kernel = decode_kernel_runs(x.device)
+        if kernel:  # registers the operator the step calls
+            import engine.backends.pytorch.decode_attention_triton  # noqa: F401
         for layer_slot, w in enumerate(self.layers):
             x = step(x, w, self.config, self.rope.cos, self.rope.sin,
                      self.cache.k[layer_slot, a:b], self.cache.v[layer_slot, a:b], positions,
-                     mask)
+                     mask, kernel)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
