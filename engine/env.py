@@ -309,12 +309,20 @@ class EngineEnv:
         }
         env.update({k: v for k, v in optional.items() if v})
         default = {name: f.default for name, f in type(self).__dataclass_fields__.items()}
-        for variable, attr in TUNING.items():
+        changed = [attr for attr in TUNING.values() if getattr(self, attr) != default[attr]]
+        return env | self.written(*changed)
+
+    def written(self, *attrs: str) -> dict[str, str]:
+        """These tuning knobs' variables (TUNING) as `to_environ` writes them, at their
+        defaults too: for a sender whose value must win over a default its receiver sets
+        (the supervisor's drain_s over an agent's)."""
+        out = {}
+        for attr in attrs:
             value = getattr(self, attr)
-            if value != default[attr]:
-                env[variable] = (("1" if value else "0") if isinstance(value, bool)
-                                 else repr(value) if isinstance(value, float) else str(value))
-        return env
+            out[VARIABLE_OF[attr]] = (("1" if value else "0") if isinstance(value, bool)
+                                      else repr(value) if isinstance(value, float)
+                                      else str(value))
+        return out
 
     @property
     def depth(self) -> int:

@@ -154,3 +154,11 @@ def test_the_kernel_switches_are_the_contracts_and_read_where_kernels_are_picked
     with pytest.raises(EnvError, match=r"^FLEET_PACKED_KERNEL='int8': expected one of "
                                        r"triton, int4$"):
         read_switch("packed_kernel", {"FLEET_PACKED_KERNEL": "int8"})
+
+
+def test_written_spells_a_knob_at_its_default_too(tmp_path):
+    env = EngineEnv(model_dir=tmp_path, http=("127.0.0.1", 8001), model_id="x")
+    assert "FLEET_DRAIN_S" not in env.to_environ()
+    assert env.written("drain_s", "cuda_graphs") == {"FLEET_DRAIN_S": "180.0",
+                                                     "FLEET_CUDA_GRAPHS": "1"}
+    assert EngineEnv.from_environ(env.to_environ() | env.written("drain_s")) == env
