@@ -44,7 +44,7 @@ from agent.probe import (
     open_listener,
     run_probe,
 )
-from agent.spawn import EngineSpec, SpawnRefused, engine_pythonpath
+from agent.spawn import SpawnRefused, SpawnRequest, engine_pythonpath
 from agent.tls import client_context
 
 log = structlog.get_logger()
@@ -220,10 +220,10 @@ async def get_engine(request: web.Request) -> web.Response:
 
 @roles("supervisor", "admin")
 async def spawn_engine(request: web.Request) -> web.Response:
-    spec = EngineSpec.from_dict(await json_body(request))
+    spawn = SpawnRequest.from_dict(await json_body(request))
     facts = request.app[FACTS]
     await facts.wait_probed(request.app[CONFIG].backend_probe_timeout_s)
-    view = request.app[ENGINES].spawn(spec)
+    view = request.app[ENGINES].spawn(spawn)
     return web.json_response(view.to_dict(), status=201)
 
 

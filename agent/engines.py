@@ -14,7 +14,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from agent.spawn import (
     EngineSpec,
     LogFile,
     SpawnRefused,
+    SpawnRequest,
     check_spawn,
     child_environment,
     engine_logs_to_prune,
@@ -69,7 +70,7 @@ class EngineView:
                "rank": self.spec.rank, "state": self.state.value, "pid": self.pid,
                "started_at": self.started_at, "ready_at": self.ready_at,
                "drain_started_at": self.drain_started_at, "adopted": self.adopted,
-               "log_path": self.log_path, "spec": asdict(self.spec),
+               "log_path": self.log_path, "spec": self.spec.to_dict(),
                "exit": self.exit.to_dict() if self.exit else None}
         return out
 
@@ -105,14 +106,15 @@ class RunRecord:
     drain_started_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["spec"] = asdict(self.spec)
-        return out
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "spec": self.spec.to_dict()}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunRecord:
+        """A record read back; a ValueError (RecordError) names a spec it cannot read, such
+        as an older agent's spec of fields."""
         raw = dict(raw)
-        raw["spec"] = EngineSpec(**raw["spec"])
+        raw["spec"] = EngineSpec.from_dict(raw["spec"])
         return cls(**raw)
 
 
@@ -218,6 +220,7 @@ class EngineManager:
             try:
                 records.append(RunRecord.from_dict(json.loads(path.read_text())))
             except (OSError, ValueError, TypeError, KeyError) as exc:
+                # Its engine, if one still runs, is not adopted: it is left as it is.
                 self.log.warning("unreadable run record removed", path=str(path), error=str(exc))
                 path.unlink(missing_ok=True)
         return records
@@ -337,26 +340,26 @@ class EngineManager:
         engine = self.engines.get(engine_id)
         return engine.view() if engine else None
 
-    def spawn(self, spec: EngineSpec) -> EngineView:
+    def spawn(self, request: SpawnRequest) -> EngineView:
         """Check and start one stage; SpawnRefused names what is wrong."""
-        if not ENGINE_ID.match(spec.engine_id):  # it names files: check it before any is written
-            raise SpawnRefused("engine_id", f"{spec.engine_id!r}: use letters, digits, '-', "
+        engine_id = request.engine_id
+        if not ENGINE_ID.match(engine_id):  # it names files: check it before any is written
+            raise SpawnRefused("engine_id", f"{engine_id!r}: use letters, digits, '-', "
                                "'_', '.' (at most 96)")
-        live = self.engines.get(spec.engine_id)
+        live = self.engines.get(engine_id)
         if live is not None and live.state != EnginePhase.EXITED:  # before touching its files
-            raise SpawnRefused("engine_id", f"{spec.engine_id!r} is already running here", 409)
+            raise SpawnRefused("engine_id", f"{engine_id!r} is already running here", 409)
         try:
-            return self._spawn(self._with_secret_files(spec))
+            return self._spawn(self._with_secret_files(request))
         except BaseException:
-            self._remove_secrets(spec.engine_id)
+            self._remove_secrets(engine_id)
             raise
 
     def _spawn(self, spec: EngineSpec) -> EngineView:
-        drain_s = self.config.drain_s
-        info = read_checkpoint_info(spec.model_dir)
+        info = read_checkpoint_info(str(spec.engine.model_dir))
         running = tuple(e.record.spec for e in self.engines.values()
                         if e.state != EnginePhase.EXITED)
-        check_spawn(spec, info, self.backends_present(), running, drain_s)
+        check_spawn(spec, info, self.backends_present(), running)
         for name, host, port in spec.bound_ports():
             if port_in_use(host, port):
                 raise SpawnRefused(name, f"{host}:{port} is in use by another process", 409)
@@ -366,7 +369,7 @@ class EngineManager:
         argv = list(self.config.engine_command)
         try:
             child = ChildProcess.spawn(f"engine {spec.engine_id}", argv,
-                                       child_environment(spec, drain_s), log_file,
+                                       child_environment(spec), log_file,
                                        from_start=False, **self._child_kwargs(spec))
         except SpawnError as exc:
             raise SpawnRefused("engine_command", str(exc), 500) from exc
@@ -385,27 +388,27 @@ class EngineManager:
         keys = self.config.state_dir / "keys"
         return keys / f"{engine_id}.key", keys / f"{engine_id}.api"
 
-    def _with_secret_files(self, spec: EngineSpec) -> EngineSpec:
+    def _with_secret_files(self, request: SpawnRequest) -> EngineSpec:
         """The link key and the API secret arrive over mutual TLS; write each to a file of
-        ours and keep only its path, so neither the run record nor any view holds them."""
-        link_path, api_path = self._secret_paths(spec.engine_id)
-        if spec.link_key:
+        ours and let the contract name only its path, so neither the run record nor any view
+        holds them. Then read the contract, with this agent's drain_s where it sets none."""
+        link_path, api_path = self._secret_paths(request.engine_id)
+        key_file = api_secret_file = None
+        if request.link_key:
             try:
-                key = bytes.fromhex(spec.link_key)
+                key = bytes.fromhex(request.link_key)
             except ValueError:
                 raise SpawnRefused("link_key", "expected the link key in hex") from None
             if len(key) < 16:
                 raise SpawnRefused("link_key", f"{len(key)} bytes; a link key has at least 16")
             write_private(private_dir(link_path.parent) / link_path.name,
-                          spec.link_key.encode())
-            spec = replace(spec, key_file=str(link_path), link_key="")
-        if spec.api_secret:
-            if spec.rank != 0:
-                raise SpawnRefused("api_secret", "only rank 0 serves the API")
+                          request.link_key.encode())
+            key_file = link_path
+        if request.api_secret:  # the contract refuses it at a rank other than 0
             write_private(private_dir(api_path.parent) / api_path.name,
-                          spec.api_secret.encode())
-            spec = replace(spec, api_secret_file=str(api_path), api_secret="")
-        return spec
+                          request.api_secret.encode())
+            api_secret_file = api_path
+        return request.spec(self.config.drain_s, key_file, api_secret_file)
 
     def _remove_secrets(self, engine_id: str) -> None:
         for path in self._secret_paths(engine_id):
@@ -418,9 +421,8 @@ class EngineManager:
         engine = self.engines[engine_id]
         if engine.state == EnginePhase.EXITED or engine.drain_task is not None:
             return engine.view()
-        if drain_s is None:  # the request's, else the spawn's, else the agent's
-            spec_drain_s = engine.record.spec.drain_s
-            drain_s = self.config.drain_s if spec_drain_s is None else spec_drain_s
+        if drain_s is None:  # the request's, else the engine's own (the spawn's or the agent's)
+            drain_s = engine.record.spec.engine.drain_s
         grace = GracePeriods(term_s=drain_s + self.config.term_grace_s,
                              kill_s=self.config.kill_grace_s)
         engine.record = replace(engine.record, drain_started_at=time.time())
@@ -431,8 +433,7 @@ class EngineManager:
 
     def _resume_drain(self, engine: _Engine) -> None:
         """The SIGTERM went out before a restart: SIGKILL if the engine outlives its drain."""
-        spec_drain_s = engine.record.spec.drain_s
-        drain_s = self.config.drain_s if spec_drain_s is None else spec_drain_s
+        drain_s = engine.record.spec.engine.drain_s
         elapsed = time.time() - (engine.record.drain_started_at or time.time())
         left = max(0.0, drain_s + self.config.term_grace_s - elapsed)
         engine.drain_task = asyncio.get_running_loop().create_task(engine.child.stop(

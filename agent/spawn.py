@@ -1,23 +1,22 @@
-"""A spawn request: one stage's environment contract, the pure checks that refuse a
-request that cannot work (naming the field to fix) before any process starts, and which old
-engine logs a spawn prunes."""
+"""A spawn request: the engine's environment contract as the supervisor sends it (the
+mapping `engine.env.EngineEnv.to_environ` writes) beside the few fields that are the
+agent's own, the pure checks that refuse a request that cannot work (naming the field or
+variable to fix) before any process starts, and which old engine logs a spawn prunes."""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.addresses import AddressError, format_host_port, parse_host_port
-
-if TYPE_CHECKING:
-    from engine.env import EngineEnv
+from engine.env import VARIABLE_OF, VARIABLES, EngineEnv, EnvError
 
 ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # What an engine inherits from the agent besides its contract: what a process needs to run.
@@ -27,21 +26,9 @@ PASSED_THROUGH = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR",
 PASSED_PREFIXES = ("OPENBLAS_", "MKL_", "NCCL_", "PYTORCH_", "MLX_", "METAL_")
 
 
-# The environment contract's names -> the spawn request's fields, so a refusal names what
-# the caller sent.
-ENV_FIELDS = {"RANK": "rank", "WORLD_SIZE": "world_size", "MASTER_ADDR": "master_addr",
-              "MASTER_PORT": "master_port", "MASTER_ADDR:MASTER_PORT": "master_port",
-              "FLEET_MODEL": "model_dir", "FLEET_BACKEND": "backend", "FLEET_LAYERS": "layers",
-              "FLEET_LAYOUT": "layout", "FLEET_LISTEN": "listen", "FLEET_HTTP": "http",
-              "FLEET_KEY_FILE": "key_file", "FLEET_PLACEMENT": "placement",
-              "FLEET_CONTEXT": "context", "FLEET_PARALLEL": "parallel", "FLEET_CHUNK": "chunk",
-              "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots",
-              "FLEET_DRAIN_S": "drain_s", "FLEET_MODEL_ID": "model_id",
-              "FLEET_API_SECRET_FILE": "api_secret", "FLEET_HOP_TRANSPORT": "hop_transport"}
-
-
 class SpawnRefused(ValueError):
-    """A spawn request the agent will not act on; `field` names what to fix."""
+    """A spawn request the agent will not act on; `field` names what to fix: one of the
+    request's own fields, or the contract's variable."""
 
     def __init__(self, field_name: str, message: str, status: int = 422) -> None:
         super().__init__(f"{field_name}: {message}")
@@ -51,105 +38,127 @@ class SpawnRefused(ValueError):
 
 
 @dataclass(frozen=True)
-class EngineSpec:
-    """One stage to run: the environment contract's values, as the supervisor sends them."""
+class SpawnRequest:
+    """`POST /v1/engines`: one stage to run. `env` is the engine's environment contract by
+    its own variable names, read by the engine's own parser; the rest is the agent's: the
+    engine's id (it names the run record, the log and the key files) and replica, and the
+    secrets that arrive inside the mutual-TLS request, which the agent writes to 0600
+    files and names in the contract (FLEET_KEY_FILE, FLEET_API_SECRET_FILE)."""
 
     engine_id: str
-    model_dir: str
-    backend: str = "torch-cpu"
+    env: Mapping[str, str]
     replica: str = ""
-    rank: int = 0
-    world_size: int = 1
-    layers: str = ""  # "start:end", half-open; empty: the whole model (WORLD_SIZE=1 only)
-    layout: str = ""  # every rank's range, "0:2,2:4" (WORLD_SIZE>1)
-    listen: str = ""  # this stage's ring listener host:port (WORLD_SIZE>1), never a wildcard
-    http: str = ""  # rank 0's API host:port
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    key_file: str = ""  # a link key already on this machine, or:
-    link_key: str = ""  # the key itself (hex), written to the agent's own keys/ at spawn
-    # Rank 0's API secret, written like the link key (0600, keys/); its file is all the run
-    # record keeps. Empty: rank 0's API is open (a standalone stage).
-    api_secret: str = field(default="", repr=False)
-    api_secret_file: str = ""
-    placement: str = ""
-    model_id: str = ""
-    context: int = 2048
-    parallel: int = 4
-    prompt_cache_slots: int = 0  # slots past `parallel` that keep finished conversations
-    chunk: int = 256
-    drain_s: float | None = None  # None: the agent's drain_s
-    hop_transport: str = "auto"  # how each hop's rows travel (docs/hop-transport.md)
+    link_key: str = ""  # the ring's link key, hex
+    api_secret: str = field(default="", repr=False)  # rank 0's API secret
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> SpawnRequest:
+        if not isinstance(raw, Mapping):
+            raise SpawnRefused("body", "expected a JSON object")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise SpawnRefused(unknown[0], f"unknown field (known: {', '.join(known)}; the "
+                               "engine's settings go in env, by their variables)")
+        for name in ("engine_id", "env"):
+            if not raw.get(name):
+                raise SpawnRefused(name, "is required")
+        for name in ("engine_id", "replica", "link_key", "api_secret"):
+            if not isinstance(raw.get(name, ""), str):
+                raise SpawnRefused(name, f"expected a string, got {raw[name]!r}")
+        env = raw["env"]
+        if not isinstance(env, Mapping):
+            raise SpawnRefused("env", "expected an object of the engine's variables")
+        for variable, value in env.items():
+            if variable not in VARIABLES:
+                near = difflib.get_close_matches(variable, sorted(VARIABLES), 1)
+                raise SpawnRefused(variable, "not a variable of the engine's contract" + (
+                    f" (did you mean {near[0]}?)" if near else " (engine/env.py)"))
+            if not isinstance(value, str):
+                raise SpawnRefused(variable, f"expected a string, got {value!r}")
+        for sent, attr in (("link_key", "key_file"), ("api_secret", "api_secret_file")):
+            if raw.get(sent) and VARIABLE_OF[attr] in env:
+                raise SpawnRefused(sent, f"send the secret or {VARIABLE_OF[attr]}, not both")
+        return cls(raw["engine_id"], dict(env), raw.get("replica", ""),
+                   raw.get("link_key", ""), raw.get("api_secret", ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "replica": self.replica, "env": dict(self.env),
+                "link_key": self.link_key, "api_secret": self.api_secret}
+
+    def spec(self, drain_s: float, key_file: Path | None = None,
+             api_secret_file: Path | None = None) -> EngineSpec:
+        """The stage as the engine will start: the request's contract, with the agent's
+        `drain_s` where it sets none and the files the agent wrote its secrets to, read by
+        the contract's own parser, so a refusal names the variable that is wrong."""
+        env = dict(self.env)
+        env.setdefault(VARIABLE_OF["drain_s"], repr(drain_s))
+        for attr, path in (("key_file", key_file), ("api_secret_file", api_secret_file)):
+            if path is not None:
+                env[VARIABLE_OF[attr]] = str(path)
+        try:
+            engine = EngineEnv.from_environ(env)
+        except EnvError as exc:
+            sent = api_secret_file and exc.variable == VARIABLE_OF["api_secret_file"]
+            raise SpawnRefused("api_secret" if sent else exc.variable, str(exc)) from exc
+        if self.api_secret and engine.rank != 0:
+            raise SpawnRefused("api_secret", "only rank 0 serves the API")
+        # The secret was read to check its file; the engine reads it again, the agent never.
+        return EngineSpec(self.engine_id, replace(engine, api_secret=""), self.replica)
+
+
+class RecordError(ValueError):
+    """A spec in a run record that this agent cannot read back."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One stage as this agent runs it: its id and replica, and the engine's contract, read
+    and checked. A view or a run record shows the contract as the variables the engine was
+    started with (its secrets by their files alone)."""
+
+    engine_id: str
+    engine: EngineEnv
+    replica: str = ""
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "replica": self.replica,
+                "env": self.engine.to_environ()}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineSpec:
-        if not isinstance(raw, Mapping):
-            raise SpawnRefused("body", "expected a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise SpawnRefused(unknown[0], f"unknown field (known: {', '.join(sorted(known))})")
-        for name in ("engine_id", "model_dir"):
-            if not raw.get(name):
-                raise SpawnRefused(name, "is required")
+        """A run record's spec. The API secret's file is not read: its engine read it at
+        start, and the record must stay readable while the engine runs."""
+        if "env" not in raw:
+            raise RecordError(f"engine {raw.get('engine_id')!r}: a spec of fields "
+                              "(model_dir, rank, ...) from an agent before the contract "
+                              "travelled whole; this agent reads only its env")
         try:
-            spec = cls(**raw)
-        except TypeError as exc:
-            raise SpawnRefused("body", str(exc)) from exc
-        for name, value in raw.items():
-            kind = cls.__dataclass_fields__[name].type
-            if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise SpawnRefused(name, f"expected an integer, got {value!r}")
-            if kind == "str" and not isinstance(value, str):
-                raise SpawnRefused(name, f"expected a string, got {value!r}")
-            if name == "drain_s" and value is not None and (
-                    not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
-                raise SpawnRefused(name, f"expected seconds >= 0, got {value!r}")
-        return spec
-
-    def engine_env(self, drain_s: float) -> EngineEnv:
-        """The request as the environment contract, read by the contract's own parser: a
-        refusal names the request's field for the variable that is wrong. `drain_s` is the
-        agent's, for a request that names none."""
-        raw = {
-            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
-            "FLEET_MODEL": self.model_dir, "FLEET_BACKEND": self.backend,
-            "FLEET_PLACEMENT": self.placement or self.replica or "local",
-            "FLEET_CONTEXT": str(self.context), "FLEET_PARALLEL": str(self.parallel),
-            "FLEET_CHUNK": str(self.chunk),
-            "FLEET_PROMPT_CACHE_SLOTS": str(self.prompt_cache_slots),
-            "FLEET_DRAIN_S": str(self.drain_s if self.drain_s is not None else drain_s),
-        }
-        optional = {"FLEET_LAYERS": self.layers, "FLEET_LAYOUT": self.layout,
-                    "FLEET_LISTEN": self.listen, "FLEET_HTTP": self.http,
-                    "FLEET_KEY_FILE": self.key_file, "FLEET_MODEL_ID": self.model_id,
-                    "FLEET_API_SECRET_FILE": self.api_secret_file if self.rank == 0 else "",
-                    "FLEET_HOP_TRANSPORT": self.hop_transport}
-        raw.update({k: v for k, v in optional.items() if v})
-        from engine.env import EngineEnv, EnvError  # the engine's imports, only when asked
-
-        try:
-            return EngineEnv.from_environ(raw)
+            engine = EngineEnv.from_environ(raw["env"], read_secret=False)
         except EnvError as exc:
-            raise SpawnRefused(ENV_FIELDS.get(exc.variable, exc.variable), str(exc)) from exc
+            raise RecordError(f"engine {raw.get('engine_id')!r}: {exc}") from exc
+        return cls(str(raw["engine_id"]), engine, str(raw.get("replica", "")))
 
     def bound_ports(self) -> list[tuple[str, str, int]]:
-        """(field, host, port) of every port this stage will listen on."""
+        """(variable, host, port) of every port this stage will listen on: rank 0's API
+        (its default address too) and, in a ring, its ring listener and rank 0's control
+        port."""
+        e = self.engine
         out = []
-        for name, value in (("http", self.http if self.rank == 0 else ""),
-                            ("listen", self.listen if self.world_size > 1 else "")):
-            if value:
-                try:
-                    host, port = parse_host_port(value, name)
-                except AddressError:
-                    continue  # check_spawn refuses it, naming the field
-                out.append((name, host, port))
-        if self.rank == 0 and self.world_size > 1:
-            host, port = parse_host_port(format_host_port(self.master_addr, self.master_port),
-                                         "master_addr")
-            out.append(("master_port", host, port))
+        if e.rank == 0 and e.http:
+            out.append((VARIABLE_OF["http"], *e.http))
+        if e.world_size > 1 and e.listen:
+            out.append((VARIABLE_OF["listen"], *e.listen))
+        if e.rank == 0 and e.world_size > 1:
+            out.append((VARIABLE_OF["master"], *e.master))
         return out
+
+
+MODEL_DIR = VARIABLE_OF["model_dir"]
 
 
 @dataclass(frozen=True)
@@ -162,44 +171,47 @@ class CheckpointInfo:
 
 
 def read_checkpoint_info(model_dir: str) -> CheckpointInfo:
-    """Read config.json's layer count and see that weights are there; SpawnRefused if not."""
+    """Read config.json's layer count and see that weights are there; SpawnRefused (naming
+    FLEET_MODEL) if not."""
     from engine.config import ConfigError, ModelConfig
 
     path = Path(model_dir)
     if not path.is_dir():
-        raise SpawnRefused("model_dir", f"{model_dir}: no such checkpoint directory")
+        raise SpawnRefused(MODEL_DIR, f"{model_dir}: no such checkpoint directory")
     config_path = path / "config.json"
     try:
         raw = json.loads(config_path.read_text())
         config = ModelConfig.from_dict(raw)
     except FileNotFoundError as exc:
-        raise SpawnRefused("model_dir", f"{config_path}: missing (not a checkpoint)") from exc
+        raise SpawnRefused(MODEL_DIR, f"{config_path}: missing (not a checkpoint)") from exc
     except (OSError, ValueError, TypeError) as exc:
         if isinstance(exc, ConfigError):
-            raise SpawnRefused("model_dir", str(exc)) from exc
-        raise SpawnRefused("model_dir", f"{config_path}: unreadable ({exc})") from exc
+            raise SpawnRefused(MODEL_DIR, str(exc)) from exc
+        raise SpawnRefused(MODEL_DIR, f"{config_path}: unreadable ({exc})") from exc
     weights = list(path.glob("*.safetensors"))
     if not weights:
-        raise SpawnRefused("model_dir", f"{model_dir}: no *.safetensors weight files")
+        raise SpawnRefused(MODEL_DIR, f"{model_dir}: no *.safetensors weight files")
     return CheckpointInfo(str(path), config.num_hidden_layers, len(weights))
 
 
 def check_spawn(spec: EngineSpec, info: CheckpointInfo, backends_present: frozenset[str],
-                running: tuple[EngineSpec, ...], drain_s: float) -> None:
-    """Refuse a spawn that cannot work, naming the field. Pure (ports are checked apart)."""
+                running: tuple[EngineSpec, ...]) -> None:
+    """Refuse a spawn that cannot work on this node, naming the field or variable. Pure
+    (ports are checked apart): the contract itself was checked when it was read."""
     if not ENGINE_ID.match(spec.engine_id):
         raise SpawnRefused("engine_id", f"{spec.engine_id!r}: use letters, digits, '-', '_', "
                            "'.' (at most 96)")
     if any(r.engine_id == spec.engine_id for r in running):
         raise SpawnRefused("engine_id", f"{spec.engine_id!r} is already running here", 409)
-    if backends_present and spec.backend not in backends_present:
-        raise SpawnRefused("backend", f"{spec.backend!r} is not available on this node "
-                           f"(present: {', '.join(sorted(backends_present)) or 'none'})")
-    env = spec.engine_env(drain_s)
+    env = spec.engine
+    if backends_present and env.backend not in backends_present:
+        raise SpawnRefused(VARIABLE_OF["backend"], f"{env.backend!r} is not available on this "
+                           f"node (present: {', '.join(sorted(backends_present)) or 'none'})")
     start, end = env.layer_range or (0, info.n_layers)
     if not 0 <= start < end <= info.n_layers:
-        raise SpawnRefused("layers", f"{start}:{end} is outside the model's {info.n_layers} "
-                           f"layers (valid: a half-open range within 0:{info.n_layers})")
+        raise SpawnRefused(VARIABLE_OF["layer_range"], f"{start}:{end} is outside the model's "
+                           f"{info.n_layers} layers (valid: a half-open range within "
+                           f"0:{info.n_layers})")
     if env.world_size > 1:  # the contract saw WORLD_SIZE ranges with this rank's at its place
         from engine.link.errors import ProtocolError
         from engine.link.layout import check_layout
@@ -207,9 +219,9 @@ def check_spawn(spec: EngineSpec, info: CheckpointInfo, backends_present: frozen
         try:
             check_layout(list(env.layout), info.n_layers)
         except (ProtocolError, ValueError) as exc:
-            raise SpawnRefused("layout", str(exc)) from exc
-        if not Path(spec.key_file).is_file():
-            raise SpawnRefused("key_file", f"{spec.key_file}: no such link key file")
+            raise SpawnRefused(VARIABLE_OF["layout"], str(exc)) from exc
+        if env.key_file is None or not env.key_file.is_file():
+            raise SpawnRefused(VARIABLE_OF["key_file"], f"{env.key_file}: no such link key file")
     taken = {(h, p): r.engine_id for r in running for _, h, p in r.bound_ports()}
     for name, host, port in spec.bound_ports():
         if (host, port) in taken:
@@ -272,10 +284,11 @@ def engine_pythonpath() -> str:
     return os.pathsep.join(parts)
 
 
-def child_environment(spec: EngineSpec, drain_s: float) -> dict[str, str]:
+def child_environment(spec: EngineSpec) -> dict[str, str]:
+    """What the engine starts with: what a process needs to run, and its contract."""
     env = {k: v for k, v in os.environ.items()
            if k in PASSED_THROUGH or k.startswith(PASSED_PREFIXES)}
     env["PYTHONPATH"] = engine_pythonpath()
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(spec.engine_env(drain_s).to_environ())
+    env.update(spec.engine.to_environ())
     return env

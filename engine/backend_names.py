@@ -57,3 +57,9 @@ DELTA_KERNELS = ("auto", "torch", "fla")
 COMPILE_MODES = ("auto", "off", "on")
 # How a PyTorch stage holds mlx-lm's packed weights (engine.backends.quant_policy).
 QUANT_MODES = ("auto", "packed", "dense")
+# How a PyTorch stage on CUDA attends decode rows over its KV cache
+# (engine.backends.pytorch.kv_cache): our Triton kernel, or SDPA under a mask.
+DECODE_ATTENTIONS = ("triton", "sdpa")
+# Which kernel a PyTorch stage on CUDA runs a packed weight's matmul with
+# (engine.backends.pytorch.packed_linear): our Triton kernel, or PyTorch's int4 one.
+PACKED_KERNELS = ("triton", "int4")

@@ -1,6 +1,8 @@
 """The environment contract an agent starts an engine with (DESIGN.md): one typed record,
 read by `from_environ` (every error names its variable) and written by `to_environ`, the only
-places that spell the variables' names. Ranges stay tuples until written out."""
+places that spell the variables' names. Ranges stay tuples until written out. The agent and
+the supervisor carry it as that mapping too (agent/spawn.py), and name a field's variable
+through `VARIABLE_OF`."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
-from engine.backend_names import BACKENDS, COMPILE_MODES, DELTA_KERNELS, QUANT_MODES
+from engine.backend_names import (
+    BACKENDS,
+    COMPILE_MODES,
+    DECODE_ATTENTIONS,
+    DELTA_KERNELS,
+    PACKED_KERNELS,
+    QUANT_MODES,
+)
 from engine.hop_choice import HOP_TRANSPORTS
 from engine.link.hello import HANDSHAKE_DEADLINE_S
 
@@ -30,7 +39,26 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_COMPILE": "compile",
           "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight",
           "FLEET_HOP_TRANSPORT": "hop_transport",
-          "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots"}
+          "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots",
+          "FLEET_DECODE_ATTENTION": "decode_attention", "FLEET_PACKED_KERNEL": "packed_kernel"}
+# Every field's variable, for a caller that refuses a value by the name its sender set
+# (the agent's spawn checks). The master address is two variables, named as one.
+VARIABLE_OF = {"rank": "RANK", "world_size": "WORLD_SIZE", "master": "MASTER_ADDR:MASTER_PORT",
+               "layer_range": "FLEET_LAYERS", "layout": "FLEET_LAYOUT", "model_dir": "FLEET_MODEL",
+               "backend": "FLEET_BACKEND", "listen": "FLEET_LISTEN", "key_file": "FLEET_KEY_FILE",
+               "placement": "FLEET_PLACEMENT", "http": "FLEET_HTTP", "context": "FLEET_CONTEXT",
+               "parallel": "FLEET_PARALLEL", "chunk": "FLEET_CHUNK",
+               "model_id": "FLEET_MODEL_ID", "api_secret_file": "FLEET_API_SECRET_FILE",
+               **{attr: variable for variable, attr in TUNING.items()}}
+# Every variable `from_environ` reads: anything else in a mapping it is handed is not the
+# contract's (a spawn request refuses it as a misspelling).
+VARIABLES = frozenset(name for variable in VARIABLE_OF.values() for name in variable.split(":"))
+# Kernel switches: checked by `from_environ` like every knob, but read again by
+# `read_switch` from the engine process's own environment (which `to_environ` wrote) at the
+# moment a kernel is picked, because that is where benches and tests set them: the decode
+# attention choice is made as each round's index is built (a test flips it within one
+# process), the packed matmul's per weight at load. field -> its spellings, default first.
+SWITCHES = {"decode_attention": DECODE_ATTENTIONS, "packed_kernel": PACKED_KERNELS}
 
 
 class EnvError(ValueError):
@@ -39,6 +67,16 @@ class EnvError(ValueError):
     def __init__(self, variable: str, message: str) -> None:
         super().__init__(message)
         self.variable = variable
+
+
+def read_switch(attr: str, environ: Mapping[str, str] | None = None) -> str:
+    """A kernel switch (SWITCHES) as this process's environment sets it, or its default;
+    EnvError naming the variable for a spelling it does not know."""
+    variable, allowed = VARIABLE_OF[attr], SWITCHES[attr]
+    value = (os.environ if environ is None else environ).get(variable, allowed[0])
+    if value not in allowed:
+        raise EnvError(variable, f"{variable}={value!r}: expected one of {', '.join(allowed)}")
+    return value
 
 
 def read_api_secret(path: Path, name: str = "FLEET_API_SECRET_FILE") -> str:
@@ -109,7 +147,14 @@ class EngineEnv:
     # Rank 0's rounds in flight at once (RFC 6.3 v2/v3); 0: one per stage, so every stage
     # works at once; 1: each round lands before the next starts (v1).
     rounds_in_flight: int = 0
-    hop_transport: str = "auto"  # FLEET_HOP_TRANSPORT: one of HOP_TRANSPORTS (engine.hop_choice)
+    # How each hop's rows travel (engine.hop_choice.choose, docs/hop-transport.md): auto
+    # (TCP on every hop, until NCCL hops are measured on two GPUs), tcp, or dist
+    # (torch.distributed: NCCL between two torch-cuda stages, gloo between torch-cpu ones).
+    hop_transport: str = "auto"
+    # Kernel switches of a PyTorch stage on CUDA (SWITCHES: read at kernel choice time):
+    # decode attention by our Triton kernel or SDPA, a packed matmul by Triton or int4.
+    decode_attention: str = "triton"
+    packed_kernel: str = "triton"
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -122,7 +167,12 @@ class EngineEnv:
     http_body_s: float = 30.0  # a request body must arrive within this
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
+    def from_environ(cls, env: Mapping[str, str] | None = None, *,
+                     read_secret: bool = True) -> EngineEnv:
+        """The record `env` (default: this process's environment) describes; EnvError names
+        the first variable that is missing or wrong. `read_secret=False` keeps the API
+        secret file's path without reading it: an agent reading back the run record of an
+        engine that read it at start."""
         env = os.environ if env is None else env
         default = {name: f.default for name, f in cls.__dataclass_fields__.items()}
 
@@ -172,6 +222,8 @@ class EngineEnv:
         quant = choice("FLEET_QUANT", "quant", QUANT_MODES)
         compile_mode = choice("FLEET_COMPILE", "compile", COMPILE_MODES)
         hop_transport = choice("FLEET_HOP_TRANSPORT", "hop_transport", HOP_TRANSPORTS)
+        switches = {attr: choice(VARIABLE_OF[attr], attr, allowed)
+                    for attr, allowed in SWITCHES.items()}
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:
@@ -192,7 +244,7 @@ class EngineEnv:
             http = address("FLEET_HTTP", env.get("FLEET_HTTP") or DEFAULT_HTTP)
             if env.get("FLEET_API_SECRET_FILE"):
                 api_secret_file = Path(env["FLEET_API_SECRET_FILE"])
-                api_secret = read_api_secret(api_secret_file)
+                api_secret = read_api_secret(api_secret_file) if read_secret else ""
         master_host, master_port = default["master"]
         # rank 0 binds it, the others dial it: never a wildcard in a ring
         master = address("MASTER_ADDR:MASTER_PORT", format_host_port(
@@ -220,7 +272,7 @@ class EngineEnv:
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
             delta_kernel=delta_kernel, quant=quant, compile=compile_mode,
             rounds_in_flight=integer("FLEET_ROUNDS_IN_FLIGHT", "rounds_in_flight", 0),
-            hop_transport=hop_transport,
+            hop_transport=hop_transport, **switches,
             api_secret_file=api_secret_file, api_secret=api_secret,
             http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
             http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),
@@ -257,12 +309,20 @@ class EngineEnv:
         }
         env.update({k: v for k, v in optional.items() if v})
         default = {name: f.default for name, f in type(self).__dataclass_fields__.items()}
-        for variable, attr in TUNING.items():
+        changed = [attr for attr in TUNING.values() if getattr(self, attr) != default[attr]]
+        return env | self.written(*changed)
+
+    def written(self, *attrs: str) -> dict[str, str]:
+        """These tuning knobs' variables (TUNING) as `to_environ` writes them, at their
+        defaults too: for a sender whose value must win over a default its receiver sets
+        (the supervisor's drain_s over an agent's)."""
+        out = {}
+        for attr in attrs:
             value = getattr(self, attr)
-            if value != default[attr]:
-                env[variable] = (("1" if value else "0") if isinstance(value, bool)
-                                 else repr(value) if isinstance(value, float) else str(value))
-        return env
+            out[VARIABLE_OF[attr]] = (("1" if value else "0") if isinstance(value, bool)
+                                      else repr(value) if isinstance(value, float)
+                                      else str(value))
+        return out
 
     @property
     def depth(self) -> int:

@@ -6,8 +6,8 @@ torch.distributed (engine.pipeline.hop_transport carries the rows; docs/hop-tran
 from __future__ import annotations
 
 # FLEET_HOP_TRANSPORT's spellings: auto (TCP on every hop until NCCL hops are measured on
-# two GPUs; see `choose`), tcp, or dist (torch.distributed: NCCL between two CUDA stages,
-# gloo between CPU stages, TCP for any other pair).
+# two GPUs; see `choose`), tcp, or dist (torch.distributed: NCCL between two torch-cuda
+# stages, gloo between two torch-cpu stages, TCP for any other pair).
 HOP_TRANSPORTS = ("auto", "tcp", "dist")
 
 

@@ -49,8 +49,9 @@ class AgentClient:
         except (aiohttp.ClientError, TimeoutError, ssl.SSLError, ValueError) as exc:
             raise AgentError(node, f"unreachable at {url}: {exc or type(exc).__name__}") from exc
 
-    async def spawn(self, node: str, agent_url: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return await self.call(node, "POST", f"{agent_url}/v1/engines", spec)
+    async def spawn(self, node: str, agent_url: str, request: dict[str, Any]) -> dict[str, Any]:
+        """POST a spawn request (agent.spawn.SpawnRequest's dict) to the agent."""
+        return await self.call(node, "POST", f"{agent_url}/v1/engines", request)
 
     async def drain(self, node: str, agent_url: str, engine_id: str, drain_s: float,
                     reason: str) -> dict[str, Any]:

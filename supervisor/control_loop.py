@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import structlog
 
 from agent.pki import Identity
-from agent.spawn import EngineSpec, port_in_use
-from engine.addresses import format_host_port
-from engine.env import format_layers
+from agent.spawn import SpawnRequest, port_in_use
+from engine.env import EngineEnv
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
@@ -297,27 +297,35 @@ class Supervisor:
             self.apply(action)
 
     def spawn_body(self, replica: lc.Replica, stage: lc.StageRecord) -> dict[str, Any]:
-        """The agent's spawn request (agent.spawn.EngineSpec, which it reads back into the
-        environment contract) for one stage of `replica`."""
+        """The agent's spawn request for one stage of `replica` (agent.spawn.SpawnRequest):
+        the stage's environment contract as `EngineEnv.to_environ` writes it, which the
+        agent reads back with the engine's own parser, and beside it what only the agent
+        needs (the engine's id, its replica, the secrets it writes to files of its own)."""
         assert self.desired is not None
         spec = self.desired.model(replica.model_id)
         assert spec is not None
+        model_dir = spec.checkpoint.path_for(stage.node)
+        assert model_dir is not None  # placement uses only nodes that have the checkpoint
         rank0 = replica.stages[0]
-        return asdict(EngineSpec(
-            engine_id=stage.engine_id, model_dir=spec.checkpoint.path_for(stage.node) or "",
-            backend=stage.backend, replica=replica.id, rank=stage.rank,
-            world_size=len(replica.stages), layers=format_layers(stage.layer_range),
-            layout=",".join(format_layers(s.layer_range) for s in replica.stages),
-            listen=format_host_port(stage.host, stage.listen_port),
-            http=format_host_port(rank0.host, rank0.http_port) if stage.rank == 0 else "",
-            master_addr=rank0.host, master_port=replica.master_port,
-            # The secrets travel inside the mutual-TLS request: agents need not share a disk.
+        layout = tuple(s.layer_range for s in replica.stages)
+        env = EngineEnv(
+            model_dir=Path(model_dir), backend=stage.backend, rank=stage.rank,
+            world_size=len(replica.stages), layer_range=stage.layer_range, layout=layout,
+            listen=(stage.host, stage.listen_port),
+            http=(rank0.host, rank0.http_port) if stage.rank == 0 else None,
+            master=(rank0.host, replica.master_port), placement=replica.placement_id,
+            model_id=spec.id, context=spec.context, parallel=spec.parallel,
+            prompt_cache_slots=spec.prompt_cache_slots, chunk=spec.chunk,
+            drain_s=self.settings.policy.drain_s, hop_transport=spec.hop_transport)
+        # The secrets travel inside the mutual-TLS request: agents need not share a disk.
+        # The agent's own drain_s applies only to a contract that sets none; this one's is
+        # the policy's, written even at the default so that no agent's setting replaces it.
+        return SpawnRequest(
+            engine_id=stage.engine_id, replica=replica.id,
+            env=env.to_environ() | env.written("drain_s"),
             link_key=self.secrets.make(replica.id, LINK_KEY),
             api_secret=self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
-            placement=replica.placement_id, model_id=spec.id, context=spec.context,
-            parallel=spec.parallel, prompt_cache_slots=spec.prompt_cache_slots,
-            chunk=spec.chunk, drain_s=self.settings.policy.drain_s,
-            hop_transport=spec.hop_transport))
+        ).to_dict()
 
     async def _spawn_all(self, replica: lc.Replica) -> None:
         async def one(stage: lc.StageRecord) -> None:

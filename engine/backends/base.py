@@ -133,7 +133,7 @@ class Stage(ABC):
 
     @property
     def state_nbytes(self) -> int:
-        """Bytes of per-slot state (KV) this stage holds."""
+        """Bytes of per-slot state this stage holds: KV, and a hybrid's recurrent state."""
         return self.model.cache.nbytes
 
     def kv_capacity_rows(self) -> int:
@@ -181,7 +181,8 @@ class Stage(ABC):
         the slot table left as it was: what calibration times, as often as it likes.
 
         The path is a serving round's (CUDA graphs, the compiled step, packed kernels); the
-        KV rows it writes land where the round's would, over and over.
+        state it writes (KV rows, a hybrid's recurrent state) lands where the round's would,
+        over and over.
         """
         with self._computing():
             rows = self._settle(self._run_layers(rows, layout))

@@ -56,7 +56,7 @@ def log_records(path: Path) -> list[dict]:
 
 
 @dataclass
-class LocalFleet:
+class LocalReplica:
     """N engine processes of one replica; `url` is rank 0's OpenAI base URL."""
 
     model_dir: Path
@@ -99,7 +99,7 @@ class LocalFleet:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
-        raise TimeoutError(f"the fleet was not ready after {timeout_s} s:\n{self.log_tail(0)}")
+        raise TimeoutError(f"the replica was not ready after {timeout_s} s:\n{self.log_tail(0)}")
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         path = self.log_paths[rank]
@@ -164,7 +164,7 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
            run_dir: Path | None = None,
            http_port: int | None = None, extra_env: dict[str, str] | None = None,
            rank_env: dict[int, dict[str, str]] | None = None, spawn: list[int] | None = None,
-           log_to_files: bool = True) -> LocalFleet:
+           log_to_files: bool = True) -> LocalReplica:
     """Start the ranks in `spawn` (default: all); `rank_env` overrides one rank's variables."""
     backends = backends or ["torch-cpu"] * len(stages)
     if len(backends) != len(stages):
@@ -172,19 +172,19 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ringfleet-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     key_file = write_key_file(run_dir / "link.key")
-    fleet = LocalFleet(Path(model_dir), stages, backends, run_dir, http_port or free_port())
-    fleet.envs = stage_envs(Path(model_dir), stages, backends, key_file=key_file,
-                            http_port=fleet.http_port, context=context, parallel=parallel,
-                            chunk=chunk, prompt_cache_slots=prompt_cache_slots,
-                            extra_env=extra_env)
+    replica = LocalReplica(Path(model_dir), stages, backends, run_dir, http_port or free_port())
+    replica.envs = stage_envs(Path(model_dir), stages, backends, key_file=key_file,
+                              http_port=replica.http_port, context=context, parallel=parallel,
+                              chunk=chunk, prompt_cache_slots=prompt_cache_slots,
+                              extra_env=extra_env)
     for rank, overrides in (rank_env or {}).items():
-        fleet.envs[rank].update(overrides)
-    fleet.log_paths = [run_dir / f"rank{rank}.log" for rank in range(len(stages))]
-    fleet.processes = [None] * len(stages)
+        replica.envs[rank].update(overrides)
+    replica.log_paths = [run_dir / f"rank{rank}.log" for rank in range(len(stages))]
+    replica.processes = [None] * len(stages)
     for rank in range(len(stages)):
         if spawn is None or rank in spawn:
-            fleet.start_rank(rank, log_to_file=log_to_files)
-    return fleet
+            replica.start_rank(rank, log_to_file=log_to_files)
+    return replica
 
 
 def main() -> int:
@@ -203,19 +203,19 @@ def main() -> int:
     except ValueError as exc:
         parser.error(str(exc))
     backends = args.backends.split(",") if args.backends else None
-    fleet = launch(args.model, stages, backends, context=args.context, parallel=args.parallel,
-                   chunk=args.chunk, http_port=args.http_port, log_to_files=False)
+    replica = launch(args.model, stages, backends, context=args.context, parallel=args.parallel,
+                     chunk=args.chunk, http_port=args.http_port, log_to_files=False)
     try:
-        fleet.wait_ready()
-        print(f"serving {args.model} at {fleet.url} ({placement_id(stages, fleet.backends)}); "
+        replica.wait_ready()
+        print(f"serving {args.model} at {replica.url} ({placement_id(stages, replica.backends)}); "
               "Ctrl-C stops", file=sys.stderr)
-        while all(p.poll() is None for p in fleet.processes):
+        while all(p.poll() is None for p in replica.processes):
             time.sleep(0.5)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        fleet.stop()
+        replica.stop()
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ def test_engine_logs_rotate_at_their_cap_and_old_engines_logs_are_pruned(fleet, 
     async def scenario():
         async with serving(config) as url, client(fleet) as session:
             for engine_id in ("g1", "g2", "g3", "g4"):
-                body = dict(engine_id=engine_id, model_dir=str(tiny_model),
-                            http=f"127.0.0.1:{free_port()}")
+                body = dict(engine_id=engine_id, env={"FLEET_MODEL": str(tiny_model),
+                                                      "FLEET_HTTP": f"127.0.0.1:{free_port()}"})
                 async with session.post(url + "/v1/engines", json=body) as r:
                     assert r.status == 201, await r.text()
                 view = await wait_state(session, url, engine_id, {"exited"}, 30)

@@ -62,8 +62,9 @@ def test_spawn_ready_and_drain_with_a_stream_in_flight(fleet, tmp_path, tiny_mod
     async def scenario():
         async with serving(config) as url, client(fleet) as session:
             async with session.post(url + "/v1/engines", json={
-                    "engine_id": "r0", "model_dir": str(tiny_model), "http": http,
-                    "model_id": "tiny", "drain_s": 60}) as r:
+                    "engine_id": "r0", "env": {
+                        "FLEET_MODEL": str(tiny_model), "FLEET_HTTP": http,
+                        "FLEET_MODEL_ID": "tiny", "FLEET_DRAIN_S": "60"}}) as r:
                 assert r.status == 201, await r.text()
             view = await wait_state(session, url, "r0", {"ready", "exited"}, 120)
             assert view["state"] == "ready", view
@@ -111,8 +112,8 @@ def test_an_engine_that_dies_at_start_is_reported_and_the_agent_carries_on(fleet
     async def scenario():
         async with serving(config) as url, client(fleet) as session:
             async with session.post(url + "/v1/engines", json={
-                    "engine_id": "bad", "model_dir": str(broken),
-                    "http": f"127.0.0.1:{free_port()}"}) as r:
+                    "engine_id": "bad", "env": {"FLEET_MODEL": str(broken),
+                                                "FLEET_HTTP": f"127.0.0.1:{free_port()}"}}) as r:
                 assert r.status == 201
             view = await wait_state(session, url, "bad", {"exited", "ready"}, 60)
             assert view["state"] == "exited"
@@ -135,8 +136,9 @@ def test_a_restarted_agent_adopts_its_engines_and_drains_them_on_stop(fleet, tmp
             await first.wait_up(fleet)
             async with client(fleet) as session:
                 async with session.post(first.url + "/v1/engines", json={
-                        "engine_id": "kept", "model_dir": str(tiny_model), "http": http,
-                        "model_id": "tiny"}) as r:
+                        "engine_id": "kept", "env": {"FLEET_MODEL": str(tiny_model),
+                                                     "FLEET_HTTP": http,
+                                                     "FLEET_MODEL_ID": "tiny"}}) as r:
                     assert r.status == 201, await r.text()
                 view = await wait_state(session, first.url, "kept", {"ready", "exited"}, 120)
                 assert view["state"] == "ready", view

@@ -36,17 +36,17 @@ def test_secret_files_are_owner_only_and_gone_with_their_engine(fleet, tmp_path,
         async with client(fleet) as session:
             # Only rank 0 serves the API: a secret for another rank is refused, nothing stays.
             async with session.post(agent.url + "/v1/engines", json={
-                    "engine_id": "r1", "model_dir": str(tiny_model), "rank": 1,
-                    "world_size": 2, "layers": "1:2", "layout": "0:1,1:2",
-                    "listen": f"127.0.0.1:{free_port()}", "link_key": link_key,
-                    "api_secret": api_secret}) as r:
+                    "engine_id": "r1", "link_key": link_key, "api_secret": api_secret,
+                    "env": {"FLEET_MODEL": str(tiny_model), "RANK": "1", "WORLD_SIZE": "2",
+                            "FLEET_LAYERS": "1:2", "FLEET_LAYOUT": "0:1,1:2",
+                            "FLEET_LISTEN": f"127.0.0.1:{free_port()}"}}) as r:
                 body = await r.json()
                 assert r.status == 422 and body["error"]["field"] == "api_secret", body
             assert not list(keys.glob("r1.*"))
             async with session.post(agent.url + "/v1/engines", json={
-                    "engine_id": "r0", "model_dir": str(tiny_model),
-                    "http": f"127.0.0.1:{free_port()}", "link_key": link_key,
-                    "api_secret": api_secret}) as r:
+                    "engine_id": "r0", "link_key": link_key, "api_secret": api_secret,
+                    "env": {"FLEET_MODEL": str(tiny_model),
+                            "FLEET_HTTP": f"127.0.0.1:{free_port()}"}}) as r:
                 assert r.status == 201, await r.text()
                 spawned = await r.text()
             view = await wait_state(session, agent.url, "r0", {"ready", "exited"}, 60)
@@ -56,7 +56,7 @@ def test_secret_files_are_owner_only_and_gone_with_their_engine(fleet, tmp_path,
             assert (keys / "r0.api").read_text() == api_secret
             assert mode(keys / "r0.api") == 0o600
             [record] = read_records(config)
-            assert record["spec"]["api_secret_file"] == str(keys / "r0.api")
+            assert record["spec"]["env"]["FLEET_API_SECRET_FILE"] == str(keys / "r0.api")
             async with session.get(agent.url + "/v1/engines") as r:
                 listed = await r.text()
             for text in (json.dumps(record), spawned, listed):

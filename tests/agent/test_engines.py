@@ -25,6 +25,7 @@ from agent.spawn import (
     CheckpointInfo,
     EngineSpec,
     SpawnRefused,
+    SpawnRequest,
     check_spawn,
     read_checkpoint_info,
 )
@@ -43,41 +44,59 @@ INFO = CheckpointInfo("/m", n_layers=4, weight_files=1)
 CPU = frozenset({"torch-cpu", "mlx-cpu"})
 
 
-def spec(**fields) -> EngineSpec:
-    return EngineSpec(**dict(dict(engine_id="e1", model_dir="/m", http="127.0.0.1:8100"),
-                             **fields))
+def spec(engine_id: str = "e1", **variables: str) -> EngineSpec:
+    """A stage read from a request whose contract is FLEET_MODEL=/m, FLEET_HTTP and
+    `variables` (the agent's drain_s: 180)."""
+    env = {"FLEET_MODEL": "/m", "FLEET_HTTP": "127.0.0.1:8100"} | variables
+    return SpawnRequest(engine_id, env).spec(180.0)
 
 
-def refused(s: EngineSpec, running=(), backends=CPU) -> SpawnRefused:
+def refused(engine_id: str = "e1", running=(), backends=CPU, **variables: str) -> SpawnRefused:
+    """What refuses the request: the contract's reading or the node's checks."""
     with pytest.raises(SpawnRefused) as caught:
-        check_spawn(s, INFO, backends, tuple(running), 180.0)
+        check_spawn(spec(engine_id, **variables), INFO, backends, tuple(running))
     return caught.value
 
 
 def test_check_spawn_accepts_a_sound_request():
-    check_spawn(spec(), INFO, CPU, (), 180.0)
-    check_spawn(spec(layers="0:4"), INFO, CPU, (), 180.0)
+    check_spawn(spec(), INFO, CPU, ())
+    check_spawn(spec(FLEET_LAYERS="0:4"), INFO, CPU, ())
 
 
-def test_check_spawn_refuses_by_field(tmp_path):
+def test_check_spawn_refuses_by_variable(tmp_path):
     key = tmp_path / "link.key"
     key.write_bytes(b"k" * 32)
-    assert refused(spec(layers="2:9")).field == "layers"
-    assert "outside the model's 4 layers" in refused(spec(layers="2:9")).message
-    assert refused(spec(layers="3:2")).field == "layers"
-    assert refused(spec(backend="torch-cuda")).field == "backend"
-    assert refused(spec(engine_id="bad id!")).field == "engine_id"
-    dup = refused(spec(), running=[spec(http="127.0.0.1:9")])
+    assert refused(FLEET_LAYERS="2:9").field == "FLEET_LAYERS"
+    assert "outside the model's 4 layers" in refused(FLEET_LAYERS="2:9").message
+    assert refused(FLEET_LAYERS="3:2").field == "FLEET_LAYERS"  # the contract's own rule
+    assert refused(FLEET_BACKEND="torch-cuda").field == "FLEET_BACKEND"
+    assert refused(FLEET_BACKEND="torch-tpu").field == "FLEET_BACKEND"
+    assert refused("bad id!").field == "engine_id"
+    dup = refused(running=[spec(FLEET_HTTP="127.0.0.1:9")])
     assert (dup.field, dup.status) == ("engine_id", 409)
-    clash = refused(spec(engine_id="e2"), running=[spec()])
-    assert (clash.field, clash.status) == ("http", 409)
-    ring = dict(world_size=2, rank=1, layers="2:4", listen="127.0.0.1:29501", key_file=str(key))
-    check_spawn(spec(layout="0:2,2:4", **ring), INFO, CPU, (), 180.0)
-    assert refused(spec(layout="0:1,2:4", **ring)).field == "layout"
-    assert refused(spec(layout="0:3,3:4", **ring)).field == "layout"
-    assert refused(spec(layout="0:2,2:4", **dict(ring, listen="0.0.0.0:29501"))).field == (
-        "listen")
-    assert refused(spec(layout="0:2,2:4", **dict(ring, key_file="/nope"))).field == "key_file"
+    clash = refused("e2", running=[spec()])
+    assert (clash.field, clash.status) == ("FLEET_HTTP", 409)
+    # rank 0's API binds its default address when the contract names none: that is taken too
+    default = refused("e2", running=[spec(FLEET_HTTP="127.0.0.1:8000")], FLEET_HTTP="")
+    assert (default.field, default.status) == ("FLEET_HTTP", 409)
+    ring = dict(WORLD_SIZE="2", RANK="1", FLEET_LAYERS="2:4", FLEET_LISTEN="127.0.0.1:29501",
+                FLEET_KEY_FILE=str(key))
+    check_spawn(spec(FLEET_LAYOUT="0:2,2:4", **ring), INFO, CPU, ())
+    assert refused(FLEET_LAYOUT="0:1,2:4", **ring).field == "FLEET_LAYOUT"
+    assert refused(FLEET_LAYOUT="0:3,3:4", **ring).field == "FLEET_LAYOUT"
+    assert refused(FLEET_LAYOUT="0:2,2:4", **dict(ring, FLEET_LISTEN="0.0.0.0:29501")).field == (
+        "FLEET_LISTEN")
+    assert refused(FLEET_LAYOUT="0:2,2:4", **dict(ring, FLEET_KEY_FILE="/nope")).field == (
+        "FLEET_KEY_FILE")
+    assert refused(FLEET_LAYOUT="0:2,2:4", **dict(ring, FLEET_KEY_FILE="")).field == (
+        "FLEET_KEY_FILE")
+
+
+def test_the_agents_drain_s_fills_only_a_contract_that_sets_none():
+    assert SpawnRequest("e", {"FLEET_MODEL": "/m"}).spec(42.0).engine.drain_s == 42.0
+    named = SpawnRequest("e", {"FLEET_MODEL": "/m", "FLEET_DRAIN_S": "0.5"}).spec(42.0)
+    assert named.engine.drain_s == 0.5
+    assert named.engine.to_environ()["FLEET_DRAIN_S"] == "0.5"  # what the engine is told
 
 
 def test_read_checkpoint_info_refuses_what_is_not_a_checkpoint(tmp_path, tiny_model):
@@ -91,25 +110,61 @@ def test_read_checkpoint_info_refuses_what_is_not_a_checkpoint(tmp_path, tiny_mo
         read_checkpoint_info(str(tmp_path))
 
 
-def test_spec_from_dict_names_bad_fields():
-    with pytest.raises(SpawnRefused, match="model_dir: is required"):
-        EngineSpec.from_dict({"engine_id": "x"})
-    with pytest.raises(SpawnRefused, match="colour: unknown field"):
-        EngineSpec.from_dict({"engine_id": "x", "model_dir": "/m", "colour": "red"})
-    with pytest.raises(SpawnRefused, match="rank: expected an integer"):
-        EngineSpec.from_dict({"engine_id": "x", "model_dir": "/m", "rank": "0"})
+def test_a_request_names_its_bad_field_or_variable():
+    def refusal(raw) -> SpawnRefused:
+        with pytest.raises(SpawnRefused) as caught:
+            SpawnRequest.from_dict(raw).spec(180.0)
+        return caught.value
+
+    env = {"FLEET_MODEL": "/m"}
+    assert str(refusal({"engine_id": "x"})) == "env: is required"
+    assert str(refusal({"env": env})) == "engine_id: is required"
+    assert refusal({"engine_id": "x", "env": env, "colour": "red"}).field == "colour"
+    # an older supervisor's request of fields: refused, naming where the settings went
+    old = refusal({"engine_id": "x", "model_dir": "/m"})
+    assert old.field == "model_dir" and "go in env, by their variables" in old.message
+    assert str(refusal({"engine_id": "x", "env": {"FLEET_CONTXT": "8"} | env})) == (
+        "FLEET_CONTXT: not a variable of the engine's contract (did you mean FLEET_CONTEXT?)")
+    assert str(refusal({"engine_id": "x", "env": {"RANK": 0} | env})) == (
+        "RANK: expected a string, got 0")
+    assert refusal({"engine_id": "x", "env": ["FLEET_MODEL=/m"]}).field == "env"
+    assert refusal({"engine_id": "x", "env": {"RANK": "x"} | env}).field == "RANK"
+    assert str(refusal({"engine_id": "x", "env": {}})) == "env: is required"
+    assert str(refusal({"engine_id": "x", "env": {"FLEET_PARALLEL": "4"}})) == (
+        "FLEET_MODEL: FLEET_MODEL is not set")
+    both = refusal({"engine_id": "x", "link_key": "ab" * 16,
+                    "env": {"FLEET_KEY_FILE": "/k"} | env})
+    assert both.field == "link_key" and "not both" in both.message
+
+
+def test_a_run_record_keeps_the_contract_and_an_older_agents_is_refused_by_name(tmp_path):
+    secret = tmp_path / "api"
+    secret.write_text("s" * 32)
+    kept = spec(FLEET_API_SECRET_FILE=str(secret), FLEET_DRAIN_S="7.5")
+    record = RunRecord(kept, 123, 1.0, 2.0, "/l", 1)
+    raw = record.to_dict()
+    assert raw["spec"]["env"]["FLEET_API_SECRET_FILE"] == str(secret)
+    assert "s" * 32 not in str(raw)
+    secret.unlink()  # read back without its secret: the engine read it at start
+    back = RunRecord.from_dict(raw)
+    assert back.spec.engine.drain_s == 7.5 and back.spec.engine.api_secret_file == secret
+    assert kept.engine.api_secret == ""  # checked at spawn, then left to the engine
+    assert back == record
+    older = dict(raw, spec={"engine_id": "e1", "model_dir": "/m", "rank": 0})
+    with pytest.raises(ValueError, match="from an agent before the contract travelled whole"):
+        RunRecord.from_dict(older)
 
 
 def test_plan_adoption_and_decide_are_pure():
     rec = RunRecord(spec(), 123, 1.0, 1.0, "/l", 1)
-    other = RunRecord(spec(engine_id="e2"), 124, 1.0, 1.0, "/l", 1)
+    other = RunRecord(spec("e2"), 124, 1.0, 1.0, "/l", 1)
     alive = {"e1": True, "e2": False}
     assert plan_adoption((rec, other), alive, True) == [
         Adopt(rec), Discard(other, "exited while the agent was not running")]
     assert plan_adoption((rec,), alive, False) == [AdoptAndDrain(rec)]
     now = time.time()
     starting = EngineView(spec(), EnginePhase.STARTING, 1, now - 100, "/l")
-    ready = EngineView(spec(engine_id="e2"), EnginePhase.READY, 2, now - 100, "/l")
+    ready = EngineView(spec("e2"), EnginePhase.READY, 2, now - 100, "/l")
     assert decide((starting, ready), now, 60.0) == [DrainEngine("e1", "not ready 60 s after start",
                                                                 0.0)]
     assert decide((starting,), now, 600.0) == []
@@ -119,8 +174,9 @@ def test_stand_in_engines_start_drain_escalate_and_die(fleet, tmp_path, tiny_mod
     config = agent_config(fleet, tmp_path, engine_command=fake_engine_command())
 
     async def lifecycle(session, url: str, engine_id: str, manners: str):
-        body = dict(engine_id=engine_id, model_dir=str(tiny_model), model_id=manners,
-                    http=f"127.0.0.1:{free_port()}")
+        body = dict(engine_id=engine_id, env={"FLEET_MODEL": str(tiny_model),
+                                              "FLEET_MODEL_ID": manners,
+                                              "FLEET_HTTP": f"127.0.0.1:{free_port()}"})
         async with session.post(url + "/v1/engines", json=body) as r:
             assert r.status == 201, await r.text()
             assert (await r.json())["state"] == "starting"
@@ -168,7 +224,8 @@ def test_no_orphans_a_drained_engine_takes_its_process_group_with_it(fleet, tmp_
     async def scenario():
         async with serving(config) as url, client(fleet) as session:
             async with session.post(url + "/v1/engines", json=dict(
-                    engine_id="parent", model_dir=str(tiny_model))) as r:
+                    engine_id="parent", env={"FLEET_MODEL": str(tiny_model),
+                                             "FLEET_HTTP": f"127.0.0.1:{free_port()}"})) as r:
                 assert r.status == 201
             await wait_state(session, url, "parent", {"ready"}, 30)
             async with session.get(url + "/v1/engines/parent/log") as r:
@@ -194,19 +251,23 @@ def test_bad_spawn_requests_are_refused_with_a_reason(fleet, tmp_path, tiny_mode
         busy.listen()
         port = busy.getsockname()[1]
         async with serving(config) as url, client(fleet) as session:
+            model = {"FLEET_MODEL": str(tiny_model)}
             cases = [
-                (dict(engine_id="a", model_dir=str(tiny_model), http=f"127.0.0.1:{port}"),
-                 409, "http", "in use"),
-                (dict(engine_id="b", model_dir=str(Path(tiny_model) / "nope")), 422,
-                 "model_dir", "no such checkpoint"),
-                (dict(engine_id="c", model_dir=str(tiny_model), layers="1:7"), 422, "layers",
+                (dict(engine_id="a", env=model | {"FLEET_HTTP": f"127.0.0.1:{port}"}),
+                 409, "FLEET_HTTP", "in use"),
+                (dict(engine_id="b", env={"FLEET_MODEL": str(Path(tiny_model) / "nope")}), 422,
+                 "FLEET_MODEL", "no such checkpoint"),
+                (dict(engine_id="c", env=model | {"FLEET_LAYERS": "1:7"}), 422, "FLEET_LAYERS",
                  "outside the model's 4 layers"),
-                (dict(engine_id="d", model_dir=str(tiny_model), backend="mlx-metal"), 422,
-                 "backend", "not available"),
-                (dict(engine_id="e", model_dir=str(tiny_model), link_key="not hex"), 422,
-                 "link_key", "hex"),
-                (dict(engine_id="f", model_dir=str(tiny_model), link_key="abcd"), 422,
-                 "link_key", "at least 16"),
+                (dict(engine_id="d", env=model | {"FLEET_BACKEND": "mlx-metal"}), 422,
+                 "FLEET_BACKEND", "not available"),
+                (dict(engine_id="e", env=model, link_key="not hex"), 422, "link_key", "hex"),
+                (dict(engine_id="f", env=model, link_key="abcd"), 422, "link_key",
+                 "at least 16"),
+                (dict(engine_id="g", env=model | {"FLEET_CONTEXT": "lots"}), 422,
+                 "FLEET_CONTEXT", "expected an integer"),
+                (dict(engine_id="h", model_dir=str(tiny_model)), 422, "model_dir",
+                 "unknown field"),
             ]
             for body, status, field, words in cases:
                 async with session.post(url + "/v1/engines", json=body) as r:
@@ -254,7 +315,9 @@ def test_after_a_restart_engines_are_ended_when_adoption_is_off_and_dead_ones_fo
             ("draining", left_behind["draining"].pid,
              psutil.Process(left_behind["draining"].pid).create_time(), time.time() - 60),
             ("gone", gone.pid, time.time() - 5, None)):
-        record = RunRecord(spec(engine_id=engine_id, model_dir=str(tiny_model)), pid, created,
+        # as the earlier agent started them: with its drain_s, which the record keeps
+        started = SpawnRequest(engine_id, {"FLEET_MODEL": str(tiny_model)}).spec(config.drain_s)
+        record = RunRecord(started, pid, created,
                            time.time(), str(config.logs_dir / f"engine-{engine_id}.log"), 1,
                            ready_at=time.time() - 100, drain_started_at=drain_started_at)
         (config.run_dir / f"{engine_id}.json").write_text(json.dumps(record.to_dict()))
@@ -292,14 +355,15 @@ def test_a_link_key_sent_in_the_spawn_lands_in_a_private_file_and_nowhere_else(
 
     async def scenario():
         async with serving(config) as url, client(fleet) as session:
-            body = dict(engine_id="ringed", model_dir=str(tiny_model), world_size=2, rank=1,
-                        layers="2:4", layout="0:2,2:4", listen=f"127.0.0.1:{free_port()}",
-                        link_key=key)
+            body = dict(engine_id="ringed", link_key=key, env={
+                "FLEET_MODEL": str(tiny_model), "WORLD_SIZE": "2", "RANK": "1",
+                "FLEET_LAYERS": "2:4", "FLEET_LAYOUT": "0:2,2:4",
+                "FLEET_LISTEN": f"127.0.0.1:{free_port()}"})
             async with session.post(url + "/v1/engines", json=body) as r:
                 assert r.status == 201, await r.text()
                 view = await r.json()
-            assert view["spec"]["link_key"] == ""
-            key_file = Path(view["spec"]["key_file"])
+            assert "link_key" not in view["spec"]
+            key_file = Path(view["spec"]["env"]["FLEET_KEY_FILE"])
             assert key_file.read_text() == key
             assert key_file.stat().st_mode & 0o077 == 0
             assert key not in (config.run_dir / "ringed.json").read_text()

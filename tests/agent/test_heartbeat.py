@@ -79,7 +79,8 @@ def test_heartbeats_events_and_goodbye(fleet, tmp_path, tiny_model):
                 assert any("facts" not in b for b in beats[1:3])  # unchanged: not resent
                 assert "facts" in beats[3]  # the supervisor asked for them
                 async with session.post(url + "/v1/engines", json={
-                        "engine_id": "hb", "model_dir": str(tiny_model)}) as r:
+                        "engine_id": "hb", "env": {"FLEET_MODEL": str(tiny_model),
+                                                   "FLEET_HTTP": f"127.0.0.1:{free_port()}"}}) as r:
                     assert r.status == 201
                 await wait_state(session, url, "hb", {"ready"}, 30)
                 await wait_until_async(lambda: len(got["events"]) >= 2, within_s=5,

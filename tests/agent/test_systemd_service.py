@@ -78,8 +78,9 @@ def test_engines_outlive_an_agent_crash_are_adopted_and_systemctl_stop_drains_th
         async with client(fleet, timeout_s=120) as session:
             await wait_agent(url, session, 60)
             async with session.post(url + "/v1/engines", json={
-                    "engine_id": "kept", "model_dir": str(tiny_model), "http": http,
-                    "model_id": "tiny"}) as r:
+                    "engine_id": "kept", "env": {"FLEET_MODEL": str(tiny_model),
+                                                 "FLEET_HTTP": http,
+                                                 "FLEET_MODEL_ID": "tiny"}}) as r:
                 assert r.status == 201, await r.text()
             view = await wait_state(session, url, "kept", {"ready", "exited"}, 120)
             assert view["state"] == "ready", view

@@ -72,7 +72,7 @@ def test_roles_limit_what_a_fleet_member_may_do(fleet, tmp_path, tiny_model):
             async with session.get(url + "/v1/engines") as r:
                 assert r.status == 200
             async with session.post(url + "/v1/engines", json={
-                    "engine_id": "e1", "model_dir": str(tiny_model)}) as r:
+                    "engine_id": "e1", "env": {"FLEET_MODEL": str(tiny_model)}}) as r:
                 assert r.status == 403
                 assert "role 'agent'" in (await r.json())["error"]["message"]
 

@@ -89,8 +89,9 @@ def test_two_agents_on_one_machine(fleet, tmp_path, tiny_model):
                 for url, backend in ((url_a, "torch-cpu"), (url_b, "mlx-cpu")):
                     http = f"127.0.0.1:{free_port()}"
                     async with session.post(url + "/v1/engines", json={
-                            "engine_id": f"tiny-{backend}", "model_dir": str(tiny_model),
-                            "backend": backend, "http": http, "model_id": "tiny"}) as r:
+                            "engine_id": f"tiny-{backend}", "env": {
+                                "FLEET_MODEL": str(tiny_model), "FLEET_BACKEND": backend,
+                                "FLEET_HTTP": http, "FLEET_MODEL_ID": "tiny"}}) as r:
                         assert r.status == 201, await r.text()
                     engines[url] = (f"tiny-{backend}", http)
                 pids = []

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.fingerprint import checkpoint_digest, layout_fingerprint
-from engine.harness.launch import LocalFleet, launch
+from engine.harness.launch import LocalReplica, launch
 from engine.link import errors
 from engine.link.hello import Handshake
 from engine.link.transport import connect, handshake
@@ -45,7 +45,7 @@ def source(sock: socket.socket) -> str:
     return f"{host}:{port}"
 
 
-def wait_listening(fleet: LocalFleet, rank: int, address: tuple[str, int]) -> str:
+def wait_listening(fleet: LocalReplica, rank: int, address: tuple[str, int]) -> str:
     """Connect until `address` accepts, then close at once: the scanner's connect-and-close.
     Returns the source address of the connection that got in."""
     def alive() -> None:
@@ -80,12 +80,12 @@ def wrong_key_hello(address: tuple[str, int], model: Path, claim_rank: int) -> t
     return who, None
 
 
-def refusals(fleet: LocalFleet, rank: int) -> dict[str, str]:
+def refusals(fleet: LocalReplica, rank: int) -> dict[str, str]:
     return {str(e.get("peer")): str(e.get("reason")) for e in fleet.events(rank)
             if e.get("event") == "refused a peer"}
 
 
-def wait_refused(fleet: LocalFleet, rank: int, addresses: list[str]) -> dict[str, str]:
+def wait_refused(fleet: LocalReplica, rank: int, addresses: list[str]) -> dict[str, str]:
     """The rank's logged refusals, once every address in `addresses` is among them (its log
     file is the only signal there is, so the wait polls it)."""
     wait_until(lambda: all(a in refusals(fleet, rank) for a in addresses), within_s=WAIT_S,
@@ -93,7 +93,7 @@ def wait_refused(fleet: LocalFleet, rank: int, addresses: list[str]) -> dict[str
     return refusals(fleet, rank)
 
 
-def complete(fleet: LocalFleet) -> str:
+def complete(fleet: LocalReplica) -> str:
     with urllib.request.urlopen(f"{fleet.url}/models", timeout=30) as reply:
         model_id = json.load(reply)["data"][0]["id"]
     body = json.dumps({"model": model_id, "prompt": "hello", "max_tokens": 4,

@@ -1,12 +1,13 @@
-"""The control loop's spawn request is the agent's EngineSpec, which reads back into the
-engine's environment contract with the stage's addresses (an IPv6 node's in brackets)."""
+"""The control loop's spawn request carries each stage's environment contract whole, which
+the agent reads back with the engine's own parser, with the stage's addresses (an IPv6
+node's in brackets)."""
 
 from __future__ import annotations
 
 import ssl
-from dataclasses import replace
 
-from agent.spawn import EngineSpec
+from agent.spawn import SpawnRequest
+from engine.env import EngineEnv
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
@@ -27,15 +28,21 @@ def test_the_spawn_body_reads_back_as_each_stage_contract(tmp_path):
     envs = []
     for stage in stages:
         body = supervisor.spawn_body(replica, stage)
-        spec = EngineSpec.from_dict(body)
-        assert len(spec.link_key) == 64 and (spec.api_secret != "") == (stage.rank == 0)
-        # the agent keeps the secrets in files of its own before it checks the request
-        envs.append(replace(spec, key_file=str(key), link_key="", api_secret="")
-                    .engine_env(drain_s=1.0))
+        request = SpawnRequest.from_dict(body)
+        assert set(body) == {"engine_id", "replica", "env", "link_key", "api_secret"}
+        assert (request.engine_id, request.replica) == (stage.engine_id, "demo-g1")
+        assert len(request.link_key) == 64 and (request.api_secret != "") == (stage.rank == 0)
+        # the agent keeps the secrets in files of its own before it reads the contract
+        spec = SpawnRequest(request.engine_id, request.env).spec(
+            drain_s=1.0, key_file=key)
+        envs.append(spec.engine)
+        # what the engine is started with is what the supervisor wrote
+        assert EngineEnv.from_environ(body["env"] | {"FLEET_KEY_FILE": str(key)}) == spec.engine
     rank0, rank1 = envs
     assert rank0.listen == ("::1", 9000) and rank0.http == ("::1", 9001)
     assert rank1.listen == ("10.0.0.2", 9002) and rank1.master == ("::1", 9003)
     assert rank0.layout == rank1.layout == ((0, 4), (4, 8))
     assert (rank0.model_id, rank0.context, rank0.placement) == (
         "demo", 1024, "0-4@torch-cpu,4-8@mlx-cpu")
+    # the policy's drain, even at its default: not the agent's (1.0 here)
     assert rank0.drain_s == rank1.drain_s == supervisor.settings.policy.drain_s

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from engine.harness.launch import LocalFleet, free_port, launch
+from engine.harness.launch import LocalReplica, free_port, launch
 from supervisor.front_door import FrontDoorConfig, Route, open_front_door
 from supervisor.relays import UpstreamSilence
 from tests.waiting import wait_until_async
@@ -44,7 +44,7 @@ def engine(make_model, tmp_path_factory):
         fleet.stop()
 
 
-def base_url(fleet: LocalFleet) -> str:
+def base_url(fleet: LocalReplica) -> str:
     return f"http://127.0.0.1:{fleet.http_port}"
 
 
@@ -56,7 +56,7 @@ class Clients:
     door_url: str  # for a client of its own, one that can leave
 
 
-async def with_door(fleet: LocalFleet, check: Callable[[Clients], Awaitable[None]]) -> None:
+async def with_door(fleet: LocalReplica, check: Callable[[Clients], Awaitable[None]]) -> None:
     port = free_port()
     route = Route(url=base_url(fleet), replica="m-g1", api_secret=SECRET)
     config = FrontDoorConfig(lambda model, conversation: route, lambda: [{"id": "m", "serving": True}])

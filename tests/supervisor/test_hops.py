@@ -8,7 +8,8 @@ import json
 import pytest
 from rich.console import Console
 
-from agent.spawn import EngineSpec, SpawnRefused
+from agent.spawn import SpawnRefused, SpawnRequest
+from engine.env import EngineEnv
 from supervisor.fleet_config import FleetConfigError, diff, parse_fleet_config
 from supervisor.fleetctl import render_plan
 from supervisor.hops import planned_hops, predicted_hops, reported_hops
@@ -35,14 +36,17 @@ def test_fleet_yaml_sets_a_models_hop_transport_and_auto_keeps_the_digest():
 
 
 def test_a_spawn_request_carries_the_hop_transport_into_the_engines_environment():
-    base = dict(engine_id="e", model_dir="/m", placement="0-4@torch-cpu,4-8@torch-cpu")
-    dist = EngineSpec.from_dict(base | {"hop_transport": "dist"}).engine_env(5.0)
+    def engine_env(**variables: str) -> EngineEnv:
+        env = {"FLEET_MODEL": "/m", "FLEET_PLACEMENT": "0-4@torch-cpu,4-8@torch-cpu"}
+        return SpawnRequest.from_dict({"engine_id": "e", "env": env | variables}).spec(5.0).engine
+
+    dist = engine_env(FLEET_HOP_TRANSPORT="dist")
     assert dist.hop_transport == "dist"
     assert dist.to_environ()["FLEET_HOP_TRANSPORT"] == "dist"
-    assert EngineSpec.from_dict(base).engine_env(5.0).hop_transport == "auto"
+    assert engine_env().hop_transport == "auto"
     with pytest.raises(SpawnRefused) as refused:
-        EngineSpec.from_dict(base | {"hop_transport": "nccl"}).engine_env(5.0)
-    assert refused.value.field == "hop_transport"
+        engine_env(FLEET_HOP_TRANSPORT="nccl")
+    assert refused.value.field == "FLEET_HOP_TRANSPORT"
 
 
 def test_predicted_hops_follow_the_engines_choice():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import AgentConfig, ConfigError
-from agent.spawn import EngineSpec, SpawnRefused, check_spawn, read_checkpoint_info
+from agent.spawn import SpawnRefused, SpawnRequest
 from engine.addresses import wildcard_address
 from engine.env import EngineEnv, EnvError
 from engine.harness.launch import free_port
@@ -92,12 +92,11 @@ def test_named_addresses_still_serve(tmp_path):
 
 def test_an_agent_refuses_a_spawn_whose_api_would_bind_a_wildcard(make_model):
     model = make_model("qwen3")
-    info = read_checkpoint_info(str(model))
     for host in ("0", "[::0]"):
-        spec = EngineSpec(engine_id="r0", model_dir=str(model), http=address(host))
+        request = SpawnRequest("r0", {"FLEET_MODEL": str(model), "FLEET_HTTP": address(host)})
         with pytest.raises(SpawnRefused, match="wildcard") as refused:
-            check_spawn(spec, info, frozenset(), (), 10.0)
-        assert refused.value.field == "http"
+            request.spec(10.0)
+        assert refused.value.field == "FLEET_HTTP"
 
 
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""An MLX stage: one layer range on Metal, CUDA or the CPU, with its slots' KV state."""
+"""An MLX stage: one layer range on Metal, CUDA or the CPU, with its slots' state (KV, and a
+hybrid's recurrent state)."""
 
 from __future__ import annotations
 

@@ -25,13 +25,13 @@ imports torch._dynamo, about 74 MB resident in a process that never compiles.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from engine.env import read_switch
 from engine.rounds import RowLayout
 
 
@@ -154,19 +154,14 @@ def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
                       run, keys, lengths, window)
 
 
-DECODE_ATTENTION_CHOICES = ("triton", "sdpa")
-
-
 def decode_kernel_runs(device: torch.device) -> bool:
     """Whether decode rows on `device` go through the Triton decode kernel
     (`decode_attention_triton`) instead of SDPA under a mask: on CUDA when Triton imports,
-    unless FLEET_DECODE_ATTENTION=sdpa. Read when a round's index is built, so that a
-    process (or a test) can switch it; a captured graph keeps what it was captured with.
-    The CPU and MPS always run SDPA."""
-    choice = os.environ.get("FLEET_DECODE_ATTENTION", "triton")
-    if choice not in DECODE_ATTENTION_CHOICES:
-        raise ValueError(f"FLEET_DECODE_ATTENTION={choice!r}: expected one of "
-                         f"{', '.join(DECODE_ATTENTION_CHOICES)}")
+    unless FLEET_DECODE_ATTENTION=sdpa (the contract's `decode_attention`, engine.env). Read
+    from the environment when a round's index is built, so that a process (or a test) can
+    switch it; a captured graph keeps what it was captured with. The CPU and MPS always
+    run SDPA."""
+    choice = read_switch("decode_attention")
     return device.type == "cuda" and choice == "triton" and _triton_imports()
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +44,15 @@ import torch.nn.functional as F
 from engine.backends import quant_policy
 from engine.checkpoint.quant_config import QuantConfig, QuantParams
 from engine.checkpoint.quantize import pack_bits
+from engine.env import VARIABLE_OF, read_switch
 
 log = structlog.get_logger()
 
 NIBBLE = 4
 PAD_ROWS = quant_policy.INT4_PAD_ROWS  # output widths the CPU kernel takes (CUDA's 8 divides it)
-KERNEL_ENV = "FLEET_PACKED_KERNEL"  # on CUDA: "triton" (the default where it imports) or "int4"
+# On CUDA: "triton" (the default where it imports) or "int4"; the contract's `packed_kernel`
+# (engine.env), read from the environment as each weight picks its kernel.
+KERNEL_ENV = VARIABLE_OF["packed_kernel"]
 
 
 @functools.cache
@@ -66,7 +68,7 @@ def _triton_kernels() -> Any:
 def matmul_kernel(device: torch.device, bits: int) -> str:
     """Which kernel a packed weight of `bits` on `device` runs its matmul with: "triton"
     (mlx-lm's words as stored) or "int4" (PyTorch's int4 layout)."""
-    if device.type != "cuda" or os.environ.get(KERNEL_ENV, "triton") == "int4":
+    if device.type != "cuda" or read_switch("packed_kernel") == "int4":
         return "int4"
     kernels = _triton_kernels()
     if kernels is None or bits not in kernels.BITS:

@@ -1,4 +1,5 @@
-"""A PyTorch stage: one layer range on CUDA, MPS or the CPU, with its slots' KV state."""
+"""A PyTorch stage: one layer range on CUDA, MPS or the CPU, with its slots' state (KV, and
+a hybrid's recurrent state)."""
 
 from __future__ import annotations
 
