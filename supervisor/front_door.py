@@ -18,7 +18,7 @@ rank 0, streaming included, with the fleet's client semantics.
   for a failure of this request alone) passes through as it is, with no `Retry-After`;
 - the upstream lost after tokens were sent: an SSE error event, and no `finish_reason`;
 - a model the fleet does not serve: 404 `model_not_found`; with API keys configured, a
-  request without one of them: 401.
+  request without one of them: 401 (/metrics too; only /health is open).
 The client's own `Authorization` never travels upstream; the replica's secret does.
 """
 
@@ -48,6 +48,7 @@ from engine.api.errors import RETRY_AFTER_S, ApiError
 from engine.api.errors import unavailable as engine_unavailable
 from engine.api.repeated_errors import RepeatedLog
 from supervisor.affinity import conversation_key
+from supervisor.front_door_metrics import OTHER, FrontDoorMetrics, model_label, route_label
 from supervisor.relays import (
     Relays,
     ReplicaLost,
@@ -140,6 +141,8 @@ CONFIG = web.AppKey("front_door_config", FrontDoorConfig)
 SESSION = web.AppKey("front_door_session", aiohttp.ClientSession)
 LOGS = web.AppKey("front_door_logs", RepeatedLog)
 GUARD = web.AppKey("front_door_guard", ConnectionGuard)
+METRICS = web.AppKey("front_door_metrics", FrontDoorMetrics)
+MODEL_LABEL = web.RequestKey("model_label", str)  # the request's model as /metrics has it
 
 
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
@@ -163,6 +166,29 @@ def key_matches(given: bytes, keys: frozenset[str]) -> bool:
     for key in keys:  # every key compared, so timing says nothing about which one is near
         matched |= hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
     return matched
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Counts each reply by fixed labels (supervisor.front_door_metrics); a client gone
+    (the handler cancelled) got no reply and is not counted."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # aiohttp's own 404 and 405
+        _count(request, exc.status)
+        raise
+    _count(request, response.status)
+    return response
+
+
+def _count(request: web.Request, status: int) -> None:
+    request.app[METRICS].requests.labels(route_label(request),
+                                         request.get(MODEL_LABEL, OTHER), str(status)).inc()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), content_type="text/plain",
+                        charset="utf-8")
 
 
 @web.middleware
@@ -201,6 +227,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return error(400, "expected a JSON object", kind="invalid_request_error")
     model = body.get("model")
     route = config.router(model if isinstance(model, str) else None, conversation_key(body))
+    request[MODEL_LABEL] = model_label(model, route)
     if route.status == 503:
         return unavailable(route.message)
     if route.status != 200:
@@ -232,6 +259,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             except TryElsewhere as exc:
                 refusal = exc.args[0] if exc.args else None
                 tried.append(target.replica)
+                request.app[METRICS].handed_on.labels(request[MODEL_LABEL]).inc()
     return refusal or unavailable(f"no replica of {model!r} took the request; retry shortly")
 
 
@@ -411,11 +439,13 @@ async def _session_ctx(app: web.Application):
 
 def make_front_door(config: FrontDoorConfig) -> web.Application:
     guard = ConnectionGuard(config.limits, RepeatedLog(emit=log.warning))
-    app = web.Application(middlewares=[guard.middleware, check_api_key],
+    app = web.Application(middlewares=[guard.middleware, count_requests, check_api_key],
                           client_max_size=config.limits.max_body_bytes)
     app[CONFIG], app[GUARD], app[LOGS] = config, guard, RepeatedLog(emit=log.warning)
+    app[METRICS] = FrontDoorMetrics(config.relays.suspect_count)
     app.router.add_routes([
         web.get("/health", health),
+        web.get("/metrics", metrics),
         web.get("/v1/models", models),
         web.post("/v1/chat/completions", proxy),
         web.post("/v1/completions", proxy),

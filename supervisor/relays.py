@@ -136,6 +136,9 @@ class Relays:
         watch = self._watches.get(replica)
         return watch.relays if watch else 0
 
+    def suspect_count(self) -> int:
+        return len(self._suspects)
+
     def suspicion(self, replica: str) -> str | None:
         """Why `replica` is suspect (its rank 0 did not answer here), or None."""
         return self._suspects.get(replica)
