@@ -442,7 +442,7 @@ def make_front_door(config: FrontDoorConfig) -> web.Application:
     app = web.Application(middlewares=[guard.middleware, count_requests, check_api_key],
                           client_max_size=config.limits.max_body_bytes)
     app[CONFIG], app[GUARD], app[LOGS] = config, guard, RepeatedLog(emit=log.warning)
-    app[METRICS] = FrontDoorMetrics(config.relays.suspect_count)
+    app[METRICS] = FrontDoorMetrics(lambda: config.relays.suspected_total)
     app.router.add_routes([
         web.get("/health", health),
         web.get("/metrics", metrics),

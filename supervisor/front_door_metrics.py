@@ -1,5 +1,5 @@
 """The front door's Prometheus metrics: requests by route, model and status, the requests
-handed to another replica, and the replicas held suspect now.
+handed to another replica, and how often a replica became suspect here.
 
 Every label comes from a fixed set, never from what a client sent: the route is the
 template that matched (`unmatched` for any other path), the model one of the models the
@@ -10,11 +10,13 @@ label by replica would grow with the fleet's history.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # supervisor.front_door imports this module
     from supervisor.front_door import Route
@@ -34,8 +36,20 @@ def model_label(model: object, route: Route) -> str:
     return model if isinstance(model, str) and route.status not in (400, 404) else OTHER
 
 
+class _Suspected(Collector):
+    """A counter kept by supervisor.relays (`Relays.suspected_total`), read when scraped."""
+
+    def __init__(self, total: Callable[[], int]) -> None:
+        self.total = total
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("ringfleet_front_door_suspected",
+                                  "Times a replica's rank 0 did not answer here and was "
+                                  "routed nothing new until it did", value=self.total())
+
+
 class FrontDoorMetrics:
-    def __init__(self, suspects: Callable[[], int]) -> None:
+    def __init__(self, suspected_total: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ringfleet_front_door_requests",
@@ -44,9 +58,7 @@ class FrontDoorMetrics:
         self.handed_on = Counter("ringfleet_front_door_handed_on",
                                  "Requests a replica did not take, handed to the next",
                                  ["model"], registry=r)
-        Gauge("ringfleet_front_door_suspect_replicas",
-              "Replicas whose rank 0 did not answer here, routed nothing new",
-              registry=r).set_function(suspects)
+        r.register(_Suspected(suspected_total))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

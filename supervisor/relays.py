@@ -127,6 +127,7 @@ class Relays:
         self._rechecked: dict[str, float] = {}  # replica -> when its last recheck began
         self._rechecks: dict[str, asyncio.Task[bool]] = {}
         self.clock, self.recheck_s = clock, recheck_s
+        self.suspected_total = 0  # times a replica became suspect here (for /metrics)
 
     def failure(self, replica: str) -> str | None:
         """Why `replica` was failed, or None while it is not known to have failed."""
@@ -136,9 +137,6 @@ class Relays:
         watch = self._watches.get(replica)
         return watch.relays if watch else 0
 
-    def suspect_count(self) -> int:
-        return len(self._suspects)
-
     def suspicion(self, replica: str) -> str | None:
         """Why `replica` is suspect (its rank 0 did not answer here), or None."""
         return self._suspects.get(replica)
@@ -146,6 +144,8 @@ class Relays:
     def suspect(self, replica: str, reason: str) -> None:
         """Route `replica` nothing new until its /health answers again (`recheck`), and hand
         its relays still waiting for a reply to another replica."""
+        if replica not in self._suspects:
+            self.suspected_total += 1
         self._suspects[replica] = reason
         self._suspects.move_to_end(replica)
         while len(self._suspects) > self.REMEMBERED_FAILURES:

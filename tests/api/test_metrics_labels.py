@@ -121,7 +121,7 @@ def test_hostile_models_and_fields_through_the_front_door(engine, model_id):
         counted = {(dict(labels)["model"], dict(labels)["status"]) for labels in
                    families["ringfleet_front_door_requests"]}
         assert ("other", "404") in counted and (model_id, "200") in counted, counted
-        assert "ringfleet_front_door_suspect_replicas" in families
+        assert "ringfleet_front_door_suspected" in families
 
     asyncio.run(run())
     check_metrics(rank0_metrics(base), "ringfleet_requests")

@@ -404,6 +404,10 @@ def test_a_suspect_replica_hands_its_waiting_requests_on_and_gets_no_new_ones():
             async with s.post("/v1/chat/completions", json=ask("frozen", "hang")) as r:
                 assert r.status == 200 and r.headers["X-Ringfleet-Replica"] == "pair-b"
         assert relays.open_count("pair-a") == 0
+        async with s.get("/metrics") as r:
+            text = await r.text()
+        assert "ringfleet_front_door_suspected_total 1.0" in text
+        assert 'ringfleet_front_door_handed_on_total{model="frozen"} 2.0' in text
     run(check, silence=QUICK_SILENCE, relays=Relays(recheck_s=60))
 
 
