@@ -6,6 +6,9 @@ rank 0, streaming included, with the fleet's client semantics.
   the most free slots (`by_free_slots`); one that cannot take it before anything was sent to the client
   (unreachable, lost, or its own 503: busy, draining, failed) hands it to the next, so a
   503 reaches the client only when every replica is full or down;
+- a replica whose rank 0 did not answer /health after a relay to it timed out, was refused
+  or was reset is suspect (supervisor.relays): it is routed nothing new until its /health
+  answers again, without waiting for the supervisor's verdict;
 
 - no serving replica for the model, or the replica lost before its first byte (unreachable,
   closed, failed by the supervisor, silent past the ring's dead-ring time): 503,
@@ -15,13 +18,14 @@ rank 0, streaming included, with the fleet's client semantics.
   for a failure of this request alone) passes through as it is, with no `Retry-After`;
 - the upstream lost after tokens were sent: an SSE error event, and no `finish_reason`;
 - a model the fleet does not serve: 404 `model_not_found`; with API keys configured, a
-  request without one of them: 401.
+  request without one of them: 401 (/metrics too; only /health is open).
 The client's own `Authorization` never travels upstream; the replica's secret does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 from collections.abc import Callable
@@ -44,6 +48,7 @@ from engine.api.errors import RETRY_AFTER_S, ApiError
 from engine.api.errors import unavailable as engine_unavailable
 from engine.api.repeated_errors import RepeatedLog
 from supervisor.affinity import conversation_key
+from supervisor.front_door_metrics import OTHER, FrontDoorMetrics, model_label, route_label
 from supervisor.relays import (
     Relays,
     ReplicaLost,
@@ -60,6 +65,14 @@ MAX_BODY_BYTES = 16 << 20
 LINGERING_S = 2.0  # a refused body is drained this long at most before the connection closes
 PROXIED_HEADERS = ("Content-Type", "Retry-After", "Cache-Control")
 TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, asyncio.IncompleteReadError)
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Whether a connection failed for want of a descriptor here: the front door's own
+    trouble, which says nothing about the replica."""
+    cause = getattr(exc, "os_error", None) or exc
+    return isinstance(cause, OSError) and cause.errno in OUT_OF_DESCRIPTORS
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,8 @@ CONFIG = web.AppKey("front_door_config", FrontDoorConfig)
 SESSION = web.AppKey("front_door_session", aiohttp.ClientSession)
 LOGS = web.AppKey("front_door_logs", RepeatedLog)
 GUARD = web.AppKey("front_door_guard", ConnectionGuard)
+METRICS = web.AppKey("front_door_metrics", FrontDoorMetrics)
+MODEL_LABEL = web.RequestKey("model_label", str)  # the request's model as /metrics has it
 
 
 def error(status: int, message: str, *, kind: str = "server_error", code: str | None = None,
@@ -151,6 +166,29 @@ def key_matches(given: bytes, keys: frozenset[str]) -> bool:
     for key in keys:  # every key compared, so timing says nothing about which one is near
         matched |= hmac.compare_digest(given, key.encode("utf-8", "surrogatepass"))
     return matched
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Counts each reply by fixed labels (supervisor.front_door_metrics); a client gone
+    (the handler cancelled) got no reply and is not counted."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:  # aiohttp's own 404 and 405
+        _count(request, exc.status)
+        raise
+    _count(request, response.status)
+    return response
+
+
+def _count(request: web.Request, status: int) -> None:
+    request.app[METRICS].requests.labels(route_label(request),
+                                         request.get(MODEL_LABEL, OTHER), str(status)).inc()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(), content_type="text/plain",
+                        charset="utf-8")
 
 
 @web.middleware
@@ -189,25 +227,39 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return error(400, "expected a JSON object", kind="invalid_request_error")
     model = body.get("model")
     route = config.router(model if isinstance(model, str) else None, conversation_key(body))
+    request[MODEL_LABEL] = model_label(model, route)
     if route.status == 503:
         return unavailable(route.message)
     if route.status != 200:
         code = "model_not_found" if route.status == 404 else None
         return error(route.status, route.message, kind="invalid_request_error", code=code,
                      param="model")
-    targets = [t for t in (route, *route.fallbacks) if config.relays.failure(t.replica) is None]
+    relays = config.relays
+    targets = [t for t in (route, *route.fallbacks) if relays.failure(t.replica) is None]
     if not targets:
-        failure = config.relays.failure(route.replica)
+        failure = relays.failure(route.replica)
         return unavailable(f"the replica serving {model!r} failed ({failure}); retry shortly")
+    for target in targets:
+        if relays.suspicion(target.replica) is not None:
+            relays.recheck(target.replica, lambda t=target: answers_health(
+                request.app[SESSION], t, config.silence.probe_timeout_s))
+    suspects = [t for t in targets if relays.suspicion(t.replica) is not None]
+    targets = [t for t in targets if t not in suspects]
+    if not targets:
+        return unavailable(f"rank 0 of the replica serving {model!r} did not answer "
+                           f"({relays.suspicion(suspects[0].replica)}); retry shortly")
     refusal: web.StreamResponse | None = None
+    tried: list[str] = []
     for i, target in enumerate(targets):
-        with config.relays.open(target.replica) as watch:
+        with relays.open(target.replica) as watch:
             relay = Relay(request, target, watch, bool(body.get("stream")),
-                          last=i == len(targets) - 1)
+                          last=i == len(targets) - 1, tried=tuple(tried))
             try:
                 return await relay.run(raw, model)
             except TryElsewhere as exc:
                 refusal = exc.args[0] if exc.args else None
+                tried.append(target.replica)
+                request.app[METRICS].handed_on.labels(request[MODEL_LABEL]).inc()
     return refusal or unavailable(f"no replica of {model!r} took the request; retry shortly")
 
 
@@ -215,9 +267,10 @@ class Relay:
     """One client request carried to rank 0 and its reply carried back."""
 
     def __init__(self, request: web.Request, route: Route, watch: ReplicaWatch,
-                 stream: bool, last: bool = True) -> None:
+                 stream: bool, last: bool = True, tried: tuple[str, ...] = ()) -> None:
         self.request, self.route, self.watch, self.stream = request, route, watch, stream
         self.last = last  # no other replica to hand the request to
+        self.tried = tried  # the replicas that did not take it before this one
         self.config = request.app[CONFIG]
         self.session = request.app[SESSION]
         self.logs = request.app[LOGS]
@@ -237,27 +290,32 @@ class Relay:
 
     async def alive(self) -> bool:
         """Whether rank 0 answers /health at all within the probe timeout."""
-        timeout = aiohttp.ClientTimeout(total=self.config.silence.probe_timeout_s)
-        try:
-            async with self.session.get(self.route.url + "/health", timeout=timeout,
-                                        headers=self.upstream_headers()) as reply:
-                await reply.read()
-                return True
-        except TRANSPORT_ERRORS:
-            return False
+        return await answers_health(self.session, self.route,
+                                    self.config.silence.probe_timeout_s)
 
-    async def bounded(self, work: Any) -> Any:
-        return await until_lost(work, self.watch, self.config.silence, self.alive)
+    async def bounded(self, work: Any, *, until_suspect: bool = False) -> Any:
+        return await until_lost(work, self.watch, self.config.silence, self.alive,
+                                until_suspect=until_suspect)
 
     async def run(self, raw: bytes, model: Any) -> web.StreamResponse:
+        # Until the reply's head arrives the request may go to another replica: a completion
+        # has no effect outside its reply, and the one left behind is cancelled on rank 0
+        # when this connection closes (if it ever started). After the head, never.
         try:
             upstream = await self.bounded(self.session.post(
-                self.route.url + self.request.path, data=raw, headers=self.upstream_headers()))
+                self.route.url + self.request.path, data=raw, headers=self.upstream_headers()),
+                until_suspect=True)
         except ReplicaLost as exc:
             self.warn("upstream lost before the reply", cause=str(exc))
             return self.refused(unavailable(f"{exc}; retry shortly"))
         except TRANSPORT_ERRORS as exc:
+            if out_of_descriptors(exc):  # another replica would fail the same way
+                self.warn("no descriptor for the upstream connection", error=str(exc))
+                return unavailable("the front door is out of connections; retry shortly")
             self.warn("upstream not reachable", error=str(exc) or type(exc).__name__)
+            # Refused or reset: a stale kept-alive connection too, so rank 0 is asked before
+            # it is held suspect (a failed probe makes it so: ReplicaWatch).
+            await self.watch.alive(self.alive)
             return self.refused(unavailable(f"the replica serving {model!r} is not reachable; "
                                             "retry shortly"))
         if upstream.status == 503 and not self.last:  # busy, draining or failed: the next
@@ -285,6 +343,8 @@ class Relay:
     async def relay(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         headers = {k: upstream.headers[k] for k in PROXIED_HEADERS if k in upstream.headers}
         headers["X-Ringfleet-Replica"] = self.route.replica
+        if self.tried:  # why this reply was slow, and where it was not served
+            headers["X-Ringfleet-Tried"] = ", ".join(self.tried)
         is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         if not (self.stream and is_sse and upstream.status == 200):
             return await self.whole(upstream, headers)
@@ -354,6 +414,18 @@ class Relay:
         return "the replica closed the stream before it was complete"
 
 
+async def answers_health(session: aiohttp.ClientSession, route: Route, timeout_s: float) -> bool:
+    """Whether rank 0 answers /health at all (any status) within `timeout_s`."""
+    headers = {"Authorization": f"Bearer {route.api_secret}"} if route.api_secret else {}
+    try:
+        async with session.get(route.url + "/health", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
+            await reply.read()
+            return True
+    except TRANSPORT_ERRORS:
+        return False
+
+
 async def _session_ctx(app: web.Application):
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
     # No pool cap of its own: the listener's connection cap bounds what is relayed.
@@ -361,16 +433,19 @@ async def _session_ctx(app: web.Application):
     app[SESSION] = aiohttp.ClientSession(timeout=timeout, connector=connector,
                                          auto_decompress=False)
     yield
+    await app[CONFIG].relays.close()
     await app[SESSION].close()
 
 
 def make_front_door(config: FrontDoorConfig) -> web.Application:
     guard = ConnectionGuard(config.limits, RepeatedLog(emit=log.warning))
-    app = web.Application(middlewares=[guard.middleware, check_api_key],
+    app = web.Application(middlewares=[guard.middleware, count_requests, check_api_key],
                           client_max_size=config.limits.max_body_bytes)
     app[CONFIG], app[GUARD], app[LOGS] = config, guard, RepeatedLog(emit=log.warning)
+    app[METRICS] = FrontDoorMetrics(lambda: config.relays.suspected_total)
     app.router.add_routes([
         web.get("/health", health),
+        web.get("/metrics", metrics),
         web.get("/v1/models", models),
         web.post("/v1/chat/completions", proxy),
         web.post("/v1/completions", proxy),

@@ -6,11 +6,17 @@ and acknowledges, so a relay that only waits for bytes waits until something kil
 process. Two bounds end that wait: every relay of a replica the supervisor marks failed is
 ended at once (`Relays.replica_failed`), and a wait with no bytes for `UpstreamSilence`
 asks rank 0's `/health`, which a live rank 0 answers even while it thinks for long.
+
+A replica whose rank 0 did not answer that probe is *suspect* here (`Relays.suspect`), with
+no wait for the supervisor's verdict: the front door routes it nothing new, its relays still
+waiting for a reply are handed to another replica at once, and only its `/health` answering
+again (`Relays.recheck`, at most one probe per `RECHECK_S`) clears it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +28,7 @@ from engine.pipeline.liveness import LivenessConfig
 T = TypeVar("T")
 
 RING_LIVENESS = LivenessConfig()  # the keep-alive and dead-ring count engines run with
+RECHECK_S = RING_LIVENESS.keepalive_s  # a suspect's /health is asked at most this often
 
 
 class ReplicaLost(Exception):
@@ -57,12 +64,15 @@ class UpstreamSilence:
 class ReplicaWatch:
     """One replica's relays share this: the event is set when the supervisor fails it."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_silent: Callable[[], None] = lambda: None) -> None:
         self.failed = asyncio.Event()
         self.reason = ""
+        # Set while the replica is suspect: relays still waiting for their reply go elsewhere.
+        self.suspected = asyncio.Event()
         self.relays = 0
         self._probe: asyncio.Future[bool] | None = None
         self._closers: set[Callable[[], None]] = set()
+        self._on_silent = on_silent  # rank 0 did not answer a probe
 
     @contextmanager
     def closing(self, close: Callable[[], None]) -> Iterator[None]:
@@ -86,23 +96,38 @@ class ReplicaWatch:
         return ReplicaLost(f"rank 0 sent nothing and did not answer /health for "
                            f"{silence.limit_s:g} s (the ring's dead-ring time)")
 
+    def suspect_lost(self) -> ReplicaLost:
+        return ReplicaLost("rank 0 did not answer /health (seen from another request)")
+
     async def alive(self, ask: Callable[[], Awaitable[bool]]) -> bool:
         """`ask()`'s answer, one probe at a time: relays that fall silent together (every
         stream of a frozen rank 0 does) share it instead of each asking."""
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(ask())
+            self._probe.add_done_callback(self._probed)
         # Shielded: one relay's client leaving must not cancel the probe the others wait on.
         return await asyncio.shield(self._probe)
 
+    def _probed(self, probe: asyncio.Future[bool]) -> None:
+        if not probe.cancelled() and probe.exception() is None and not probe.result():
+            self._on_silent()
+
 
 class Relays:
-    """The front door's open relays, by replica, and the replicas failed lately."""
+    """The front door's open relays, by replica, the replicas failed lately and those it
+    saw not answering (suspect)."""
 
     REMEMBERED_FAILURES = 256  # replica ids are never reused; this only bounds memory
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *,
+                 recheck_s: float = RECHECK_S) -> None:
         self._watches: dict[str, ReplicaWatch] = {}
         self._failed: OrderedDict[str, str] = OrderedDict()
+        self._suspects: OrderedDict[str, str] = OrderedDict()  # replica -> why
+        self._rechecked: dict[str, float] = {}  # replica -> when its last recheck began
+        self._rechecks: dict[str, asyncio.Task[bool]] = {}
+        self.clock, self.recheck_s = clock, recheck_s
+        self.suspected_total = 0  # times a replica became suspect here (for /metrics)
 
     def failure(self, replica: str) -> str | None:
         """Why `replica` was failed, or None while it is not known to have failed."""
@@ -112,11 +137,68 @@ class Relays:
         watch = self._watches.get(replica)
         return watch.relays if watch else 0
 
+    def suspicion(self, replica: str) -> str | None:
+        """Why `replica` is suspect (its rank 0 did not answer here), or None."""
+        return self._suspects.get(replica)
+
+    def suspect(self, replica: str, reason: str) -> None:
+        """Route `replica` nothing new until its /health answers again (`recheck`), and hand
+        its relays still waiting for a reply to another replica."""
+        if replica not in self._suspects:
+            self.suspected_total += 1
+        self._suspects[replica] = reason
+        self._suspects.move_to_end(replica)
+        while len(self._suspects) > self.REMEMBERED_FAILURES:
+            gone, _ = self._suspects.popitem(last=False)
+            self._rechecked.pop(gone, None)
+        self._rechecked.setdefault(replica, self.clock())  # the failed probe was the check
+        watch = self._watches.get(replica)
+        if watch is not None:
+            watch.suspected.set()
+
+    def clear(self, replica: str) -> None:
+        self._suspects.pop(replica, None)
+        self._rechecked.pop(replica, None)
+        watch = self._watches.get(replica)
+        if watch is not None:
+            watch.suspected.clear()
+
+    def recheck(self, replica: str, ask: Callable[[], Awaitable[bool]]) -> None:
+        """Ask a suspect's /health in the background (`ask()`), at most once per `recheck_s`
+        and one at a time; an answer clears it. Called as requests for its model arrive, so
+        a replica the routes no longer name is asked no more."""
+        if replica not in self._suspects or replica in self._rechecks:
+            return
+        if self.clock() - self._rechecked.get(replica, float("-inf")) < self.recheck_s:
+            return
+        self._rechecked[replica] = self.clock()
+        task = asyncio.ensure_future(ask())
+        self._rechecks[replica] = task
+
+        def done(task: asyncio.Task[bool]) -> None:
+            self._rechecks.pop(replica, None)
+            if not task.cancelled() and task.exception() is None and task.result():
+                self.clear(replica)
+
+        task.add_done_callback(done)
+
+    async def close(self) -> None:
+        """End the rechecks in flight (the front door is closing)."""
+        tasks = list(self._rechecks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     @contextmanager
     def open(self, replica: str) -> Iterator[ReplicaWatch]:
-        watch = self._watches.setdefault(replica, ReplicaWatch())
+        watch = self._watches.get(replica)
+        if watch is None:
+            watch = self._watches[replica] = ReplicaWatch(lambda: self.suspect(
+                replica, "rank 0 did not answer /health"))
         if replica in self._failed:
             watch.fail(self._failed[replica])
+        if replica in self._suspects:
+            watch.suspected.set()
         watch.relays += 1
         try:
             yield watch
@@ -139,8 +221,9 @@ class Relays:
 
 
 async def until_lost(work: Awaitable[T], watch: ReplicaWatch, silence: UpstreamSilence,
-                     alive: Callable[[], Awaitable[bool]]) -> T:
-    """`work`'s result, unless the replica is failed or falls silent first (`ReplicaLost`).
+                     alive: Callable[[], Awaitable[bool]], *, until_suspect: bool = False) -> T:
+    """`work`'s result, unless the replica is failed or falls silent first (`ReplicaLost`),
+    or, with `until_suspect`, is found suspect meanwhile (another relay's probe failed).
 
     `alive()` asks rank 0 for a sign of life (its /health, within the probe timeout). The
     work is cancelled whenever this returns without its result, the caller's cancellation
@@ -148,18 +231,23 @@ async def until_lost(work: Awaitable[T], watch: ReplicaWatch, silence: UpstreamS
     """
     task = asyncio.ensure_future(work)
     failed = asyncio.ensure_future(watch.failed.wait())
+    suspected = asyncio.ensure_future(watch.suspected.wait() if until_suspect
+                                      else asyncio.Event().wait())
     try:
         while True:
-            done, _ = await asyncio.wait({task, failed}, timeout=silence.quiet_s,
+            done, _ = await asyncio.wait({task, failed, suspected}, timeout=silence.quiet_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if task in done:
                 return task.result()
             if failed in done:
                 raise watch.lost(silence)
+            if suspected in done:
+                raise watch.suspect_lost()
             if not await watch.alive(alive) and not task.done():
                 raise watch.lost(silence)
     finally:
         failed.cancel()
+        suspected.cancel()
         if not task.done():
             task.cancel()
             # Collected so a late error of the abandoned request is not reported as lost.

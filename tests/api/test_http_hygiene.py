@@ -12,6 +12,7 @@ import threading
 import time
 from http.client import HTTPConnection
 
+import psutil
 import pytest
 
 from engine.harness.launch import LOOPBACK, launch
@@ -223,15 +224,28 @@ def test_running_out_of_descriptors_logs_one_line_per_interval(make_model, tmp_p
         # The flood sits in the backlog while accept() fails with EMFILE, retried each second.
         wait_until(lambda: "socket.accept() out of system resource" in fleet.log_tail(0, 200),
                    within_s=10, what="accept failing for want of descriptors")
+        process = psutil.Process(pid)
+        cpu_before, wall_before = sum(process.cpu_times()[:2]), time.monotonic()
         # The connections accepted before the limit close at their header deadline (2 s),
-        # by which time accept() has failed and been retried at least twice more.
+        # by which time accept() has failed and been retried at least twice more: the
+        # window is the test (a spinning accept loop would take the whole CPU meanwhile).
         wait_until(lambda: "no request headers in time" in fleet.log_tail(0, 200),
                    within_s=10, what="the accepted connections closed at their deadline")
+        cpu_s = sum(process.cpu_times()[:2]) - cpu_before
+        wall_s = time.monotonic() - wall_before
         for sock in flood:
             sock.close()
         wait_until(lambda: health_ok(fleet), within_s=15, what="/health coming back")
+        # And a real request is served again, not only /health.
+        model = json.loads(http("GET", f"{fleet.url}/models")[1])["data"][0]["id"]
+        status, text = http("POST", f"{fleet.url}/completions", json.dumps(
+            {"model": model, "prompt": "the cat", "max_tokens": 3}).encode())
+        assert status == 200 and json.loads(text)["choices"][0]["finish_reason"], text
+        assert fleet.processes[0].poll() is None
     finally:
         fleet.stop()
+    print(f"rank 0 short of descriptors: {cpu_s:.2f} CPU s in {wall_s:.2f} s")
+    assert cpu_s < 0.5 * wall_s, (cpu_s, wall_s)
     lines = fleet.log_paths[0].read_text().splitlines()
     assert all(line.startswith("{") for line in lines), "a raw traceback reached the log"
     accept_lines = [e for e in fleet.events(0)

@@ -278,6 +278,10 @@ def test_a_frozen_rank0_ends_its_streams_within_the_dead_ring_time_and_is_replac
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         whole_took = time.monotonic() - t1
+        # Frozen until its follower has left and the supervisor placed a new replica: the
+        # front door's 503 now comes at once (the replica is suspect there), and a rank 0
+        # thawed before the follower's own dead-ring time would simply serve on.
+        new = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != old["id"])
     finally:
         try:
             os.kill(rank0_pid, signal.SIGCONT)
@@ -290,7 +294,6 @@ def test_a_frozen_rank0_ends_its_streams_within_the_dead_ring_time_and_is_replac
     assert stream_took < 6.0 + 3.0  # the ring's dead-ring time, and a margin
     assert refused.value.code == 503 and int(refused.value.headers["Retry-After"]) > 0
     assert whole_took < 6.0 + 3.0
-    new = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != old["id"])
     assert [s["node"] for s in new["stages"]] == ["node-a", "node-b"]
     assert chat(fleet, max_tokens=4).choices[0].finish_reason in ("stop", "length")
 

@@ -75,6 +75,12 @@ async def upstream_handler(request: web.Request) -> web.StreamResponse:
         raise
 
 
+async def live_handler(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"choices": [{"message": {"content": "hi"},
+                                           "finish_reason": "stop"}]})
+
+
 async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamResponse:
     if mode == "503":
         return web.json_response({"error": {"message": "draining"}}, status=503,
@@ -130,6 +136,14 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
     await up_runner.setup()
     up_port, door_port, closed_port = free_port(), free_port(), free_port()
     await web.TCPSite(up_runner, "127.0.0.1", up_port).start()
+    live = web.Application()  # a second fake rank 0 that is never frozen and always answers
+    live[UPSTREAM] = Upstream()
+    live.router.add_post("/v1/chat/completions", live_handler)
+    live.router.add_get("/health", upstream_health)
+    live_runner = web.AppRunner(live, handler_cancellation=True)
+    await live_runner.setup()
+    live_port = free_port()
+    await web.TCPSite(live_runner, "127.0.0.1", live_port).start()
 
     def router(model: str | None, conversation: str | None = None) -> Route:
         if model == "m":
@@ -144,6 +158,9 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
         if model == "twice":  # two replicas on the same fake rank 0: both answer alike
             same = Route(url=f"http://127.0.0.1:{up_port}", replica="twice-g1")
             return Route(url=same.url, replica="twice-g2", fallbacks=(same,))
+        if model == "frozen":  # the fake rank 0 (frozen by the test) first, then a live one
+            return Route(url=f"http://127.0.0.1:{up_port}", replica="pair-a", fallbacks=(
+                Route(url=f"http://127.0.0.1:{live_port}", replica="pair-b"),))
         if model == "idle":
             return Route(status=503, message="model 'idle' has no serving replica now")
         return Route(status=404, message=f"model {model!r} is not served by this fleet")
@@ -157,6 +174,7 @@ async def with_door(check: Callable[[Door], Awaitable[None]], **config: object) 
     finally:
         await door_runner.cleanup()
         await up_runner.cleanup()
+        await live_runner.cleanup()
 
 
 def ask(model: str, content: str = "hello", stream: bool = False) -> dict:
@@ -324,24 +342,73 @@ def test_a_silent_upstream_is_lost_after_the_dead_ring_time_and_a_live_one_is_no
                    for _ in range(3)]
         for streamed in streams:
             assert b"one" in await streamed.content.readuntil(b"\n\n")
+        whole = asyncio.ensure_future(s.post("/v1/chat/completions", json=ask("m", "hang")))
+        await wait_until_async(lambda: door.config.relays.open_count("m-g1") == 4, within_s=5,
+                               what="the whole request relayed")
         door.upstream.frozen, asks_before = True, door.upstream.health_asks
         t0 = time.monotonic()
         rests = [(await streamed.read()).decode() for streamed in streams]
         stream_took = time.monotonic() - t0
-        # Relays that fell silent together share one probe (each would ask on its own).
-        assert door.upstream.health_asks - asks_before < len(streams)
-        t0 = time.monotonic()
-        async with s.post("/v1/chat/completions", json=ask("m", "hang")) as r:
+        async with await whole as r:
             whole_took = time.monotonic() - t0
             assert r.status == 503 and int(r.headers["Retry-After"]) > 0
             assert "dead-ring" in (await r.json())["error"]["message"]
+        # Relays that fell silent together share one probe (each would ask on its own).
+        assert door.upstream.health_asks - asks_before < len(streams) + 1
         limit = QUICK_SILENCE.limit_s
         for rest in rests:
             assert events_of(rest)[-1]["error"]["code"] == "unavailable"
             assert "[DONE]" not in rest
         for took in (stream_took, whole_took):
             assert limit * 0.5 < took < limit + 1.0, took
-    run(check, silence=QUICK_SILENCE)
+        # Seen silent: suspect here, so a new request is not sent there to wait again, and
+        # gets its 503 at once; once /health answers again, requests go there again.
+        asked = len(door.upstream.authorizations)
+        t0 = time.monotonic()
+        async with s.post("/v1/chat/completions", json=ask("m")) as r:
+            assert r.status == 503 and int(r.headers["Retry-After"]) > 0
+            assert "did not answer" in (await r.json())["error"]["message"]
+        assert time.monotonic() - t0 < limit * 0.5
+        assert len(door.upstream.authorizations) == asked
+        door.upstream.frozen = False
+
+        async def served() -> bool:
+            async with s.post("/v1/chat/completions", json=ask("m")) as r:
+                return r.status == 200
+        await wait_until_async(served, within_s=5, what="served again once /health answers")
+        assert door.config.relays.suspicion("m-g1") is None
+    run(check, silence=QUICK_SILENCE, relays=Relays(recheck_s=0.25))
+
+
+def test_a_suspect_replica_hands_its_waiting_requests_on_and_gets_no_new_ones():
+    """Two replicas, the first frozen: the first request to fall silent there finds it
+    suspect, the others waiting on it go to the second at once, and new ones go there only."""
+    async def check(door: Door) -> None:
+        s = door.session
+        relays = door.config.relays
+        door.upstream.frozen = True  # freezes "pair-a" (the "frozen" model's first replica)
+        first = asyncio.ensure_future(s.post("/v1/chat/completions", json=ask("frozen", "hang")))
+        await wait_until_async(lambda: relays.open_count("pair-a") == 1, within_s=5,
+                               what="the first request relayed to the frozen replica")
+        later = asyncio.ensure_future(s.post("/v1/chat/completions", json=ask("frozen", "hang")))
+        await wait_until_async(lambda: relays.open_count("pair-a") == 2, within_s=5,
+                               what="a second request waiting on the frozen replica")
+        t0 = time.monotonic()
+        replies = [await first, await later]
+        took = time.monotonic() - t0
+        for reply in replies:
+            assert reply.status == 200 and reply.headers["X-Ringfleet-Replica"] == "pair-b"
+        assert took < QUICK_SILENCE.limit_s + 1.0, took  # both handed on by one probe
+        assert relays.suspicion("pair-a") is not None
+        for _ in range(4):
+            async with s.post("/v1/chat/completions", json=ask("frozen", "hang")) as r:
+                assert r.status == 200 and r.headers["X-Ringfleet-Replica"] == "pair-b"
+        assert relays.open_count("pair-a") == 0
+        async with s.get("/metrics") as r:
+            text = await r.text()
+        assert "ringfleet_front_door_suspected_total 1.0" in text
+        assert 'ringfleet_front_door_handed_on_total{model="frozen"} 2.0' in text
+    run(check, silence=QUICK_SILENCE, relays=Relays(recheck_s=60))
 
 
 def test_a_disconnecting_client_cancels_its_upstream_request():

@@ -2,7 +2,9 @@
 checkpoint, holding a replica secret): a refusal of one request passes through as the engine
 wrote it, and the replica's secret, not the client's key, goes upstream; a client that
 leaves a whole request frees rank 0's slot at once; a frozen rank 0 (SIGSTOP) ends a stream
-with an SSE error, and a new request with a 503, within the ring's dead-ring time."""
+with an SSE error, and a request waiting with it with a 503, within the ring's dead-ring
+time; a request after them gets its 503 at once (the replica is suspect), and requests are
+served again once rank 0 runs."""
 
 from __future__ import annotations
 
@@ -140,21 +142,36 @@ def test_a_frozen_rank0_ends_streams_and_new_requests_within_the_dead_ring_time(
         os.kill(engine.processes[0].pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
+            whole = asyncio.ensure_future(door.post("/v1/chat/completions",
+                                                    json=ask(model, max_tokens=4)))
             rest = (await streamed.read()).decode()
             stream_took = time.monotonic() - t0
-            t0 = time.monotonic()
-            async with door.post("/v1/chat/completions", json=ask(model, max_tokens=4)) as r:
+            async with await whole as r:
                 whole_took = time.monotonic() - t0
                 body = await r.json()
+                assert r.status == 503 and int(r.headers["Retry-After"]) > 0
+            # Seen silent, it is suspect: the next request is not sent to wait there again.
+            t0 = time.monotonic()
+            async with door.post("/v1/chat/completions", json=ask(model, max_tokens=4)) as r:
+                next_took = time.monotonic() - t0
+                next_body = await r.json()
                 assert r.status == 503 and int(r.headers["Retry-After"]) > 0
         finally:
             os.kill(engine.processes[0].pid, signal.SIGCONT)
         last = json.loads(rest.strip().splitlines()[-1][6:])
         assert last["error"]["code"] == "unavailable" and "dead-ring" in last["error"]["message"]
         assert "[DONE]" not in rest and '"finish_reason": "length"' not in rest
-        assert "dead-ring" in body["error"]["message"]
-        print(f"stream ended {stream_took:.1f} s, new request {whole_took:.1f} s after SIGSTOP")
+        assert "did not answer" in body["error"]["message"]
+        assert "did not answer" in next_body["error"]["message"]
+        print(f"stream ended {stream_took:.1f} s and a request waiting with it "
+              f"{whole_took:.1f} s after SIGSTOP; the next request {next_took:.2f} s")
         for took in (stream_took, whole_took):
             assert limit_s - 3.0 < took < limit_s + 3.0, took
+        assert next_took < limit_s / 2, next_took
+
+        async def served() -> bool:
+            async with door.post("/v1/chat/completions", json=ask(model, max_tokens=2)) as r:
+                return r.status == 200
+        await wait_until_async(served, within_s=30, what="served again once thawed")
         await wait_slots(direct, 0, 30)  # thawed, rank 0 frees the abandoned stream's slot
     asyncio.run(with_door(engine, check))

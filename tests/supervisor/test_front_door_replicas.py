@@ -1,10 +1,14 @@
 """The front door with several replicas of a model: requests go to the one with the most free
 slots (round-robin among equals); one that cannot take a request before anything reached the
-client (gone, or its own 503) hands it to the next; a 503 only when every replica refuses."""
+client (gone, or its own 503) hands it to the next; a 503 only when every replica refuses; a
+replica seen silent is suspect until its /health answers again, asked at a bounded rate."""
 
 from __future__ import annotations
 
+import asyncio
+
 from supervisor.front_door import ReplicaLoad, by_free_slots
+from supervisor.relays import Relays
 from tests.supervisor.test_front_door import ask, run
 
 
@@ -41,3 +45,43 @@ def test_every_replica_refusing_is_a_503_with_the_last_ones_reason():
         assert len(door.upstream.authorizations) == 2  # asked both, once each
 
     run(check)
+
+
+def test_a_suspect_is_asked_again_at_most_once_per_interval_and_cleared_by_an_answer():
+    async def check() -> None:
+        now = [100.0]
+        relays = Relays(lambda: now[0], recheck_s=2.0)
+        asks: list[bool] = []
+        answer = [False]
+
+        async def ask_health() -> bool:
+            asks.append(answer[0])
+            return answer[0]
+
+        relays.recheck("m-g1", ask_health)  # not suspect: nothing to ask
+        relays.suspect("m-g1", "rank 0 did not answer /health")
+        relays.recheck("m-g1", ask_health)  # the failed probe that made it suspect was now
+        await asyncio.sleep(0)
+        assert asks == [] and relays.suspicion("m-g1") == "rank 0 did not answer /health"
+        now[0] += 2.0
+        relays.recheck("m-g1", ask_health)
+        relays.recheck("m-g1", ask_health)  # one at a time, once per interval
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert asks == [False] and relays.suspicion("m-g1") is not None
+        answer[0] = True
+        now[0] += 1.0
+        relays.recheck("m-g1", ask_health)  # too soon after the last
+        now[0] += 1.0
+        relays.recheck("m-g1", ask_health)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert asks == [False, True] and relays.suspicion("m-g1") is None
+        with relays.open("m-g1") as watch:  # a watch of a suspect knows it
+            relays.suspect("m-g1", "again")
+            assert watch.suspected.is_set()
+            relays.clear("m-g1")
+            assert not watch.suspected.is_set()
+        await relays.close()
+
+    asyncio.run(check())

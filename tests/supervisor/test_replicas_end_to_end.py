@@ -2,7 +2,9 @@
 supervisor and two agents serving a generated checkpoint, one replica a node. Both replicas
 serve and share the requests; `kill -9` of one replica's engine under a client load loses no
 request (the front door hands a refused request to the other) and the replica is placed
-again; with one replica left, `fleetctl drain` of its node under load starts the successor on
+again; a rank 0 frozen with SIGSTOP under a client load costs each request at most the
+dead-ring time, and once the front door has seen it silent it routes it nothing new; with
+one replica left, `fleetctl drain` of its node under load starts the successor on
 the other node first and drains the old one only once the successor serves: no request
 fails, and no outage is announced. The tests share one fleet and run in file order.
 """
@@ -16,11 +18,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from supervisor.local import LocalFleet
+from supervisor.relays import UpstreamSilence
 from tests.supervisor.test_end_to_end import engine_records
 from tests.waiting import wait_until
 
@@ -136,6 +140,113 @@ def test_two_replicas_serve_side_by_side_and_share_the_requests(fleet, checkpoin
     assert {replica for _, replica in answered} == {r["id"] for r in pair}
     again = [ask(fleet, f"Hi {i}") for i in range(8)]
     assert [replica for _, replica in again] == [replica for _, replica in answered]
+
+
+@dataclass(frozen=True)
+class Answer:
+    started: float  # time.monotonic()
+    ended: float
+    status: int
+    replica: str  # X-Ringfleet-Replica, or the error's text
+    tried: str  # X-Ringfleet-Tried: the replicas that did not take it first
+    retry_after: str | None
+
+
+def ask_timed(fleet: LocalFleet, text: str) -> Answer:
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+    request = urllib.request.Request(fleet.front_door_url + "/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            json.loads(reply.read())
+            return Answer(started, time.monotonic(), reply.status,
+                          reply.headers.get("X-Ringfleet-Replica", ""),
+                          reply.headers.get("X-Ringfleet-Tried", ""), None)
+    except urllib.error.HTTPError as exc:
+        return Answer(started, time.monotonic(), exc.code,
+                      exc.read().decode(errors="replace")[:300], "",
+                      exc.headers.get("Retry-After"))
+    except (urllib.error.URLError, OSError) as exc:
+        return Answer(started, time.monotonic(), 0, str(exc), "", None)
+
+
+class TimedLoad(threading.Thread):
+    """Distinct conversations one after another (so they spread over the replicas) until
+    stopped, LOAD_MAX_REQUESTS or LOAD_MAX_S."""
+
+    def __init__(self, fleet: LocalFleet, name: str) -> None:
+        super().__init__(daemon=True)
+        self.fleet, self.name = fleet, name
+        self.stop_asked = threading.Event()
+        self.answers: list[Answer] = []
+
+    def run(self) -> None:
+        deadline = time.monotonic() + LOAD_MAX_S
+        for i in range(LOAD_MAX_REQUESTS):
+            if self.stop_asked.is_set() or time.monotonic() > deadline:
+                return
+            self.answers.append(ask_timed(self.fleet, f"Hi from {self.name}, #{i}"))
+
+
+def test_a_frozen_rank0_costs_at_most_the_dead_ring_time_and_gets_nothing_new(fleet):
+    pair = wait_serving(fleet, 2)
+    victim = next(r for r in pair if r["stages"][0]["node"] == "node-b")["id"]
+    other = next(r["id"] for r in pair if r["id"] != victim)
+    engine = next(r for r in pair if r["id"] == victim)["stages"][0]["engine_id"]
+    pid = engine_records(fleet)[engine]
+    loads = [TimedLoad(fleet, f"client {i}") for i in range(3)]
+
+    def answers() -> list[Answer]:
+        return sorted((a for load in loads for a in load.answers), key=lambda a: a.started)
+
+    def handed_on() -> list[Answer]:
+        return [a for a in answers() if victim in a.tried]
+
+    for load in loads:
+        load.start()
+    try:
+        wait_until(lambda: {a.replica for a in answers()} >= {victim, other}, within_s=60,
+                   what="both replicas answering before the freeze")
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_until(handed_on, within_s=60, what="a request handed on from the frozen replica")
+        seen_at = min(a.ended for a in handed_on())
+        wait_until(lambda: sum(a.started > seen_at for a in answers()) >= 12, within_s=60,
+                   what="answers after the front door saw the frozen replica")
+    finally:
+        for load in loads:
+            load.stop_asked.set()
+        os.kill(pid, signal.SIGCONT)
+        for load in loads:
+            load.join(90)
+    assert not any(load.is_alive() for load in loads)
+    everything = answers()
+    during = [a for a in everything if a.ended > stopped_at]
+    failed = [a for a in everything if a.status != 200]
+    # A reply whose head the frozen rank 0 had sent already may end as the documented 503;
+    # nothing else may fail, and no request that began after the freeze.
+    assert all(a.status == 503 and a.retry_after and a.started < stopped_at for a in failed), \
+        failed
+    after = [a for a in everything if a.started > seen_at]
+    assert after and all(a.replica == other and victim not in a.tried for a in after), [
+        a for a in after if a.replica != other or victim in a.tried]
+    assert not [a for a in everything if a.started > stopped_at and a.replica == victim]
+    worst_s = max(a.ended - a.started for a in during)
+    first_200_s = min(a.ended for a in during if a.status == 200) - stopped_at
+    limit_s = UpstreamSilence().limit_s
+    print(f"SIGSTOP of {victim}'s rank 0 under 3 clients: {len(everything)} answered, "
+          f"{len(failed)} 503, {len(handed_on())} handed on from it, "
+          f"{len(after)} after it was seen silent (all by {other}); slowest request "
+          f"{worst_s:.2f} s (dead-ring time {limit_s:g} s), first 200 {first_200_s:.2f} s "
+          "after the freeze")
+    # Each request waits at most the dead-ring time for the frozen one, plus a whole reply
+    # of the other on a busy machine.
+    assert worst_s < limit_s + 10.0, worst_s
+    # Running again: its /health answers, and the front door routes it requests again.
+    wait_until(lambda: ask_timed(fleet, f"back {time.monotonic()}").replica == victim,
+               within_s=60, what="the thawed replica answering again", poll_s=0.1)
 
 
 def test_kill_9_of_one_replicas_engine_loses_no_request(fleet):
