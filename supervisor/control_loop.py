@@ -315,7 +315,9 @@ class Supervisor:
             link_key=self.secrets.make(replica.id, LINK_KEY),
             api_secret=self.secrets.make(replica.id, API_SECRET) if stage.rank == 0 else "",
             placement=replica.placement_id, model_id=spec.id, context=spec.context,
-            parallel=spec.parallel, prompt_cache_slots=spec.prompt_cache_slots,
+            # The kept slots placement chose (set, or bought by the stages' budgets): every
+            # stage must hold the same slot table.
+            parallel=spec.parallel, prompt_cache_slots=replica.prompt_cache_slots,
             chunk=spec.chunk, drain_s=self.settings.policy.drain_s,
             hop_transport=spec.hop_transport))
 
@@ -491,7 +493,8 @@ class Supervisor:
                         or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
                        key=lambda r: (r.model_id, r.generation))
         replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r),
-                         hops=reported_hops(self.rank0_health.get(r.id)))
+                         hops=reported_hops(self.rank0_health.get(r.id)),
+                         prompt_cache=reported_prompt_cache(self.rank0_health.get(r.id)))
                     | self.drain_view(r) for r in shown]
         stored = self.state.desired()
         return {"members": members, "replicas": replicas,
@@ -566,3 +569,9 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.state.close()
+
+
+def reported_prompt_cache(health: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The prompt cache's figures rank 0's /health gives (engine.api.metrics), or None."""
+    figures = (health or {}).get("prompt_cache")
+    return figures if isinstance(figures, dict) else None
