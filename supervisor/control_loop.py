@@ -315,7 +315,9 @@ class Supervisor:
             http=(rank0.host, rank0.http_port) if stage.rank == 0 else None,
             master=(rank0.host, replica.master_port), placement=replica.placement_id,
             model_id=spec.id, context=spec.context, parallel=spec.parallel,
-            prompt_cache_slots=spec.prompt_cache_slots, chunk=spec.chunk,
+            # The kept slots placement chose (set, or bought by the stages' budgets): every
+            # stage must hold the same slot table.
+            prompt_cache_slots=replica.prompt_cache_slots, chunk=spec.chunk,
             drain_s=self.settings.policy.drain_s, hop_transport=spec.hop_transport)
         # The secrets travel inside the mutual-TLS request: agents need not share a disk.
         # The agent's own drain_s applies only to a contract that sets none; this one's is
@@ -499,7 +501,8 @@ class Supervisor:
                         or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
                        key=lambda r: (r.model_id, r.generation))
         replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r),
-                         hops=reported_hops(self.rank0_health.get(r.id)))
+                         hops=reported_hops(self.rank0_health.get(r.id)),
+                         prompt_cache=reported_prompt_cache(self.rank0_health.get(r.id)))
                     | self.drain_view(r) for r in shown]
         stored = self.state.desired()
         return {"members": members, "replicas": replicas,
@@ -574,3 +577,9 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.state.close()
+
+
+def reported_prompt_cache(health: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The prompt cache's figures rank 0's /health gives (engine.api.metrics), or None."""
+    figures = (health or {}).get("prompt_cache")
+    return figures if isinstance(figures, dict) else None

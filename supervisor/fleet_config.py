@@ -25,9 +25,14 @@ OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
 DEFAULT_PARALLEL = 1
 DEFAULT_CHUNK = 512
-# Conversations a replica keeps past its streams, for the prompt cache: 8 slots of KV (and
-# recurrent state) more on every stage, which placement charges.
-DEFAULT_PROMPT_CACHE_SLOTS = 8
+# The prompt cache's byte budget of each stage when fleet.yaml sets neither
+# prompt_cache_bytes nor prompt_cache_slots: this share of the usable memory its node's
+# agent reports; placement turns the budgets into one slot count (docs/prompt-cache.md).
+DEFAULT_PROMPT_CACHE_SHARE = 0.1
+# A size: bytes as an integer, or a number and a unit ("4GiB", "1.5 GB", "512MiB").
+SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|[kKMGT]B|B)?\s*$")
+SIZE_UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 AUTO_REPLICAS = 0  # `replicas: auto`: as many as fit
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 LAYERS_PATTERN = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -88,8 +93,12 @@ class ModelSpec:
     context: int  # positions per stream
     parallel: int = DEFAULT_PARALLEL  # streams served at once
     # Slots past `parallel` that keep finished conversations for the prompt cache; every
-    # stage holds their state, and placement charges it (docs/prompt-cache.md).
-    prompt_cache_slots: int = DEFAULT_PROMPT_CACHE_SLOTS
+    # stage holds their state, and placement charges it (docs/prompt-cache.md). None: as
+    # many as the stages' byte budget buys; a count set here overrides the budget.
+    prompt_cache_slots: int | None = None
+    # Each stage's byte budget for those slots; None: DEFAULT_PROMPT_CACHE_SHARE of its
+    # node's usable memory.
+    prompt_cache_bytes: int | None = None
     chunk: int = DEFAULT_CHUNK  # prompt rows per round
     objective: str = "decode"  # or "prompt"
     placement: tuple[ExplicitStage, ...] = ()  # empty: auto
@@ -292,6 +301,22 @@ class _Field:
             raise self.error(f"expected {kind}, got {self.describe()}", value)
         return value
 
+    def size(self) -> int:
+        """Bytes >= 0: an integer, or a number with a unit (`4GiB`, `1.5 GB`, `512MiB`;
+        kB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024)."""
+        value = self.value()
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = self.node.value if isinstance(self.node, yaml.ScalarNode) else ""
+        match = SIZE_PATTERN.match(text) if isinstance(value, (str, float)) else None
+        if match and match[2] is None and "." in match[1]:
+            match = None  # a fraction of a byte: a unit was meant
+        if not match:
+            raise self.error(f"expected a size in bytes (an integer >= 0, or a number and "
+                             f"one of {', '.join(SIZE_UNITS)}, e.g. 4GiB), got "
+                             f"{self.describe()}", value)
+        return int(float(match[1]) * SIZE_UNITS[match[2] or "B"])
+
     def choice(self, options: tuple[str, ...], what: str = "value") -> str:
         text = self.string()
         if text not in options:
@@ -335,7 +360,7 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
 
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "prompt_cache_slots",
-                 "chunk", "objective",
+                 "prompt_cache_bytes", "chunk", "objective",
                  "prompt_tokens", "placement", "rank0", "replicas", "hop_transport")
 
 
@@ -348,8 +373,8 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     backends = _parse_backends(f["backends"]) if "backends" in f else BACKENDS
     context = f["context"].integer()
     parallel = f["parallel"].integer() if "parallel" in f else DEFAULT_PARALLEL
-    kept = (f["prompt_cache_slots"].integer(minimum=0) if "prompt_cache_slots" in f
-            else DEFAULT_PROMPT_CACHE_SLOTS)
+    kept = f["prompt_cache_slots"].integer(minimum=0) if "prompt_cache_slots" in f else None
+    budget = f["prompt_cache_bytes"].size() if "prompt_cache_bytes" in f else None
     chunk = f["chunk"].integer() if "chunk" in f else DEFAULT_CHUNK
     objective = f["objective"].choice(OBJECTIVES, "objective") if "objective" in f else "decode"
     prompt_tokens = f["prompt_tokens"].integer() if "prompt_tokens" in f else None
@@ -370,7 +395,8 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     hop_transport = (f["hop_transport"].choice(HOP_TRANSPORTS, "hop transport")
                      if "hop_transport" in f else "auto")
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
-                     parallel=parallel, prompt_cache_slots=kept, chunk=chunk,
+                     parallel=parallel, prompt_cache_slots=kept,
+                     prompt_cache_bytes=budget, chunk=chunk,
                      objective=objective, placement=placement,
                      rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens,
                      hop_transport=hop_transport)

@@ -179,18 +179,35 @@ def show_status(data: dict[str, Any]) -> None:
                                + (f"\n{hops_text(r['hops'])}" if r.get("hops") else "")
                                + (f"\n{r['reason']}" if r["reason"] else "")
                                + (f"\n{r['note']}" if r.get("note") else "")
-                               + (f"\n{line}" if (line := speed_line(r.get("speed"))) else "")),
+                               + (f"\n{line}" if (line := speed_line(r.get("speed"))) else "")
+                               + f"\n{prompt_cache_line(r)}"),
                       caption_justify="left")
-        for col in ("rank", "node", "backend", "layers", "engine", "listen"):
+        for col in ("rank", "node", "backend", "layers", "engine", "listen", "cache held"):
             table.add_column(col)
+        held = {st["rank"]: st["bytes_held"]
+                for st in (r.get("prompt_cache") or {}).get("stages", ())}
         for s in r["stages"]:
+            budget = s.get("prompt_cache_budget_bytes") or 0
             table.add_row(str(s["rank"]), s["node"], s["backend"],
                           f"{s['layer_range'][0]}:{s['layer_range'][1]}", s["engine_id"],
-                          f"{s['host']}:{s['listen_port']}")
+                          f"{s['host']}:{s['listen_port']}",
+                          (format_bytes(held[s["rank"]]) if s["rank"] in held else "?")
+                          + (f" of {format_bytes(budget)}" if budget else ""))
         out.print(table)
     if not data["replicas"]:
         out.print("no replicas" + ("" if data["models"] else " (nothing applied yet)"))
     out.print(f"front door: {data['front_door'] or 'fleet-front-door (its own process)'}")
+
+
+def prompt_cache_line(r: dict[str, Any]) -> str:
+    """A replica's prompt cache for `fleetctl status`: its kept slots, and what rank 0's
+    /health counts (conversations held, hits, misses, tokens reused)."""
+    line = f"prompt cache: {r.get('prompt_cache_slots', 0)} kept slot(s)"
+    figures = r.get("prompt_cache")
+    if not figures:
+        return line + " (rank 0 has not reported its figures)"
+    return (line + f", {figures['held']} holding a conversation; {figures['hits']} hit(s), "
+            f"{figures['misses']} miss(es), {figures['reused_tokens']} token(s) reused")
 
 
 def render_plan(p: dict[str, Any]) -> Table:
@@ -204,7 +221,8 @@ def render_plan(p: dict[str, Any]) -> Table:
     table = Table(title=f"{p['model_id']}: {' -> '.join(ring)} -> {ring[0]}"
                   + (" (explicit)" if p["explicit"] else ""), title_justify="left")
     columns = ["rank", "node", "backend", "layers", *(["by type"] if typed else []),
-               "weights", "KV", *(["state"] if typed else []), "extras", "total", "usable",
+               "weights", "KV", *(["state"] if typed else []), "extras", "cache", "total",
+               "usable",
                "decode ms", "hop ms", "chunk ms", "chunk hop ms"]
     for name in columns:
         table.add_column(name, justify="left" if name in ("node", "backend", "by type")
@@ -218,6 +236,7 @@ def render_plan(p: dict[str, Any]) -> Table:
                       format_bytes(m["weights_bytes"]), format_bytes(m["kv_bytes"]),
                       *([format_bytes(m.get("state_bytes", 0))] if typed else []),
                       format_bytes(m["rank0_extras_bytes"] + m["staging_bytes"]),
+                      cache_cell(p, s),
                       format_bytes(m["total_bytes"]), format_bytes(s["usable_memory_bytes"]),
                       f"{s['decode_ms']:.2f}", f"{s['hop_decode_ms']:.2f}",
                       f"{s['prefill_chunk_ms']:.1f}", f"{s['hop_chunk_ms']:.1f}")
@@ -234,6 +253,13 @@ def render_plan(p: dict[str, Any]) -> Table:
     table.caption = "\n".join([summary, *hops, *per_type, *p["why"]])
     table.caption_justify = "left"
     return table
+
+
+def cache_cell(p: dict[str, Any], s: dict[str, Any]) -> str:
+    """What a stage's kept slots hold (KV counts them too), and the budget that bought them."""
+    held = format_bytes(p.get("prompt_cache_slots", 0) * s.get("prompt_cache_slot_bytes", 0))
+    budget = s.get("prompt_cache_budget_bytes") or 0
+    return held + (f" of {format_bytes(budget)}" if budget else "")
 
 
 def show_apply(args: argparse.Namespace, data: dict[str, Any]) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from supervisor.fleet_config import ModelSpec
-from supervisor.memory import ModelShape, format_bytes, stage_memory
+from supervisor.memory import ModelShape, format_bytes
 from supervisor.placement import (
     MAX_SEARCH_NODES,
     DoesNotFit,
@@ -140,8 +140,7 @@ def candidates(spec: ModelSpec, shape: ModelShape,
         for cuts in itertools.combinations(range(1, shape.n_layers), len(ring) - 1):
             bounds = (0, *cuts, shape.n_layers)
             ranges = list(itertools.pairwise(bounds))
-            need = [stage_memory(shape, problem.execution, r, i == 0).total_bytes
-                    for i, r in enumerate(ranges)]
+            need = [problem.charged(n, r, i == 0) for i, (n, r) in enumerate(zip(ring, ranges))]
             if any(b > usable[n] for n, b in zip(ring, need)):
                 continue
             counts = tuple(b - a for a, b in ranges)

@@ -237,6 +237,7 @@ def _place(s: Snapshot, spec: ModelSpec, placing: list[Replica], roll: _Roll) ->
         records, master_port = stages
         starting = _to(replica, STARTING, s.now, "", note=plan.note, why=placement.why,
                        stages=records, master_port=master_port, started_at=s.now,
+                       prompt_cache_slots=placement.prompt_cache_slots,
                        placement_id=placement_id([r.layer_range for r in records],
                                                  [r.backend for r in records]))
         started.append(starting)
@@ -286,7 +287,8 @@ def assign_ports(replica_id_: str, placement: Placement, s: Snapshot,
             master_port = free[2]
         records.append(StageRecord(stage.rank, stage.node, stage.backend, stage.layer_range,
                                    f"{replica_id_}-r{stage.rank}", host, listen, http,
-                                   stage.memory.total_bytes))
+                                   stage.memory.total_bytes, stage.prompt_cache_slot_bytes,
+                                   stage.prompt_cache_budget_bytes))
     return tuple(records), master_port
 
 

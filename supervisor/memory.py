@@ -26,6 +26,10 @@ from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.config import FULL_ATTENTION, ConfigError, ModelConfig
 from engine.family import end_tensor_shapes, layer_tensor_shapes
 
+# The most kept slots a byte budget buys: past it a slot table is long for rank 0 to search
+# and the stages preallocate more than a fleet's conversations need (a small model on a big
+# node). A count set in prompt_cache_slots is not capped.
+MAX_BUDGET_SLOTS = 64
 LOGIT_BYTES = 4  # rank 0 samples from float32 logits, whatever the weights' dtype
 GB = 1e9
 
@@ -174,6 +178,21 @@ def layer_bytes(layer: LayerType, execution: ExecutionShape) -> int:
     every slot."""
     kv = layer.kv_bytes_per_position * execution.context * execution.slots
     return layer.weight_bytes + kv + layer.state_bytes_per_slot * execution.slots
+
+
+def kept_slot_bytes(shape: ModelShape, context: int, layer_range: tuple[int, int]) -> int:
+    """What one slot's state holds on a stage of `layer_range`: KV for `context` positions
+    and the recurrent states. A kept slot holds all of it, whatever it keeps: the state is
+    preallocated."""
+    return (shape.range_sum("kv_bytes_per_position", layer_range) * context
+            + shape.range_sum("state_bytes_per_slot", layer_range))
+
+
+def slots_bought(budgets: Sequence[int], slot_bytes: Sequence[int]) -> int:
+    """Kept slots a byte budget per stage buys: as many as the tightest stage holds (every
+    stage keeps the same slot table), at most MAX_BUDGET_SLOTS."""
+    return min(MAX_BUDGET_SLOTS, *(budget // max(1, size)
+                                   for budget, size in zip(budgets, slot_bytes, strict=True)))
 
 
 def fixed_bytes(shape: ModelShape, execution: ExecutionShape, is_rank0: bool) -> StageMemory:

@@ -22,11 +22,14 @@ from typing import Any
 from supervisor.boundaries import min_total_ms
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
+    MAX_BUDGET_SLOTS,
     ModelShape,
     StageMemory,
     fixed_bytes,
     format_bytes,
+    kept_slot_bytes,
     layer_bytes,
+    slots_bought,
     stage_memory,
 )
 from supervisor.ring_cost import (
@@ -70,6 +73,8 @@ class Stage:
     hop_chunk_ms: float
     layer_type_counts: tuple[tuple[str, int], ...] = ()  # its layers by type
     layer_type_ms: tuple[LayerTypeMs, ...] = ()  # the node's ms per layer of each type
+    prompt_cache_slot_bytes: int = 0  # what one kept slot holds here (memory counts them)
+    prompt_cache_budget_bytes: int = 0  # its budget for them (0: the spec sets the count)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class Placement:
     explicit: bool
     runner_up: Alternative | None
     why: tuple[str, ...]
+    prompt_cache_slots: int = 0  # kept past `parallel` on every stage: set, or bought
 
     @property
     def objective_ms(self) -> float:
@@ -282,7 +288,8 @@ def _shortfall(problem: RingCosts, ring: tuple[str, ...]) -> tuple[int, str]:
             continue  # rank 0 cannot be dropped: it is the one that must grow
         others = sum(cap for i, cap in enumerate(caps) if i != j and cap >= 1)
         layers = max(1, problem.shape.n_layers - others)
-        need = fixed_bytes(problem.shape, problem.execution, j == 0).total_bytes
+        need = (fixed_bytes(problem.shape, problem.execution, j == 0).total_bytes
+                + problem.cache_charge[name])
         options.append((need + layers * per_layer - problem.nodes[name].usable_memory_bytes,
                         name))
     missing, name = min(options)
@@ -346,21 +353,34 @@ def _does_not_fit(problem: RingCosts, candidates: Sequence[str],
                           f"({', '.join(candidates)})", spec.id)
     extras = fixed_bytes(shape, execution, True)
     need = problem.bytes_prefix[-1] + sum(fixed_bytes(shape, execution, i == 0).total_bytes
-                                           for i in range(len(ring)))
+                                           + problem.cache_charge[n] for i, n in enumerate(ring))
     usable = sum(problem.nodes[n].usable_memory_bytes for n in ring)
     placed = ""
     if problem.uniform:  # with rank 0 holding what it can
         placed = f"places {min(sum(problem.caps(ring)), shape.n_layers)} of {shape.n_layers} " \
                  "layers and "
     states = "" if problem.uniform else ", recurrent states"
+    cache = ", the prompt cache's budget" if any(problem.cache_charge[n] for n in ring) else ""
     return DoesNotFit(
-        f"{spec.id} needs {format_bytes(need)} for weights, KV{states} and rank 0's extras "
+        f"{spec.id} needs {format_bytes(need)} for weights, KV{states}{cache} and rank 0's extras "
         f"across {len(ring)} node(s), which have {format_bytes(usable)}; the largest fit, "
         f"rank 0 on {ring[0]}, {placed}leaves {format_bytes(missing)} short on "
         f"{short_node} (rank 0 extras: embeddings {format_bytes(extras.embedding_bytes)}, "
         f"head {format_bytes(extras.head_bytes)}, staging {format_bytes(extras.staging_bytes)};"
-        f" each layer: {_layers_text(problem)})",
+        f" each layer: {_layers_text(problem)}{_budget_text(problem, ring)})",
         spec.id, shortfall_bytes=missing, node=short_node)
+
+
+def _budget_text(problem: RingCosts, ring: Sequence[str]) -> str:
+    """The prompt cache's charge per node, for a DoesNotFit message."""
+    charges = [(n, problem.cache_charge[n]) for n in ring if problem.cache_charge[n]]
+    if not charges:
+        return ""
+    source = ("prompt_cache_bytes" if problem.spec.prompt_cache_bytes is not None
+              else "the default, a share of each node's usable memory; set prompt_cache_bytes "
+                   "or prompt_cache_slots to change it")
+    return ("; prompt cache budget: " + ", ".join(f"{n} {format_bytes(b)}" for n, b in charges)
+            + f" ({source})")
 
 
 def _explicit(problem: RingCosts) -> Placement:
@@ -386,14 +406,16 @@ def _explicit(problem: RingCosts) -> Placement:
     counts = tuple(b - a for a, b in (s.layer_range for s in spec.placement))
     short = []
     for i, stage in enumerate(spec.placement):
-        memory = stage_memory(shape, problem.execution, stage.layer_range, i == 0)
+        need = problem.charged(stage.node, stage.layer_range, i == 0)
         usable = problem.nodes[stage.node].usable_memory_bytes
-        if memory.total_bytes > usable:
-            short.append((stage.node, stage.layer_range, memory.total_bytes - usable, memory))
+        if need > usable:
+            short.append((stage.node, stage.layer_range, need - usable, need))
     if short:
-        parts = [f"{name} ({b - a} layers) needs {format_bytes(memory.total_bytes)}, "
-                 f"has {format_bytes(memory.total_bytes - lack)}: {format_bytes(lack)} short"
-                 for name, (a, b), lack, memory in short]
+        cache = (" (its prompt cache's budget included)"
+                 if any(problem.cache_charge[name] for name, *_ in short) else "")
+        parts = [f"{name} ({b - a} layers) needs {format_bytes(need)}{cache}, "
+                 f"has {format_bytes(need - lack)}: {format_bytes(lack)} short"
+                 for name, (a, b), lack, need in short]
         missing = sum(lack for _, _, lack, _ in short)
         raise DoesNotFit(f"{spec.id}: the explicit placement does not fit: " + "; ".join(parts),
                          spec.id, shortfall_bytes=missing, node=short[0][0])
@@ -415,14 +437,49 @@ def _explicit(problem: RingCosts) -> Placement:
     return _build(problem, ring, counts, explicit=True, runner_up=runner_up, why=tuple(why))
 
 
+def _prompt_cache(problem: RingCosts, ring: tuple[str, ...],
+                  ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int], str]:
+    """(kept slots, each stage's bytes per kept slot, why) for this ring: the count the
+    spec sets, else what each stage's budget buys on the tightest stage. A budget set in
+    fleet.yaml that buys no slot is refused: the cache was asked for and would be silent."""
+    spec, shape = problem.spec, problem.shape
+    sizes = [kept_slot_bytes(shape, spec.context, r) for r in ranges]
+    if spec.prompt_cache_slots is not None:
+        over = (f", over prompt_cache_bytes {format_bytes(spec.prompt_cache_bytes)}"
+                if spec.prompt_cache_bytes is not None else "")
+        return spec.prompt_cache_slots, sizes, (f"prompt cache: {spec.prompt_cache_slots} "
+                                                f"kept slot(s), as prompt_cache_slots sets{over}")
+    budgets = [problem.nodes[n].prompt_cache_budget_bytes for n in ring]
+    kept = slots_bought(budgets, sizes)
+    tight = min(range(len(ring)), key=lambda i: (budgets[i] // max(1, sizes[i]), i))
+    source = ("prompt_cache_bytes" if spec.prompt_cache_bytes is not None
+              else "the default budget, a share of each node's usable memory")
+    if kept == 0 and spec.prompt_cache_bytes:
+        raise PlacementError(
+            f"{spec.id}: prompt_cache_bytes {format_bytes(spec.prompt_cache_bytes)} buys no "
+            f"kept slot: the tightest stage, rank {tight} on {ring[tight]} (layers "
+            f"{ranges[tight][0]}:{ranges[tight][1]}), holds {format_bytes(sizes[tight])} per "
+            f"slot ({spec.context} positions); raise it to at least that, or set "
+            "prompt_cache_bytes: 0 to keep none")
+    cap = " (the most a budget buys)" if kept == MAX_BUDGET_SLOTS else ""
+    return kept, sizes, (
+        f"prompt cache: {kept} kept slot(s){cap}, bought by {source} "
+        + ", ".join(f"{n} {format_bytes(b)}" for n, b in zip(ring, budgets))
+        + f"; the tightest stage is rank {tight} on {ring[tight]}, "
+        f"{format_bytes(sizes[tight])} per slot")
+
+
 def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], explicit: bool,
            runner_up: Alternative | None, why: tuple[str, ...]) -> Placement:
     spec = problem.spec
     hops_decode = problem.hops_ms(ring, spec.parallel) or [0.0]
     hops_chunk = problem.hops_ms(ring, spec.chunk) or [0.0]
+    ranges = layer_ranges(counts)
+    kept, slot_bytes, cache_why = _prompt_cache(problem, ring, ranges)
+    execution = replace(problem.execution, prompt_cache_slots=kept)
     stages = tuple(
         Stage(rank=i, node=name, backend=problem.nodes[name].backend, layer_range=rng,
-              memory=stage_memory(problem.shape, problem.execution, rng, i == 0),
+              memory=stage_memory(problem.shape, execution, rng, i == 0),
               usable_memory_bytes=problem.nodes[name].usable_memory_bytes,
               decode_ms=problem.stage_ms(name, "decode", rng),
               prefill_chunk_ms=problem.stage_ms(name, "prefill", rng),
@@ -431,11 +488,14 @@ def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], exp
               layer_type_counts=tuple(problem.shape.type_counts(rng).items()),
               layer_type_ms=tuple(
                   LayerTypeMs(t.name, *(problem.nodes[name].ms_per_layer(t.name, what)
-                                        for what in TIMED)) for t in problem.shape.types))
-        for i, (name, rng) in enumerate(zip(ring, layer_ranges(counts))))
+                                        for what in TIMED)) for t in problem.shape.types),
+              prompt_cache_slot_bytes=slot_bytes[i],
+              prompt_cache_budget_bytes=0 if spec.prompt_cache_slots is not None
+              else problem.nodes[name].prompt_cache_budget_bytes)
+        for i, (name, rng) in enumerate(zip(ring, ranges)))
     return Placement(model_id=spec.id, objective=spec.objective, parallel=spec.parallel,
                      prompt_tokens=problem.prompt_tokens, stages=stages,
                      decode_ms_per_token=problem.decode_ms(ring, counts, spec.parallel),
                      decode_ms_per_token_single=problem.decode_ms(ring, counts, 1),
                      prompt_ms=problem.prompt_ms(ring, counts), explicit=explicit,
-                     runner_up=runner_up, why=why)
+                     runner_up=runner_up, why=(*why, cache_why), prompt_cache_slots=kept)

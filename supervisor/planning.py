@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 
 from supervisor.fleet_config import (
     AUTO_REPLICAS,
-    DEFAULT_PROMPT_CACHE_SLOTS,
+    DEFAULT_PROMPT_CACHE_SHARE,
     FleetConfig,
     ModelSpec,
 )
@@ -48,14 +48,25 @@ def spec_digest(spec: ModelSpec) -> str:
     field's default could change."""
     # The replica count is left out: more or fewer replicas add or retire some, and leave
     # the serving ones where they are. An unset prompt length, the default hop transport and
-    # the default kept slots are left out too, so the digests of specs written before they
+    # an unset prompt cache count or budget are left out too, so the digests of specs written before they
     # existed stay as they were.
     fields_ = {k: v for k, v in asdict(spec).items()
                if k != "replicas" and not (k == "prompt_tokens" and v is None)
                and not (k == "hop_transport" and v == "auto")
-               and not (k == "prompt_cache_slots" and v == DEFAULT_PROMPT_CACHE_SLOTS)}
+               and not (k in ("prompt_cache_slots", "prompt_cache_bytes") and v is None)}
     canonical = json.dumps(fields_, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def prompt_cache_budget(spec: ModelSpec, node_usable_bytes: int) -> int:
+    """The prompt cache's byte budget of a stage of `spec` on a node with this much usable
+    memory (the agent's figure, before other replicas take theirs): `prompt_cache_bytes`,
+    else DEFAULT_PROMPT_CACHE_SHARE of it; 0 when `prompt_cache_slots` sets the count."""
+    if spec.prompt_cache_slots is not None:
+        return 0
+    if spec.prompt_cache_bytes is not None:
+        return spec.prompt_cache_bytes
+    return int(node_usable_bytes * DEFAULT_PROMPT_CACHE_SHARE)
 
 
 def node_backend(spec: ModelSpec, member: Member, config: FleetConfig) -> str | None:
@@ -114,7 +125,8 @@ def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, M
                                       timing.decode_ms_per_layer,
                                       timing.decode_batch_ms_per_layer,
                                       timing.prefill_ms_per_layer, tuple(links),
-                                      timing.by_type))
+                                      timing.by_type,
+                                      prompt_cache_budget(spec, member.usable_memory_bytes(backend))))
     notes = []
     if nominal_nodes:
         notes.append("not calibrated, nominal ms per layer: " + ", ".join(nominal_nodes))

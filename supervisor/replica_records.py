@@ -39,6 +39,8 @@ class StageRecord:
     listen_port: int
     http_port: int = 0  # rank 0 only
     memory_bytes: int = 0  # what placement charged it: held while it runs
+    prompt_cache_slot_bytes: int = 0  # what one of its kept slots holds (memory counts them)
+    prompt_cache_budget_bytes: int = 0  # the budget that bought them (0: a count was set)
 
     def ports(self) -> tuple[int, ...]:
         return (self.listen_port, self.http_port) if self.http_port else (self.listen_port,)
@@ -73,6 +75,7 @@ class Replica:
     model_replicas: int = 1  # the model's replica count when placed (0: auto, not yet counted)
     started_at: float = 0.0  # when its stages were asked to start
     load_s: float = 0.0  # from start to serving, once it served
+    prompt_cache_slots: int = 0  # kept past `parallel` on every stage, as placement chose
 
     @property
     def url(self) -> str:

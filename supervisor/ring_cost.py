@@ -19,11 +19,14 @@ from engine.hop_choice import choose
 from supervisor.boundaries import TIME_TOLERANCE, min_total_ms, stage_times
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
+    MAX_BUDGET_SLOTS,
     ExecutionShape,
     ModelShape,
     fixed_bytes,
+    kept_slot_bytes,
     layer_bytes,
     layers_that_fit,
+    stage_memory,
 )
 from supervisor.prompt_search import RingPrompt, least_sum_cuts, search_prompt_rings
 
@@ -81,6 +84,9 @@ class NodeSnapshot:
     links: tuple[LinkSnapshot, ...] = ()
     # Per layer type, where calibrated so; a type not listed costs the three numbers above.
     layer_type_ms: tuple[LayerTypeMs, ...] = ()
+    # The prompt cache's byte budget of a stage here (supervisor.planning.prompt_cache_budget);
+    # placement charges it and buys kept slots with it, unless the spec sets their count.
+    prompt_cache_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         for timed in (self, *self.layer_type_ms):
@@ -118,7 +124,14 @@ class RingCosts:
                  prompt_tokens: int) -> None:
         self.spec, self.shape = spec, shape
         self.execution = ExecutionShape(spec.context, spec.parallel, spec.chunk,
-                                        spec.prompt_cache_slots)
+                                        spec.prompt_cache_slots or 0)
+        # What the prompt cache's budget takes from each node while the layers are placed:
+        # the budget, or what MAX_BUDGET_SLOTS slots of the whole model hold if less (no
+        # stage's slot is larger); nothing where the spec sets the slot count.
+        whole_slot = kept_slot_bytes(shape, spec.context, (0, shape.n_layers))
+        self.cache_charge = {
+            n.name: 0 if spec.prompt_cache_slots is not None
+            else min(n.prompt_cache_budget_bytes, MAX_BUDGET_SLOTS * whole_slot) for n in nodes}
         self.chunks = max(1, math.ceil(prompt_tokens / spec.chunk))
         self.prompt_tokens = prompt_tokens
         self.nodes = {n.name: n for n in nodes}
@@ -154,13 +167,21 @@ class RingCosts:
         if not self.uniform:
             smallest = min(layer_bytes(t, self.execution) for t in self.shape.types)
             return int(room >= smallest)
+        usable = node.usable_memory_bytes - self.cache_charge[node.name]
         return min(self.shape.n_layers,
-                   layers_that_fit(self.shape, self.execution, node.usable_memory_bytes, is_rank0))
+                   layers_that_fit(self.shape, self.execution, usable, is_rank0))
 
     def room(self, name: str, is_rank0: bool) -> int:
-        """Bytes left for layers on `name` once its fixed bytes are held."""
+        """Bytes left for layers on `name` once its fixed bytes and its prompt cache's
+        budget are held."""
         fixed = fixed_bytes(self.shape, self.execution, is_rank0).total_bytes
-        return self.nodes[name].usable_memory_bytes - fixed
+        return self.nodes[name].usable_memory_bytes - fixed - self.cache_charge[name]
+
+    def charged(self, name: str, layer_range: tuple[int, int], is_rank0: bool) -> int:
+        """What a stage of `layer_range` on `name` is charged while placing: its memory and
+        its prompt cache's budget."""
+        memory = stage_memory(self.shape, self.execution, layer_range, is_rank0)
+        return memory.total_bytes + self.cache_charge[name]
 
     def stage_ms(self, name: str, kind: str, layer_range: tuple[int, int]) -> float:
         """ms of `name` running the layers of `layer_range` (kind as for `layer_ms`)."""

@@ -1,8 +1,10 @@
-"""Prometheus metrics of one engine: requests, tokens, latency, slots."""
+"""Prometheus metrics of one engine: requests, tokens, latency, slots, the prompt cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -11,8 +13,19 @@ ROUND_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 DECODE_ROUND = "ringfleet_decode_round_seconds"
 
 
+@dataclass(frozen=True)
+class CacheStage:
+    """One stage of the ring as the prompt cache's figures name it."""
+
+    rank: int
+    layer_range: tuple[int, int]
+    slot_bytes: int  # what one slot's state takes there (engine.families.slot_state_bytes)
+
+
 class EngineMetrics:
-    def __init__(self, slots_in_use: Callable[[], int], waiting: Callable[[], int]) -> None:
+    def __init__(self, slots_in_use: Callable[[], int], waiting: Callable[[], int],
+                 cache_held: Callable[[], int] = lambda: 0,
+                 cache_stages: Sequence[CacheStage] = (), cache_slots: int = 0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ringfleet_requests", "HTTP API requests by endpoint and status",
@@ -44,6 +57,25 @@ class EngineMetrics:
             slots_in_use)
         Gauge("ringfleet_requests_waiting", "Requests waiting for a slot", registry=r).set_function(
             waiting)
+        # The prompt cache's slots are the same on every stage (one slot table), their bytes
+        # are each stage's own: rank 0 counts the closed slots that hold a conversation and
+        # multiplies by each stage's bytes per slot, which all of its state takes (it is
+        # preallocated whole).
+        self.cache_held, self.cache_stages, self.cache_slots = cache_held, cache_stages, cache_slots
+        self.cache_hits = self.cache_misses = self.cache_reused_tokens = 0
+        Gauge("ringfleet_prompt_cache_slots", "Slots kept past the streams for finished "
+              "conversations", registry=r).set(cache_slots)
+        Gauge("ringfleet_prompt_cache_slots_held", "Closed slots holding a conversation a "
+              "later request may resume", registry=r).set_function(cache_held)
+        slot_bytes = Gauge("ringfleet_prompt_cache_slot_bytes", "What one slot's state takes "
+                           "on a stage", ["rank", "layers"], registry=r)
+        held_bytes = Gauge("ringfleet_prompt_cache_bytes_held", "Bytes of a stage's slot "
+                           "state that hold kept conversations", ["rank", "layers"], registry=r)
+        for stage in cache_stages:
+            labels = (str(stage.rank), f"{stage.layer_range[0]}:{stage.layer_range[1]}")
+            slot_bytes.labels(*labels).set(stage.slot_bytes)
+            held_bytes.labels(*labels).set_function(
+                lambda size=stage.slot_bytes: cache_held() * size)
 
     def token(self, *, first: bool, since_s: float) -> None:
         self.generated_tokens.inc()
@@ -57,6 +89,18 @@ class EngineMetrics:
     def prompt_cache(self, *, reused_tokens: int) -> None:
         (self.prompt_cache_hits if reused_tokens else self.prompt_cache_misses).inc()
         self.prompt_cache_tokens.inc(reused_tokens)
+        self.cache_hits += bool(reused_tokens)
+        self.cache_misses += not reused_tokens
+        self.cache_reused_tokens += reused_tokens
+
+    def prompt_cache_figures(self) -> dict[str, Any]:
+        """The prompt cache as rank 0's /health tells it (the supervisor's status shows it)."""
+        held = self.cache_held()
+        return {"slots": self.cache_slots, "held": held, "hits": self.cache_hits,
+                "misses": self.cache_misses, "reused_tokens": self.cache_reused_tokens,
+                "stages": [{"rank": s.rank, "layers": list(s.layer_range),
+                            "slot_bytes": s.slot_bytes, "bytes_held": held * s.slot_bytes}
+                           for s in self.cache_stages]}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from engine.addresses import format_host_port
 from engine.api.connections import GuardedSite, HttpLimits, default_max_connections
-from engine.api.metrics import EngineMetrics
+from engine.api.metrics import CacheStage, EngineMetrics
 from engine.api.repeated_errors import RepeatedLog
 from engine.api.repeated_errors import install as install_repeated_errors
 from engine.api.schema import ServedModel
@@ -30,9 +30,11 @@ from engine.api.server import (
 )
 from engine.config import ModelConfig
 from engine.env import EngineEnv
+from engine.families.description import slot_state_bytes
 from engine.lanes.host import LaneHost
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import RoundRunner
+from engine.row_format import RowFormat
 
 log = structlog.get_logger()
 
@@ -48,6 +50,16 @@ def http_limits(env: EngineEnv) -> HttpLimits:
         max_connections=env.http_max_connections or default_max_connections(),
         header_s=env.http_header_s, idle_s=env.http_idle_s, body_s=env.http_body_s,
         max_body_bytes=max(1 << 20, 32 * env.context))
+
+
+def cache_stages(env: EngineEnv, config: ModelConfig) -> tuple[CacheStage, ...]:
+    """Every stage's bytes per slot, from the layout and the family's description (the
+    followers tell rank 0 their ranges at boot, not their bytes; every stage allocates what
+    the description says)."""
+    layout = env.layout or (env.layer_range or (0, config.num_hidden_layers),)
+    itemsize = RowFormat.of(config).itemsize
+    return tuple(CacheStage(rank, layers, slot_state_bytes(config, layers, env.context, itemsize))
+                 for rank, layers in enumerate(layout))
 
 
 async def serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
@@ -76,7 +88,9 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
     install_repeated_errors(asyncio.get_running_loop(), RepeatedLog())
     host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting,
                     streams=env.parallel)
-    host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting))
+    host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting),
+                                 host.slots_kept, cache_stages(env, config),
+                                 env.prompt_cache_slots)
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
     limits = http_limits(env)
     ring = getattr(runner, "ring", None)  # a pipeline's: how each hop's rows travel

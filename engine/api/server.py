@@ -166,7 +166,8 @@ async def health(request: web.Request) -> web.Response:
              "system_fingerprint": fingerprint},
             status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     body = {"status": "ok", "slots_in_use": host.slots_in_use(),
-            "system_fingerprint": fingerprint}
+            "system_fingerprint": fingerprint,
+            "prompt_cache": request.app[METRICS].prompt_cache_figures()}
     if request.app[CONFIG].hops:
         body["hops"] = list(request.app[CONFIG].hops)
     return web.json_response(body)

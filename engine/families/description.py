@@ -159,3 +159,17 @@ def tensor_name(config: ModelConfig, tensor: Tensor, layer: int | None = None) -
     if layer is None:
         return config.weight_prefix + tensor.name
     return layer_prefix(config, layer) + tensor.name
+
+
+def slot_state_bytes(config: ModelConfig, layer_range: tuple[int, int], context: int,
+                     itemsize: int) -> int:
+    """What one slot's state takes on a stage of `layer_range`: each layer's KV for `context`
+    positions and its recurrent state (both copies), as the stage preallocates it and
+    `supervisor.memory` charges it (tests/supervisor/test_memory_families.py holds the
+    three equal)."""
+    total = 0
+    for layer in range(*layer_range):
+        kind = config.family.layer_kind(config, layer)
+        total += (kind.state_bytes(config, itemsize, "position") * context
+                  + kind.state_bytes(config, itemsize, "slot"))
+    return total

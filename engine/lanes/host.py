@@ -214,6 +214,10 @@ class LaneHost:
     def slots_in_use(self) -> int:
         return sum(s is not None for s in self.slots)
 
+    def slots_kept(self) -> int:
+        """Closed slots whose state holds a conversation a later request may resume."""
+        return sum(s is None and k is not None for s, k in zip(self.slots, self.kept))
+
     def submit(self, request: GenerationRequest) -> Stream:
         if self.failure:
             raise EngineFailed(self.failure)

@@ -139,6 +139,19 @@ def test_apply_serves_and_answers_through_the_front_door(fleet, checkpoint):
     table = fleet.fleetctl("status").stdout
     assert "serving, healthy" in table and "node-b" in table and replica["url"] in table
     assert "hops tcp,tcp" in table
+    # No prompt_cache_* in fleet.yaml: each stage's default budget (a share of its node's
+    # memory) bought the kept slots, every stage was spawned with them, and rank 0 reports
+    # what each stage's slot takes, as placement charged it.
+    shown = serving(fleet)
+    assert shown["prompt_cache_slots"] >= 1
+    stages = plan["placement"]["stages"]
+    assert all(s["prompt_cache_budget_bytes"] > 0 for s in shown["stages"])
+    fleet.wait(lambda: serving(fleet)["prompt_cache"], 30, "the cache's figures in status")
+    figures = serving(fleet)["prompt_cache"]
+    assert figures["slots"] == shown["prompt_cache_slots"]
+    assert [s["slot_bytes"] for s in figures["stages"]] == [
+        s["prompt_cache_slot_bytes"] for s in stages]
+    assert f"prompt cache: {shown['prompt_cache_slots']} kept slot(s)" in table
 
 
 def test_bad_input_is_refused_and_serving_is_not_disturbed(fleet, checkpoint):

@@ -192,3 +192,34 @@ def test_replicas_is_a_count_or_auto_and_only_it_leaves_the_spec_digest_alone():
         with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.replicas: expected a "
                                                    "positive integer or 'auto'"):
             parse_fleet_config(REPLICAS % bad)
+
+
+PROMPT_CACHE = ONE_MODEL % "%s"
+
+
+def test_prompt_cache_bytes_is_a_size_and_the_slots_override_it():
+    from supervisor.planning import spec_digest
+
+    def model(lines: str):
+        return parse_fleet_config(PROMPT_CACHE % lines).model("m")
+
+    unset = model("")
+    assert (unset.prompt_cache_slots, unset.prompt_cache_bytes) == (None, None)
+    for text, expected in (("4GiB", 4 << 30), ("1.5 GB", 1_500_000_000), ("512MiB", 512 << 20),
+                           ("1048576", 1 << 20), ("0", 0), ("2 kB", 2000)):
+        assert model(f"    prompt_cache_bytes: {text}\n").prompt_cache_bytes == expected, text
+    both = model("    prompt_cache_bytes: 1GiB\n    prompt_cache_slots: 3\n")
+    assert (both.prompt_cache_slots, both.prompt_cache_bytes) == (3, 1 << 30)
+    # Unset fields leave the digest as it was before they existed; a set one changes it.
+    assert spec_digest(unset) != spec_digest(model("    prompt_cache_bytes: 1GiB\n"))
+    assert spec_digest(unset) != spec_digest(model("    prompt_cache_slots: 8\n"))
+    assert diff(parse_fleet_config(PROMPT_CACHE % ""),
+                parse_fleet_config(PROMPT_CACHE % "    prompt_cache_bytes: 1GB\n")) == [
+        "model m: prompt_cache_bytes none -> 1000000000"]
+    for bad in ("-1", "-1GiB", "1.5", "4gib", "lots", "true", "~", "[1]", "1 GiBs"):
+        with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.prompt_cache_bytes: "
+                                                   "expected a size in bytes"):
+            model(f"    prompt_cache_bytes: {bad}\n")
+    with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.prompt_cache_slots: "
+                                               "expected an integer >= 0, got -2"):
+        model("    prompt_cache_slots: -2\n")

@@ -40,3 +40,18 @@ def test_render_plan_shows_a_hybrids_costs_by_layer_type():
     assert "a ms per layer (decode 1 row / 2 rows / chunk): linear_attention 1 / 1.5 / 10; " \
            "full_attention 0.25 / 0.5 / 7" in text
     assert "state" in text and f"{p.stages[0].memory.state_bytes / 1e6:.1f} MB" in text
+
+
+def test_render_plan_shows_what_each_stages_budget_bought():
+    from supervisor.fleet_config import ExplicitStage
+
+    nodes = [dataclasses.replace(n, prompt_cache_budget_bytes=1_000_000)
+             for n in mesh([node("gb10", 500), node("mac", 500)])]
+    explicit = (ExplicitStage("gb10", (0, 2)), ExplicitStage("mac", (2, 8)))
+    p = place(spec(prompt_cache_slots=None, placement=explicit), SHAPE, nodes)
+    console = Console(record=True, width=250)
+    console.print(render_plan(json.loads(json.dumps(p.to_dict()))))
+    text = console.export_text()
+    # One slot bought (mac's 6 layers take 0.6 MB a slot): 0.2 MB and 0.6 MB held of 1 MB.
+    assert "0.2 MB of 1.0 MB" in text and "0.6 MB of 1.0 MB" in text
+    assert "prompt cache: 1 kept slot(s), bought by the default budget" in text

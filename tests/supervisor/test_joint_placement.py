@@ -17,7 +17,7 @@ from tests.supervisor.test_placement import MB, SHAPE, mesh, node, spec, with_la
 
 def every_placement(s, shape, nodes):
     """(ring, ranges, bytes per node, cost) for every ring and cut that fits alone."""
-    execution = ExecutionShape(s.context, s.parallel, s.chunk, s.prompt_cache_slots)
+    execution = ExecutionShape(s.context, s.parallel, s.chunk, s.prompt_cache_slots or 0)
     by_name = {n.name: n for n in nodes}
     rtt = {(n.name, lk.peer): lk for n in nodes for lk in n.links}
     out = []

@@ -77,7 +77,7 @@ def ms(node: NodeSnapshot, shape: ModelShape, layer_range: tuple[int, int], what
 
 def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
                 prompt_tokens: int | None = None) -> float | None:
-    execution = ExecutionShape(s.context, s.parallel, s.chunk, s.prompt_cache_slots)
+    execution = ExecutionShape(s.context, s.parallel, s.chunk, s.prompt_cache_slots or 0)
     chunks = math.ceil((prompt_tokens or s.context) / s.chunk)
     by_name = {n.name: n for n in nodes}
     candidates = [n.name for n in nodes
