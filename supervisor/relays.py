@@ -163,24 +163,30 @@ class Relays:
         if watch is not None:
             watch.suspected.clear()
 
-    def recheck(self, replica: str, ask: Callable[[], Awaitable[bool]]) -> None:
+    def recheck(self, replica: str,
+                ask: Callable[[], Awaitable[bool]]) -> asyncio.Task[None] | None:
         """Ask a suspect's /health in the background (`ask()`), at most once per `recheck_s`
         and one at a time; an answer clears it. Called as requests for its model arrive, so
-        a replica the routes no longer name is asked no more."""
+        a replica the routes no longer name is asked no more. Returns the probe started, if
+        one was."""
         if replica not in self._suspects or replica in self._rechecks:
-            return
+            return None
         if self.clock() - self._rechecked.get(replica, float("-inf")) < self.recheck_s:
-            return
+            return None
         self._rechecked[replica] = self.clock()
-        task = asyncio.ensure_future(ask())
-        self._rechecks[replica] = task
 
-        def done(task: asyncio.Task[bool]) -> None:
-            self._rechecks.pop(replica, None)
-            if not task.cancelled() and task.exception() is None and task.result():
+        async def probe() -> None:
+            try:
+                answered = await ask()
+            except Exception:  # noqa: BLE001 - a probe that fails leaves it suspect
+                answered = False
+            finally:
+                self._rechecks.pop(replica, None)
+            if answered:
                 self.clear(replica)
 
-        task.add_done_callback(done)
+        task = self._rechecks[replica] = asyncio.ensure_future(probe())
+        return task
 
     async def close(self) -> None:
         """End the rechecks in flight (the front door is closing)."""
