@@ -113,13 +113,14 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     if kernel:  # each row reads keys [0, its position]: its slot's, by strides, no copy
         o = torch.ops.ringfleet.decode_attention(q, k_cache, v_cache, slots, positions + 1,
                                                  keys, config.sliding_window)
-        x = x + F.linear(o.reshape(rows, config.q_width), w.o)
-        return x + mlp(rms_norm(x, w.post_norm, eps), w)
-    # SDPA's own grouped heads, not kv_cache.attend_one_row_each: Inductor compiles this form
-    # without the math kernel's copies, and the rows form here made an 8B's step after
-    # 8,000-token conversations 2x slower on an H200 (docs/benchmarks.md, "36 layers").
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
-                                       v_cache[:, :, :keys], attn_mask=mask, enable_gqa=True)
+    else:
+        # SDPA's own grouped heads, not kv_cache.attend_one_row_each: Inductor compiles this
+        # form without the math kernel's copies, and the rows form here made an 8B's step
+        # after 8,000-token conversations 2x slower on an H200 (docs/benchmarks.md, "36
+        # layers").
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
+                                           v_cache[:, :, :keys], attn_mask=mask,
+                                           enable_gqa=True)
     x = x + F.linear(o.reshape(rows, config.q_width), w.o)
     return x + mlp(rms_norm(x, w.post_norm, eps), w)
 
@@ -158,9 +159,7 @@ class LlamaRange:
         Device tensors only, no host values: it can be captured in a CUDA graph."""
         a, b = run
         mask = visible_keys(positions[:, None], keys, window)[:, None, None, :]
-        kernel = decode_kernel_runs(x.device)
-        if kernel:  # registers the operator the step calls
-            import engine.backends.pytorch.decode_attention_triton  # noqa: F401
+        kernel = decode_kernel_runs(x.device)  # True once the operator's module imported
         for layer_slot, w in enumerate(self.layers):
             x = step(x, w, self.config, self.rope.cos, self.rope.sin,
                      self.cache.k[layer_slot, a:b], self.cache.v[layer_slot, a:b], positions,
