@@ -1,5 +1,5 @@
 """What the benchmarks share: a checkpoint to measure, timing (a CUDA graph's replay, the
-copy bandwidth a floor is set against), and printing a result table."""
+copy bandwidth a floor is set against, a CUDA profile), and printing a result table."""
 
 from __future__ import annotations
 
@@ -85,3 +85,16 @@ def captured(step: Callable[[], object]) -> Callable[[], None]:
     with torch.cuda.graph(graph):
         step()
     return graph.replay
+
+
+def cuda_profile(run: Callable[[], None]):
+    """torch.profiler's kernel averages (CPU and CUDA) over one call of `run`, after warm-up
+    work the caller has done, with the GPU idle at both ends."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return prof.key_averages()

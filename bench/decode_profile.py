@@ -15,10 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np
-import torch
-from torch.profiler import ProfilerActivity, profile
 
-from bench.common import checkpoint
+from bench.common import checkpoint, cuda_profile
 from bench.decode import Decoding, open_conversations
 
 
@@ -44,13 +42,9 @@ def main() -> None:
             logits = decoding.driver.round({s: [int(np.argmax(r))] for s, r in logits.items()})
 
     rounds(3)  # graphs captured, kernels compiled
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        rounds(args.rounds)
-        torch.cuda.synchronize()
+    averages = cuda_profile(lambda: rounds(args.rounds))
     print(f"### {args.rounds} rounds of {args.streams} streams at {args.prompt} tokens, "
           f"context {args.context}", flush=True)
-    averages = prof.key_averages()
     print(averages.table(sort_by="cuda_time_total", row_limit=args.top), flush=True)
     print(averages.table(sort_by="cpu_time_total", row_limit=args.top), flush=True)
 

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from bench.common import cuda_profile
 from engine.backends.pytorch import packed_linear
 
 
@@ -45,18 +45,16 @@ def main() -> None:
         layout = decode_layout(args.keys, args.rows)
         x = stage.rows_from_bytes(random_row_bytes(args.rows, stage.config.hidden_size,
                                                    stage.row_format.name), args.rows)
-        for _ in range(3):
-            stage.run_layers_again(x, layout)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        def three_rounds(stage=stage, x=x, layout=layout) -> None:
             for _ in range(3):
                 stage.run_layers_again(x, layout)
-            torch.cuda.synchronize()
+
+        three_rounds()  # graphs captured, kernels compiled
+        averages = cuda_profile(three_rounds)
         print(f"\n### {way}, {args.rows} row(s) over {args.keys} keys, {args.layers} layers, "
               "3 rounds, "
               f"{'eager' if args.no_graphs else 'CUDA graphs'}", flush=True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top),
-              flush=True)
+        print(averages.table(sort_by="cuda_time_total", row_limit=args.top), flush=True)
         del stage
         torch.cuda.empty_cache()
 
