@@ -31,9 +31,10 @@ for what in "$@"; do
           tests/engine/test_compiled_cuda.py tests/engine/test_sampling.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
       done ;;
-    quick-tests)
-      for f in tests/engine/test_kernels_cuda.py tests/engine/test_packed_triton_cuda.py; do
-        step "$(basename "$f" .py)" 240 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+    quick-tests)  # the kernels' own checks, the compiled step and exactness across stages
+      for f in tests/engine/test_kernels_cuda.py tests/engine/test_compiled_cuda.py \
+          tests/pipeline/test_cuda_exactness.py; do
+        step "$(basename "$f" .py)" 130 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
       done ;;
     kernels) step kernels 240 python3 bench/decode_kernels.py --streams 1,8,32 \
         --lengths 96,8000,30000 ;;
@@ -51,6 +52,10 @@ for what in "$@"; do
         --layers 16 --stage-layers 32 ;;
     anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
         --batches 1,8 --no-reference ;;
+    compiled) step test_compiled_cuda 130 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_compiled_cuda.py ;;
+    exactness) step test_cuda_exactness 240 python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/pipeline/test_cuda_exactness.py ;;
     hybrid) step hybrid 300 python3 bench/qwen3_5_decode.py --layers 8 ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
     ("qwen3", "float32", 1e-4),
     # bfloat16: Inductor keeps fused norms and RoPE in float32 where eager rounds between
     # ops, and over 300 positions the two KV caches drift apart by that rounding: measured
-    # up to 0.102 (one logit of 270,000; ~13 bfloat16 steps at 1.0) on an H200.
-    ("llama", "bfloat16", 0.125),
+    # up to 0.102 (one logit of 270,000; ~13 bfloat16 steps at 1.0) on an H200 with SDPA in
+    # the compiled layer, 0.131 with the Triton decode attention in both.
+    ("llama", "bfloat16", 0.1875),
 ])
 def test_compiled_graphs_decode_the_eager_tokens(make_model, family, dtype, tolerance):
     """Teacher-forced with eager rounds' tokens: every round's logits within the dtype's
@@ -34,6 +35,6 @@ def test_compiled_graphs_decode_the_eager_tokens(make_model, family, dtype, tole
     # 300 rounds: past 256 keys, a second key bucket, so a second graph shape.
     decided = teacher_forced_agreement(drivers, prompts, 300, tolerance)
     assert {keys for (_run, keys) in compiled.graphs.captured} == {256, 320}
-    # Not vacuous: most rounds' top two are far enough apart to decide the token (648 of
-    # 900 on an H200, with the decode rows' grouped heads attended as rows).
-    assert decided >= 3 * 300 * 2 // 3
+    # Not vacuous: most rounds' top two are far enough apart to decide the token (587 of
+    # 900 on an H200 at bfloat16's tolerance, with the Triton decode attention).
+    assert decided >= 3 * 300 // 2
