@@ -166,13 +166,13 @@ class CalibrationRequest:
 
     def key(self, engine_version: str) -> str:
         """Cache key: the family shape, dtype, backend, engine version and what is measured."""
+        from engine.env import SWITCHES
+
         config = self.model_config()
         what = {"shape": self.shape(), "dtype": config.dtype, "backend": self.backend,
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
                 "threads": self.thread_setting(), "stage": self.stage_options()}
-        from engine.env import SWITCHES
-
         if any(getattr(self, attr) != allowed[0] for attr, allowed in SWITCHES.items()):
             what["switches"] = self.switches()  # a key at the defaults stays what it was
         if self.quant() is not None:  # packed weights time differently (a dense key stays)
