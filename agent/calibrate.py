@@ -25,7 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,9 +70,14 @@ class CalibrationRequest:
     compile: str = "auto"
     delta_kernel: str = "auto"
     cuda_graphs: bool = True
+    # The CUDA kernel switches, FLEET_DECODE_ATTENTION and FLEET_PACKED_KERNEL (engine.env's
+    # SWITCHES): set in this process's environment while it times, where the stage reads them.
+    decode_attention: str = "triton"
+    packed_kernel: str = "triton"
 
     def __post_init__(self) -> None:
-        from engine.backend_names import BACKENDS, COMPILE_MODES, DELTA_KERNELS, QUANT_MODES
+        from engine.backend_names import BACKENDS
+        from engine.env import KERNEL_CHOICES
 
         if self.backend not in BACKENDS:
             raise CalibrationError(f"unknown backend {self.backend!r} (known: "
@@ -84,8 +90,8 @@ class CalibrationRequest:
                 raise CalibrationError(f"{name}={getattr(self, name)}: must be at least 1")
         if self.warmup < 0 or not self.budget_s > 0:
             raise CalibrationError("warmup must be >= 0 and budget_s > 0")
-        for name, allowed in (("quant_mode", QUANT_MODES), ("compile", COMPILE_MODES),
-                              ("delta_kernel", DELTA_KERNELS)):
+        for attr, allowed in KERNEL_CHOICES.items():
+            name = "quant_mode" if attr == "quant" else attr
             if getattr(self, name) not in allowed:
                 raise CalibrationError(f"{name}={getattr(self, name)!r}: expected one of "
                                        f"{', '.join(allowed)}")
@@ -99,6 +105,12 @@ class CalibrationRequest:
         """The StageSpec fields that decide which kernels the timed stage runs."""
         return {"quant": self.quant_mode, "compile": self.compile,
                 "delta_kernel": self.delta_kernel, "cuda_graphs": self.cuda_graphs}
+
+    def switches(self) -> dict[str, str]:
+        """The kernel switches as the engine's environment spells them (engine.env.SWITCHES)."""
+        from engine.env import SWITCHES, VARIABLE_OF
+
+        return {VARIABLE_OF[attr]: getattr(self, attr) for attr in SWITCHES}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CalibrationRequest:
@@ -154,11 +166,15 @@ class CalibrationRequest:
 
     def key(self, engine_version: str) -> str:
         """Cache key: the family shape, dtype, backend, engine version and what is measured."""
+        from engine.env import SWITCHES
+
         config = self.model_config()
         what = {"shape": self.shape(), "dtype": config.dtype, "backend": self.backend,
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
                 "threads": self.thread_setting(), "stage": self.stage_options()}
+        if any(getattr(self, attr) != allowed[0] for attr, allowed in SWITCHES.items()):
+            what["switches"] = self.switches()  # a key at the defaults stays what it was
         if self.quant() is not None:  # packed weights time differently (a dense key stays)
             what["quantization"] = self.config.get("quantization") or \
                 self.config.get("quantization_config")
@@ -240,6 +256,23 @@ def make_timer(request: CalibrationRequest, layer_type: str, workdir: Path) -> S
 
 # --- measuring --------------------------------------------------------------------------
 
+@contextmanager
+def kernel_switches(variables: dict[str, str]) -> Iterator[None]:
+    """This process's environment with the kernel switches set, then as it was: a serving
+    stage reads its switches from its own environment (engine.env.read_switch), so the timed
+    one must find the request's there, not whatever the agent happened to start with."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def measure(runs_by_point: list[Callable[[], None]], warmup: int, runs: int, budget_s: float,
             on_round: Callable[[int], None] | None = None) -> tuple[list[list[float]], bool]:
     """Seconds per run for every point: `warmup` untimed runs each, then rounds that time each
@@ -280,21 +313,24 @@ def calibrate(request: CalibrationRequest, engine_version: str,
     total = request.runs + 2  # building, each timed round, done
     if progress:
         progress(0, total, "building a stage over synthetic layers")
-    # The stages hold their weights once built, so the synthetic files can go at once.
-    with tempfile.TemporaryDirectory(prefix="calibration-") as workdir:
-        timers = {layer_type: make_timer(request, layer_type, Path(workdir) / layer_type)
-                  for layer_type in layer_types(config)}
-    if progress:
-        progress(1, total, "built the stage")
 
     def on_round(done: int) -> None:
         if progress:
             progress(1 + done, total, f"timed round {done} of {request.runs}")
 
-    # Every type's points in one measurement, so a burst of load lands on all of them alike.
-    typed = [(layer_type, point) for layer_type in timers for point in points]
-    samples, exhausted = measure([timers[t].make_round(*point) for t, point in typed],
-                                 request.warmup, request.runs, request.budget_s, on_round)
+    # The packed matmul's switch is read as the stage loads, decode attention's as each
+    # round is built: both under the request's switches.
+    with kernel_switches(request.switches()):
+        # The stages hold their weights once built, so the synthetic files can go at once.
+        with tempfile.TemporaryDirectory(prefix="calibration-") as workdir:
+            timers = {layer_type: make_timer(request, layer_type, Path(workdir) / layer_type)
+                      for layer_type in layer_types(config)}
+        if progress:
+            progress(1, total, "built the stage")
+        # Every type's points in one measurement, so a burst of load lands on all alike.
+        typed = [(layer_type, point) for layer_type in timers for point in points]
+        samples, exhausted = measure([timers[t].make_round(*point) for t, point in typed],
+                                     request.warmup, request.runs, request.budget_s, on_round)
     timings = []
     for (layer_type, (kind, context, rows)), seconds in zip(typed, samples, strict=True):
         per_layer = [x * 1000.0 / request.layers for x in seconds]

@@ -59,6 +59,12 @@ VARIABLES = frozenset(name for variable in VARIABLE_OF.values() for name in vari
 # attention choice is made as each round's index is built (a test flips it within one
 # process), the packed matmul's per weight at load. field -> its spellings, default first.
 SWITCHES = {"decode_attention": DECODE_ATTENTIONS, "packed_kernel": PACKED_KERNELS}
+# The knobs that pick which kernels a stage runs its layers with, and the spellings of those
+# whose values are words (default first). fleet.yaml's `kernels:` and the calibration
+# requests check theirs against these, so a value the engine would refuse is refused there.
+KERNEL_CHOICES = {"quant": QUANT_MODES, "compile": COMPILE_MODES,
+                  "delta_kernel": DELTA_KERNELS, **SWITCHES}
+KERNEL_KNOBS = (*KERNEL_CHOICES, "cuda_graphs")  # cuda_graphs: a bool
 
 
 class EnvError(ValueError):
@@ -218,12 +224,9 @@ class EngineEnv:
         if rank >= world:
             raise EnvError("RANK", f"RANK={rank} must be below WORLD_SIZE={world}")
         backend = choice("FLEET_BACKEND", "backend", BACKENDS)
-        delta_kernel = choice("FLEET_DELTA_KERNEL", "delta_kernel", DELTA_KERNELS)
-        quant = choice("FLEET_QUANT", "quant", QUANT_MODES)
-        compile_mode = choice("FLEET_COMPILE", "compile", COMPILE_MODES)
         hop_transport = choice("FLEET_HOP_TRANSPORT", "hop_transport", HOP_TRANSPORTS)
-        switches = {attr: choice(VARIABLE_OF[attr], attr, allowed)
-                    for attr, allowed in SWITCHES.items()}
+        kernels = {attr: choice(VARIABLE_OF[attr], attr, allowed)
+                   for attr, allowed in KERNEL_CHOICES.items()}
         model_dir = Path(need("FLEET_MODEL"))
         layers = parse_layers(env["FLEET_LAYERS"]) if env.get("FLEET_LAYERS") else None
         if layers is None and world > 1:
@@ -270,9 +273,8 @@ class EngineEnv:
             cpu_threads=integer("FLEET_CPU_THREADS", "cpu_threads", 0),
             log_level=log_level,
             cuda_graphs=env.get("FLEET_CUDA_GRAPHS", "1") != "0",
-            delta_kernel=delta_kernel, quant=quant, compile=compile_mode,
             rounds_in_flight=integer("FLEET_ROUNDS_IN_FLIGHT", "rounds_in_flight", 0),
-            hop_transport=hop_transport, **switches,
+            hop_transport=hop_transport, **kernels,
             api_secret_file=api_secret_file, api_secret=api_secret,
             http_max_connections=integer("FLEET_HTTP_MAX_CONNECTIONS", "http_max_connections", 0),
             http_header_s=number("FLEET_HTTP_HEADER_S", "http_header_s"),

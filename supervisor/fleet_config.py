@@ -19,6 +19,7 @@ import yaml
 
 from engine.addresses import AddressError, is_wildcard_host, parse_host_port
 from engine.backend_names import BACKENDS
+from engine.env import KERNEL_CHOICES, KERNEL_KNOBS, EngineEnv
 from engine.hop_choice import HOP_TRANSPORTS
 
 OBJECTIVES = ("decode", "prompt")
@@ -106,6 +107,9 @@ class ModelSpec:
     replicas: int = 1  # copies served side by side; AUTO_REPLICAS: as many as fit
     prompt_tokens: int | None = None  # the prompt the placement costs; None: `context`
     hop_transport: str = "auto"  # its stages' FLEET_HOP_TRANSPORT (docs/hop-transport.md)
+    # Which kernels every stage runs its layers with (`kernels:`): EngineEnv field -> value,
+    # in KERNEL_KNOBS order, only those that differ from the engine's defaults.
+    kernels: tuple[tuple[str, str | bool], ...] = ()
 
     @property
     def prompt_length(self) -> int:
@@ -361,7 +365,7 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "prompt_cache_slots",
                  "prompt_cache_bytes", "chunk", "objective",
-                 "prompt_tokens", "placement", "rank0", "replicas", "hop_transport")
+                 "prompt_tokens", "placement", "rank0", "replicas", "hop_transport", "kernels")
 
 
 def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
@@ -394,12 +398,38 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     replicas = _parse_replicas(f["replicas"]) if "replicas" in f else 1
     hop_transport = (f["hop_transport"].choice(HOP_TRANSPORTS, "hop transport")
                      if "hop_transport" in f else "auto")
+    kernels = _parse_kernels(f["kernels"]) if "kernels" in f else ()
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
                      parallel=parallel, prompt_cache_slots=kept,
                      prompt_cache_bytes=budget, chunk=chunk,
                      objective=objective, placement=placement,
                      rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens,
-                     hop_transport=hop_transport)
+                     hop_transport=hop_transport, kernels=kernels)
+
+
+def _parse_kernels(at: _Field) -> tuple[tuple[str, str | bool], ...]:
+    """A model's kernel knobs, each checked against the engine's own spellings (KERNEL_CHOICES)
+    and kept only where it differs from the engine's default, so that spelling a default out
+    changes nothing."""
+    given = at.mapping(known=KERNEL_KNOBS)
+    kernels = []
+    for attr in (a for a in KERNEL_KNOBS if a in given):
+        child = given[attr]
+        if attr == "cuda_graphs":
+            value = child.value()
+            if not isinstance(value, bool):
+                raise child.error(f"expected true or false, got {child.describe()}", value)
+        else:
+            # The text as written: YAML 1.1 reads compile's `off` and `on` as booleans.
+            value = child.node.value if isinstance(child.node, yaml.ScalarNode) else None
+            allowed = KERNEL_CHOICES[attr]
+            if value not in allowed:
+                shown = repr(value) if value is not None else child.describe()
+                raise child.error(f"unknown {attr.replace('_', ' ')} {shown} (expected one "
+                                  f"of {', '.join(allowed)})", value)
+        if value != EngineEnv.__dataclass_fields__[attr].default:
+            kernels.append((attr, value))
+    return tuple(kernels)
 
 
 def _parse_replicas(at: _Field) -> int:
@@ -536,8 +566,9 @@ def _show(field_name: str, value: Any) -> str:
                          + (f" ({s.backend})" if s.backend else "") for s in value)
     if field_name == "replicas" and value == AUTO_REPLICAS:
         return "auto"
-    if field_name in ("labels", "pins"):
-        return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(value)) + "}"
+    if field_name in ("labels", "pins", "kernels"):
+        return "{" + ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}"
+                               for k, v in sorted(value)) + "}"
     if isinstance(value, tuple):
         return "[" + ", ".join(map(str, value)) + "]"
     return "none" if value is None else str(value)

@@ -57,15 +57,27 @@ class Measured:
 NOTHING_MEASURED = Measured()
 
 
+# A kernel knob's name in a calibration request (agent.calibrate.CalibrationRequest), where
+# it is not EngineEnv's.
+CALIBRATION_FIELD = {"quant": "quant_mode"}
+
+
 def timing_key(spec: ModelSpec, node: str, backend: str) -> str:
-    """A calibration answers for a shape, a backend and the execution shape measured."""
-    return f"{spec.id}|{node}|{backend}|{spec.context}|{spec.parallel}|{spec.chunk}"
+    """A calibration answers for a shape, a backend, the execution shape measured and the
+    kernels timed: a model whose `kernels:` change is calibrated again. A model without
+    kernel settings keeps the key it had before they existed."""
+    return (f"{spec.id}|{node}|{backend}|{spec.context}|{spec.parallel}|{spec.chunk}"
+            + "".join(f"|{attr}={value}" for attr, value in spec.kernels))
 
 
 def calibration_body(config_json: dict[str, Any], spec: ModelSpec, backend: str,
                      budget_s: float) -> dict[str, Any]:
+    """The agent's calibration request for `spec` on `backend`: its execution shape and the
+    kernels its engines run (`kernels:`), so that placement predicts with their times. The
+    engine's defaults go unsent: they are the request's defaults too."""
     return {"config": config_json, "backend": backend, "contexts": [spec.context],
-            "batch_rows": spec.parallel, "chunk_rows": spec.chunk, "budget_s": budget_s}
+            "batch_rows": spec.parallel, "chunk_rows": spec.chunk, "budget_s": budget_s,
+            **{CALIBRATION_FIELD.get(attr, attr): value for attr, value in spec.kernels}}
 
 
 def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming:

@@ -47,12 +47,13 @@ def spec_digest(spec: ModelSpec) -> str:
     of canonical JSON (sorted keys, no spacing), not of a repr that a Python upgrade or a new
     field's default could change."""
     # The replica count is left out: more or fewer replicas add or retire some, and leave
-    # the serving ones where they are. An unset prompt length, the default hop transport and
-    # an unset prompt cache count or budget are left out too, so the digests of specs written before they
-    # existed stay as they were.
+    # the serving ones where they are. An unset prompt length, the default hop transport,
+    # no kernel settings and an unset prompt cache count or budget are left out too, so the
+    # digests of specs written before they existed stay as they were.
     fields_ = {k: v for k, v in asdict(spec).items()
                if k != "replicas" and not (k == "prompt_tokens" and v is None)
                and not (k == "hop_transport" and v == "auto")
+               and not (k == "kernels" and not v)
                and not (k in ("prompt_cache_slots", "prompt_cache_bytes") and v is None)}
     canonical = json.dumps(fields_, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

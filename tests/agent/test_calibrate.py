@@ -173,3 +173,61 @@ def test_the_threads_that_decide_the_engines_decide_the_calibration(monkeypatch)
         assert calibrate(request("mlx-cpu", contexts=(SHORT,), runs=1), "0.1.0").threads == 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_calibration_times_the_kernels_its_request_names(monkeypatch):
+    """The stage options reach the stage, and the two CUDA switches the environment the
+    stage reads them from, while it loads and while each round is built; the key tells
+    every setting apart, and one at the defaults is the key it always was."""
+    import os
+
+    import agent.calibrate as calibration
+
+    monkeypatch.setenv("FLEET_DECODE_ATTENTION", "triton")  # the agent's own, to be replaced
+    monkeypatch.delenv("FLEET_PACKED_KERNEL", raising=False)
+    seen = []
+
+    class Timer:
+        threads = 1
+
+        def __init__(self, options):
+            self.options = options
+            seen.append(("load", os.environ.get("FLEET_DECODE_ATTENTION"),
+                         os.environ.get("FLEET_PACKED_KERNEL")))
+
+        def make_round(self, *point):
+            def run():
+                seen.append(("round", os.environ.get("FLEET_DECODE_ATTENTION"),
+                             os.environ.get("FLEET_PACKED_KERNEL")))
+            return run
+
+    made = []
+    monkeypatch.setattr(calibration, "make_timer", lambda request, layer_type, workdir:
+                        made.append(Timer(request.stage_options())) or made[-1])
+    asked = CalibrationRequest.from_dict(dict(
+        config=SHAPE, backend="torch-cuda", runs=1, warmup=0, quant_mode="dense",
+        compile="off", delta_kernel="torch", cuda_graphs=False, decode_attention="sdpa",
+        packed_kernel="int4"))
+    calibrate(asked, "0.1.0")
+    assert made[0].options == {"quant": "dense", "compile": "off", "delta_kernel": "torch",
+                               "cuda_graphs": False}
+    assert seen and set(seen) == {(what, "sdpa", "int4") for what in ("load", "round")}
+    # and the environment as it was before
+    assert os.environ["FLEET_DECODE_ATTENTION"] == "triton"
+    assert "FLEET_PACKED_KERNEL" not in os.environ
+
+    defaults = request(decode_attention="triton", packed_kernel="triton")
+    assert defaults.key("0.1.0") == request().key("0.1.0")
+    keys = {request(**{name: value}).key("0.1.0") for name, value in (
+        ("quant_mode", "dense"), ("compile", "on"), ("delta_kernel", "fla"),
+        ("cuda_graphs", False), ("decode_attention", "sdpa"), ("packed_kernel", "int4"))}
+    assert len(keys | {request().key("0.1.0")}) == 7
+    with pytest.raises(CalibrationError, match=r"^decode_attention='flash': expected one of "
+                                               r"triton, sdpa$"):
+        request(decode_attention="flash")
+    with pytest.raises(CalibrationError, match=r"^packed_kernel='int8': expected one of "
+                                               r"triton, int4$"):
+        request(packed_kernel="int8")
+    with pytest.raises(CalibrationError, match=r"^quant_mode='int8': expected one of "
+                                               r"auto, packed, dense$"):
+        request(quant_mode="int8")

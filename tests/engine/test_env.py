@@ -9,6 +9,8 @@ import pytest
 
 from engine.addresses import AddressError, format_host_port, listen_address, parse_host_port
 from engine.env import (
+    KERNEL_CHOICES,
+    KERNEL_KNOBS,
     SWITCHES,
     TUNING,
     VARIABLE_OF,
@@ -154,6 +156,23 @@ def test_the_kernel_switches_are_the_contracts_and_read_where_kernels_are_picked
     with pytest.raises(EnvError, match=r"^FLEET_PACKED_KERNEL='int8': expected one of "
                                        r"triton, int4$"):
         read_switch("packed_kernel", {"FLEET_PACKED_KERNEL": "int8"})
+
+
+def test_the_kernel_knobs_default_to_their_first_spelling_and_each_is_read_back(tmp_path):
+    # fleet.yaml and calibration requests check their kernel settings against KERNEL_CHOICES:
+    # its defaults must be the engine's, and every spelling one the engine reads.
+    fields_ = EngineEnv.__dataclass_fields__
+    assert set(KERNEL_KNOBS) == set(KERNEL_CHOICES) | {"cuda_graphs"}
+    assert all(attr in TUNING.values() for attr in KERNEL_KNOBS)
+    for attr, allowed in KERNEL_CHOICES.items():
+        assert fields_[attr].default == allowed[0]
+        for value in allowed:
+            env = EngineEnv(model_dir=tmp_path, **{attr: value})
+            assert getattr(EngineEnv.from_environ(env.to_environ()), attr) == value
+        with pytest.raises(EnvError) as refused:
+            EngineEnv.from_environ(env.to_environ() | {VARIABLE_OF[attr]: "nope"})
+        assert refused.value.variable == VARIABLE_OF[attr]
+        assert str(refused.value).endswith(f"expected one of {', '.join(allowed)}")
 
 
 def test_written_spells_a_knob_at_its_default_too(tmp_path):

@@ -1,13 +1,14 @@
 """The control loop's spawn request carries each stage's environment contract whole, which
 the agent reads back with the engine's own parser, with the stage's addresses (an IPv6
-node's in brackets)."""
+node's in brackets), and its model's kernel settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import ssl
 
 from agent.spawn import SpawnRequest
-from engine.env import EngineEnv
+from engine.env import KERNEL_KNOBS, EngineEnv
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
@@ -46,3 +47,30 @@ def test_the_spawn_body_reads_back_as_each_stage_contract(tmp_path):
         "demo", 1024, "0-4@torch-cpu,4-8@mlx-cpu")
     # the policy's drain, even at its default: not the agent's (1.0 here)
     assert rank0.drain_s == rank1.drain_s == supervisor.settings.policy.drain_s
+    # a model without `kernels:` runs the engine's defaults, none of them written
+    assert all(getattr(env, attr) == EngineEnv.__dataclass_fields__[attr].default
+               for env in envs for attr in KERNEL_KNOBS)
+
+
+def test_a_models_kernels_reach_every_stages_contract(tmp_path):
+    supervisor = Supervisor(SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0),
+                            AgentClient(ssl.create_default_context()))
+    kernels = (("quant", "dense"), ("compile", "off"), ("delta_kernel", "torch"),
+               ("decode_attention", "sdpa"), ("packed_kernel", "int4"), ("cuda_graphs", False))
+    desired = config()
+    spec = dataclasses.replace(desired.models[0], kernels=kernels)
+    supervisor.desired = dataclasses.replace(desired, models=(spec,))
+    stages = (lc.StageRecord(0, "a", "torch-cpu", (0, 4), "demo-g1-r0", "::1", 9000, 9001),
+              lc.StageRecord(1, "b", "torch-cpu", (4, 8), "demo-g1-r1", "10.0.0.2", 9002))
+    replica = lc.Replica("demo-g1", "demo", 1, lc.STARTING, 0.0, "d", stages=stages,
+                         master_port=9003, placement_id="0-4@torch-cpu,4-8@torch-cpu")
+    key = tmp_path / "link.key"
+    key.write_text("k" * 32)
+    for stage in stages:
+        body = supervisor.spawn_body(replica, stage)
+        assert body["env"]["FLEET_DECODE_ATTENTION"] == "sdpa"
+        assert body["env"]["FLEET_CUDA_GRAPHS"] == "0"
+        # read back as the agent does, and as the engine then does from what the agent wrote
+        engine = SpawnRequest.from_dict(body).spec(drain_s=1.0, key_file=key).engine
+        assert {attr: getattr(engine, attr) for attr in KERNEL_KNOBS} == dict(kernels)
+        assert EngineEnv.from_environ(engine.to_environ()) == engine

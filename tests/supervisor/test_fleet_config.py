@@ -223,3 +223,77 @@ def test_prompt_cache_bytes_is_a_size_and_the_slots_override_it():
     with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.prompt_cache_slots: "
                                                "expected an integer >= 0, got -2"):
         model("    prompt_cache_slots: -2\n")
+
+
+KERNELS = ONE_MODEL % "    kernels:\n%s"
+
+
+def test_kernels_are_the_engines_knobs_kept_only_where_they_differ_from_its_defaults():
+    from engine.env import KERNEL_KNOBS, EngineEnv
+    from supervisor.planning import spec_digest
+
+    def model(lines: str):
+        return parse_fleet_config(KERNELS % lines).model("m")
+
+    every = ("      packed_kernel: int4\n      quant: dense\n      compile: off\n"
+             "      delta_kernel: torch\n      cuda_graphs: false\n"
+             "      decode_attention: sdpa\n")
+    # In the engine's order whatever the file's; `off` read as written, not as YAML's false.
+    assert model(every).kernels == (("quant", "dense"), ("compile", "off"),
+                                    ("delta_kernel", "torch"), ("decode_attention", "sdpa"),
+                                    ("packed_kernel", "int4"), ("cuda_graphs", False))
+    assert [attr for attr, _ in model(every).kernels] == list(KERNEL_KNOBS)
+    assert model("      compile: on\n").kernels == (("compile", "on"),)
+    # Every knob at the engine's default is no setting at all: the spec (and its digest) of
+    # a file without `kernels:`.
+    defaults = "".join(
+        f"      {attr}: {str(EngineEnv.__dataclass_fields__[attr].default).lower()}\n"
+        for attr in KERNEL_KNOBS)
+    unset = parse_fleet_config(ONE_MODEL % "").model("m")
+    assert model(defaults) == unset and unset.kernels == ()
+    assert parse_fleet_config(ONE_MODEL % "    kernels: {}\n").model("m") == unset
+    assert spec_digest(model("      quant: dense\n")) != spec_digest(unset)
+    assert diff(parse_fleet_config(ONE_MODEL % ""),
+                parse_fleet_config(KERNELS % "      cuda_graphs: no\n      quant: dense\n")) == [
+        "model m: kernels {} -> {cuda_graphs: false, quant: dense}"]
+
+
+@pytest.mark.parametrize("lines,message", [
+    ("      quant: int8\n",
+     ("fleet.yaml:9: models[0].kernels.quant: unknown quant 'int8' "
+      "(expected one of auto, packed, dense)")),
+    ("      compile: yes\n",
+     ("fleet.yaml:9: models[0].kernels.compile: unknown compile 'yes' "
+      "(expected one of auto, off, on)")),
+    ("      delta_kernel: [fla]\n",
+     ("fleet.yaml:9: models[0].kernels.delta_kernel: unknown delta kernel a list "
+      "(expected one of auto, torch, fla)")),
+    ("      decode_attention: flash\n",
+     ("fleet.yaml:9: models[0].kernels.decode_attention: unknown decode attention 'flash' "
+      "(expected one of triton, sdpa)")),
+    ("      quant: dense\n      packed_kernel: ''\n",
+     ("fleet.yaml:10: models[0].kernels.packed_kernel: unknown packed kernel '' "
+      "(expected one of triton, int4)")),
+    ("      cuda_graphs: 0\n",
+     "fleet.yaml:9: models[0].kernels.cuda_graphs: expected true or false, got 0"),
+    ("      cuda_graph: false\n",
+     ("fleet.yaml:9: models[0].kernels.cuda_graph: unknown field (did you mean "
+      "'cuda_graphs'?); known fields: quant, compile, delta_kernel, decode_attention, "
+      "packed_kernel, cuda_graphs")),
+    ("      - quant\n",
+     "fleet.yaml:9: models[0].kernels: expected a mapping, got a list"),
+])
+def test_a_bad_kernel_setting_names_its_line_field_and_the_engines_spellings(lines, message):
+    with pytest.raises(FleetConfigError) as caught:
+        parse_fleet_config(KERNELS % lines)
+    assert str(caught.value) == message
+
+
+def test_the_kernel_spellings_fleet_yaml_accepts_are_the_engines():
+    from engine.env import KERNEL_CHOICES
+
+    for attr, allowed in KERNEL_CHOICES.items():
+        for value in allowed:
+            assert parse_fleet_config(KERNELS % f"      {attr}: '{value}'\n")
+        with pytest.raises(FleetConfigError, match=f"expected one of {', '.join(allowed)}"):
+            parse_fleet_config(KERNELS % f"      {attr}: nope\n")

@@ -136,3 +136,49 @@ def test_agents_on_one_machine_are_measured_one_at_a_time(fleet):
     # probe, which uses both, follows them)
     assert started(Measurer(None, 5.0, 60.0, lambda *_: None),  # type: ignore[arg-type]
                    fleet, apart) == [key_a, key_b]
+
+
+def test_a_models_kernels_are_what_its_calibrations_time(fleet):
+    """The request the agent gets names the kernels the model's engines run (the agent's
+    own parser reads them back), and their key is not the default kernels' key."""
+    import asyncio
+    import dataclasses
+
+    from agent.calibrate import CalibrationRequest
+
+    kernels = (("quant", "dense"), ("compile", "off"), ("delta_kernel", "torch"),
+               ("decode_attention", "sdpa"), ("packed_kernel", "int4"), ("cuda_graphs", False))
+    spec = dataclasses.replace(fleet.model("m"), kernels=kernels)
+    desired = dataclasses.replace(fleet, models=(spec,))
+    asked = []
+
+    class Agents:
+        async def call(self, node, method, url, body=None):
+            asked.append(body)
+            return {"state": "done", "result": {"timings": [
+                {"kind": kind, "context": 256, "rows": rows, "ms_per_layer": 1.0, "runs": 1,
+                 "spread_ms": 0.0} for kind, rows in (("decode", 1), ("prefill", 512))]}}
+
+    async def measure() -> None:
+        tasks = []
+        measurer.start_missing(desired, {"a": member("a")},
+                               lambda coro: tasks.append(asyncio.ensure_future(coro)))
+        await asyncio.gather(*tasks)
+
+    measurer = Measurer(Agents(), 5.0, 60.0, lambda *_: None)  # type: ignore[arg-type]
+    asyncio.run(measure())
+    request = CalibrationRequest.from_dict(asked[0])
+    assert (request.quant_mode, request.compile, request.delta_kernel, request.cuda_graphs,
+            request.decode_attention, request.packed_kernel) == (
+        "dense", "off", "torch", False, "sdpa", "int4")
+    key = timing_key(spec, "a", "torch-cpu")
+    assert key in measurer.timings and key != timing_key(fleet.model("m"), "a", "torch-cpu")
+    # a model without kernel settings asks for the defaults by sending none
+    measurer = Measurer(Agents(), 5.0, 60.0, lambda *_: None)  # type: ignore[arg-type]
+    desired = fleet
+    asked.clear()
+    asyncio.run(measure())
+    assert CalibrationRequest.from_dict(asked[0]).stage_options() == \
+        CalibrationRequest(config={}).stage_options()
+    assert not set(asked[0]) & {"quant_mode", "compile", "delta_kernel", "cuda_graphs",
+                                "decode_attention", "packed_kernel"}
