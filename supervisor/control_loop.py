@@ -267,21 +267,24 @@ class Supervisor:
                            if r.state in (lc.WARMING, lc.SERVING, lc.DRAINING)]
                 probes = await asyncio.gather(*(self._timed_health(session, r)
                                                 for r in watched))
-                self.healthy = {r.id for r, (_, a, _) in zip(watched, probes) if a.healthy}
-                self.rank0_health = {r.id: a.body for r, (_, a, _) in zip(watched, probes)
+                self.healthy = {r.id for r, (_, _, a, _) in zip(watched, probes) if a.healthy}
+                self.rank0_health = {r.id: a.body for r, (_, _, a, _) in zip(watched, probes)
                                      if a.body is not None}
                 self.rank0_heard = {
                     r.id: lc.after_probe(self.rank0_heard.get(r.id), sent_at, ended_at,
-                                         answer.answered, HEALTH_TIMEOUT_S, max_gap_s)
-                    for r, (sent_at, answer, ended_at) in zip(watched, probes)}
+                                         answer.answered, beat_at, HEALTH_TIMEOUT_S, max_gap_s)
+                    for r, (sent_at, beat_at, answer, ended_at) in zip(watched, probes)}
                 await asyncio.sleep(self.settings.health_interval_s)
 
     async def _timed_health(self, session: aiohttp.ClientSession, replica: lc.Replica
-                            ) -> tuple[float, HealthAnswer, float]:
-        """(when the probe went out, its answer, when it was over), on the snapshot's clock."""
+                            ) -> tuple[float, float, HealthAnswer, float]:
+        """(when the probe went out, when rank 0's node last beat then, its answer, when it
+        was over), on the snapshot's clock."""
+        member = self.members.get(replica.stages[0].node)
+        beat_at = member.last_heartbeat_at if member is not None else 0.0
         sent_at = time.time()
         answer = await self._health(session, replica)
-        return sent_at, answer, time.time()
+        return sent_at, beat_at, answer, time.time()
 
     @staticmethod
     async def _health(session: aiohttp.ClientSession, replica: lc.Replica) -> HealthAnswer:

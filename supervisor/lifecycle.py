@@ -318,12 +318,16 @@ def _silent_rank0(s: Snapshot, replica: Replica) -> str | None:
     answer: counted as the ring counts it (dead once silent that long), when a ring's
     followers leave and fail it; a one-stage replica has none to. Only asked of a serving
     replica: one still starting may not listen yet, and a draining one's 503 "draining" is
-    an answer."""
-    silent_s = s.rank0_heard.get(replica.id, Rank0Heard(s.now)).silent_s
-    if silent_s < s.policy.rank0_silence_s:
+    an answer.
+
+    And only once its node's agent was heard from while rank 0 was silent (a heartbeat
+    between two unanswered probes): a supervisor cut off from the network for longer than
+    the dead-ring time (and shorter than membership's suspect time) fails no replica for it."""
+    heard = s.rank0_heard.get(replica.id, Rank0Heard(s.now))
+    if heard.silent_s < s.policy.rank0_silence_s or not heard.node_heard_meanwhile:
         return None
-    return (f"rank 0 has not answered /health for {silent_s:.1f} s (frozen? the ring's "
-            f"dead-ring time is {s.policy.rank0_silence_s:g} s)")
+    return (f"rank 0 has not answered /health for {heard.silent_s:.1f} s (frozen? the "
+            f"ring's dead-ring time is {s.policy.rank0_silence_s:g} s)")
 
 
 def _clean_exit(exit_: Mapping[str, Any] | None) -> bool:

@@ -109,28 +109,39 @@ class Rank0Heard:
 
     heard_at: float  # its last answer (any status), or the first probe unanswered since
     silent_until: float = 0.0  # the end of the latest probe when it went unanswered; 0: answered
+    silent_from: float = 0.0  # when the first probe unanswered since its last answer went out
+    node_beat_at: float = 0.0  # its node's last heartbeat when the latest unanswered probe went out
 
     @property
     def silent_s(self) -> float:
         """How long rank 0 has gone unanswered, as far as probes saw (0: it answers)."""
         return max(0.0, self.silent_until - self.heard_at) if self.silent_until else 0.0
 
+    @property
+    def node_heard_meanwhile(self) -> bool:
+        """Whether its node's agent beat after rank 0 first went unanswered and before a
+        probe that went unanswered too: the supervisor's own network reached the node while
+        rank 0 was silent, so the silence is rank 0's, not the supervisor's."""
+        return self.silent_from < self.node_beat_at
+
 
 def after_probe(heard: Rank0Heard | None, sent_at: float, ended_at: float, answered: bool,
-                probe_timeout_s: float, max_gap_s: float) -> Rank0Heard:
-    """`heard` after one more probe, sent at `sent_at` and over at `ended_at`. Any answer
-    counts, a 503 "draining" too: only no answer (a timeout, a refused or reset connection)
-    is silence. Silence is counted only over time the probes covered, so a supervisor that
-    stalled or was suspended, or lost its network for a moment, takes nobody's silence for
-    longer than it saw: a probe ends at most `probe_timeout_s` after it was sent (one seen
-    ending later was held up on this side), and a probe sent more than `max_gap_s` after the
-    previous one ended (more than one health round) starts the count again."""
+                node_beat_at: float, probe_timeout_s: float, max_gap_s: float) -> Rank0Heard:
+    """`heard` after one more probe, sent at `sent_at` (its node's agent last beat at
+    `node_beat_at` then) and over at `ended_at`. Any answer counts, a 503 "draining" too:
+    only no answer (a timeout, a refused or reset connection) is silence. Silence is counted
+    only over time the probes covered, so a supervisor that stalled or was suspended takes
+    nobody's silence for longer than it saw: a probe ends at most `probe_timeout_s` after it
+    was sent (one seen ending later was held up on this side), and a probe sent more than
+    `max_gap_s` after the previous one ended (more than one health round) starts the count
+    again."""
     if answered:
         return Rank0Heard(ended_at)
     until = min(ended_at, sent_at + probe_timeout_s)
     if heard is None or sent_at - (heard.silent_until or heard.heard_at) > max_gap_s:
-        return Rank0Heard(sent_at, until)
-    return Rank0Heard(heard.heard_at, until)
+        return Rank0Heard(sent_at, until, sent_at, node_beat_at)
+    return Rank0Heard(heard.heard_at, until, heard.silent_from if heard.silent_until else sent_at,
+                      node_beat_at)
 
 
 @dataclass(frozen=True)
