@@ -9,7 +9,7 @@ import asyncio
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import structlog
@@ -56,6 +56,15 @@ STATUS_HISTORY = 3  # generations per model that `status` shows
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # where a port can be checked from here
 
 
+class HealthAnswer(NamedTuple):
+    """One probe of rank 0's /health: whether it answered at all (any status: a 503
+    "draining" is an answer), whether it takes requests (200), and its body."""
+
+    answered: bool
+    healthy: bool
+    body: dict[str, Any] | None
+
+
 class RequestError(Exception):
     """A fleetctl request the supervisor refuses: HTTP status, message, and the field/line."""
 
@@ -84,6 +93,7 @@ class Supervisor:
         self.shapes: dict[str, ModelShape | str] = {}
         self.healthy: set[str] = set()
         self.rank0_health: dict[str, dict[str, Any]] = {}  # replica -> its rank 0's /health
+        self.rank0_heard: dict[str, lc.Rank0Heard] = {}  # replica -> what its probes heard
         self.orphans_asked: set[DrainOrphan] = set()  # drains asked, until no longer reported
         self.tasks: set[asyncio.Task] = set()
         self.busy_ports: set[tuple[str, int]] = set()  # found taken when a start checked
@@ -166,7 +176,8 @@ class Supervisor:
                            policy=self.settings.policy, measured=self.measurer.snapshot(),
                            engine_ports=(self.settings.engine_port_first,
                                          self.settings.engine_port_last),
-                           busy_ports=frozenset(self.busy_ports))
+                           busy_ports=frozenset(self.busy_ports),
+                           rank0_heard=dict(self.rank0_heard))
 
     def _measured_one(self, failure: str, node: str) -> None:
         if failure:
@@ -247,27 +258,48 @@ class Supervisor:
 
     async def health_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        # The longest a round leaves between two probes of one replica: the sleep, and the
+        # slowest probe of the round before (the supervisor's silence count, after_probe).
+        max_gap_s = self.settings.health_interval_s + HEALTH_TIMEOUT_S
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 watched = [r for r in self.replicas.values()  # draining: for its numbers
                            if r.state in (lc.WARMING, lc.SERVING, lc.DRAINING)]
-                results = await asyncio.gather(*(self._health(session, r) for r in watched))
-                self.healthy = {r.id for r, (ok, _) in zip(watched, results) if ok}
-                self.rank0_health = {r.id: body for r, (_, body) in zip(watched, results)
-                                     if body is not None}
+                probes = await asyncio.gather(*(self._timed_health(session, r)
+                                                for r in watched))
+                self.healthy = {r.id for r, (_, _, a, _) in zip(watched, probes) if a.healthy}
+                self.rank0_health = {r.id: a.body for r, (_, _, a, _) in zip(watched, probes)
+                                     if a.body is not None}
+                self.rank0_heard = {
+                    r.id: lc.after_probe(self.rank0_heard.get(r.id), sent_at, ended_at,
+                                         answer.answered, beat_at, HEALTH_TIMEOUT_S, max_gap_s)
+                    for r, (sent_at, beat_at, answer, ended_at) in zip(watched, probes)}
                 await asyncio.sleep(self.settings.health_interval_s)
 
+    async def _timed_health(self, session: aiohttp.ClientSession, replica: lc.Replica
+                            ) -> tuple[float, float, HealthAnswer, float]:
+        """(when the probe went out, when rank 0's node last beat then, its answer, when it
+        was over), on the snapshot's clock."""
+        member = self.members.get(replica.stages[0].node)
+        beat_at = member.last_heartbeat_at if member is not None else 0.0
+        sent_at = time.time()
+        answer = await self._health(session, replica)
+        return sent_at, beat_at, answer, time.time()
+
     @staticmethod
-    async def _health(session: aiohttp.ClientSession, replica: lc.Replica
-                      ) -> tuple[bool, dict[str, Any] | None]:
-        """(healthy, rank 0's /health body). A draining rank 0 answers 503 with status
-        "draining": not healthy (it takes no new request), and not failed."""
+    async def _health(session: aiohttp.ClientSession, replica: lc.Replica) -> HealthAnswer:
+        """Rank 0's /health. A draining rank 0 answers 503 with status "draining": not
+        healthy (it takes no new request), and not silent."""
         try:
             async with session.get(replica.url + "/health") as reply:
-                body = await reply.json(content_type=None)
-                return reply.status == 200, body if isinstance(body, dict) else None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return False, None
+                try:
+                    body = await reply.json(content_type=None)
+                except ValueError:  # an answer all the same: rank 0 is not frozen
+                    body = None
+                return HealthAnswer(True, reply.status == 200,
+                                    body if isinstance(body, dict) else None)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return HealthAnswer(False, False, None)
 
     def rank0_draining(self, replica_id: str) -> dict[str, Any] | None:
         """Rank 0's drain as its /health last told it (in flight, seconds left), or None."""

@@ -3,9 +3,10 @@
 `decide(snapshot)` is a pure function of the desired state, the members (with the engines
 their agents report), the replicas and the clock; it returns the actions the service loop
 applies (create a replica, start its stages, change its state, stop its engines). Policy:
-- fail-fast: one stage lost (its engine exited, or its node dead or gone) fails the whole
-  replica; the survivors are stopped and a new generation is placed on what remains after
-  a backoff that doubles with each failure in a row;
+- fail-fast: one stage lost (its engine exited, or its node dead or gone), or a serving
+  rank 0 that has not answered /health for the ring's dead-ring time (frozen), fails the
+  whole replica; its stages are stopped and a new generation is placed on what remains
+  after a backoff that doubles with each failure in a row;
 - a join changes nothing: a serving replica is re-placed only when its model's spec changes
   (`fleetctl apply`), a node it uses is cordoned (`fleetctl drain`), or a rebalance finds a
   different placement;
@@ -41,12 +42,14 @@ from supervisor.replica_records import (  # noqa: F401 - the lifecycle's vocabul
     Action,
     ForgetEngine,
     Policy,
+    Rank0Heard,
     Record,
     Replica,
     Snapshot,
     StageRecord,
     StartStages,
     StopEngines,
+    after_probe,
     engine_owners,
     foreign_engines,
     latest_by_model,
@@ -309,6 +312,24 @@ def _lost_stage(s: Snapshot, replica: Replica) -> str | None:
     return None
 
 
+def _silent_rank0(s: Snapshot, replica: Replica) -> str | None:
+    """Why a serving replica's rank 0 counts as frozen, or None. Its process runs (its agent
+    reports it) but its /health went unanswered for the dead-ring time since its last
+    answer: counted as the ring counts it (dead once silent that long), when a ring's
+    followers leave and fail it; a one-stage replica has none to. Only asked of a serving
+    replica: one still starting may not listen yet, and a draining one's 503 "draining" is
+    an answer.
+
+    And only once its node's agent was heard from while rank 0 was silent (a heartbeat
+    between two unanswered probes): a supervisor cut off from the network for longer than
+    the dead-ring time (and shorter than membership's suspect time) fails no replica for it."""
+    heard = s.rank0_heard.get(replica.id, Rank0Heard(s.now))
+    if heard.silent_s < s.policy.rank0_silence_s or not heard.node_heard_meanwhile:
+        return None
+    return (f"rank 0 has not answered /health for {heard.silent_s:.1f} s (frozen? the "
+            f"ring's dead-ring time is {s.policy.rank0_silence_s:g} s)")
+
+
 def _clean_exit(exit_: Mapping[str, Any] | None) -> bool:
     """An engine's own clean end (code 0): its drain finished, however it was asked."""
     return exit_ is not None and exit_.get("code") == 0
@@ -367,7 +388,7 @@ def _serving(s: Snapshot, spec: ModelSpec, replica: Replica, digest: str,
     room for its successor beside it (the successor starts and warms while it serves, and
     it drains once the successor serves), break before make when not. One slot of a model
     changes at a time."""
-    lost = _lost_stage(s, replica)
+    lost = _lost_stage(s, replica) or _silent_rank0(s, replica)
     if lost:
         return _fail(s, replica, lost)
     drained = _drained_stage(s, replica)

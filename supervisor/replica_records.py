@@ -1,6 +1,6 @@
 """The records the replica lifecycle decides over and the actions it returns: a replica and
-its stages as stored, the frozen snapshot `decide` reads, and the policy's timings.
-`supervisor/lifecycle.py` holds the decisions."""
+its stages as stored, what the probes of rank 0's /health heard, the frozen snapshot `decide`
+reads, and the policy's timings. `supervisor/lifecycle.py` holds the decisions."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from supervisor.measurements import NOTHING_MEASURED, Measured
 from supervisor.membership import Member
 from supervisor.memory import ModelShape
 from supervisor.placement import Placement
+from supervisor.relays import RING_LIVENESS
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class Policy:
     start_timeout_s: float = 600.0  # placed to serving
     drain_s: float = 180.0  # in-flight requests get this long
     drain_grace_s: float = 30.0  # then the replica counts as stopped whatever the agents say
+    # A serving replica whose rank 0 has not answered /health this long fails: the ring's
+    # dead-ring time, the silence after which its followers would leave (and the front door
+    # gives up a relay), so a frozen one-stage replica, which has no follower, fails too.
+    rank0_silence_s: float = RING_LIVENESS.silence_limit_s
 
     def backoff_s(self, failures: int) -> float:
         return min(self.backoff_max_s, self.backoff_first_s * 2 ** max(0, failures - 1))
@@ -99,6 +104,47 @@ class Replica:
 
 
 @dataclass(frozen=True)
+class Rank0Heard:
+    """What the supervisor's /health probes of one replica's rank 0 heard lately."""
+
+    heard_at: float  # its last answer (any status), or the first probe unanswered since
+    silent_until: float = 0.0  # the end of the latest probe when it went unanswered; 0: answered
+    silent_from: float = 0.0  # when the first probe unanswered since its last answer went out
+    node_beat_at: float = 0.0  # its node's last heartbeat when the latest unanswered probe went out
+
+    @property
+    def silent_s(self) -> float:
+        """How long rank 0 has gone unanswered, as far as probes saw (0: it answers)."""
+        return max(0.0, self.silent_until - self.heard_at) if self.silent_until else 0.0
+
+    @property
+    def node_heard_meanwhile(self) -> bool:
+        """Whether its node's agent beat after rank 0 first went unanswered and before a
+        probe that went unanswered too: the supervisor's own network reached the node while
+        rank 0 was silent, so the silence is rank 0's, not the supervisor's."""
+        return self.silent_from < self.node_beat_at
+
+
+def after_probe(heard: Rank0Heard | None, sent_at: float, ended_at: float, answered: bool,
+                node_beat_at: float, probe_timeout_s: float, max_gap_s: float) -> Rank0Heard:
+    """`heard` after one more probe, sent at `sent_at` (its node's agent last beat at
+    `node_beat_at` then) and over at `ended_at`. Any answer counts, a 503 "draining" too:
+    only no answer (a timeout, a refused or reset connection) is silence. Silence is counted
+    only over time the probes covered, so a supervisor that stalled or was suspended takes
+    nobody's silence for longer than it saw: a probe ends at most `probe_timeout_s` after it
+    was sent (one seen ending later was held up on this side), and a probe sent more than
+    `max_gap_s` after the previous one ended (more than one health round) starts the count
+    again."""
+    if answered:
+        return Rank0Heard(ended_at)
+    until = min(ended_at, sent_at + probe_timeout_s)
+    if heard is None or sent_at - (heard.silent_until or heard.heard_at) > max_gap_s:
+        return Rank0Heard(sent_at, until, sent_at, node_beat_at)
+    return Rank0Heard(heard.heard_at, until, heard.silent_from if heard.silent_until else sent_at,
+                      node_beat_at)
+
+
+@dataclass(frozen=True)
 class Snapshot:
     now: float
     desired: FleetConfig | None
@@ -112,6 +158,8 @@ class Snapshot:
     engine_ports: tuple[int, int] = (29600, 29999)  # the range stages listen in, every node
     # (host, port) pairs found taken by another process when a start was about to use them
     busy_ports: frozenset[tuple[str, int]] = frozenset()
+    # replica -> what the probes of its rank 0's /health heard (only replicas probed lately)
+    rank0_heard: Mapping[str, Rank0Heard] = field(default_factory=dict)
 
 
 # --- actions ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 
@@ -66,6 +67,27 @@ def test_sigkill_follows_an_ignored_sigterm(tmp_path):
         assert exit_ is not None
         assert (exit_.signal, exit_.stopped_by) == ("SIGKILL", "SIGKILL")
         assert "did not exit within 0.5 s" in exit_.reason
+        assert not same_process_alive(child.pid, child.create_time)
+
+    asyncio.run(scenario())
+
+
+def test_sigkill_ends_a_stopped_child(tmp_path):
+    """A frozen engine (SIGSTOP: what the supervisor fails when its rank 0 stops answering)
+    cannot run its SIGTERM handler, which would end it at once; the stop's SIGKILL does."""
+    exits_on_term = IGNORES_TERM.replace("signal.SIG_IGN", "lambda *_: sys.exit(0)")
+
+    async def scenario():
+        lines = []
+        child = ChildProcess.spawn("frozen", [sys.executable, "-c", exits_on_term], {},
+                                   RotatingLog(tmp_path / "f.log"),
+                                   on_line=lambda line, ev: lines.append(ev))
+        child.start_monitor()
+        await wait_until_async(lambda: lines, within_s=10, what="the child's first line")
+        os.kill(child.pid, signal.SIGSTOP)
+        exit_ = await child.stop(GracePeriods(term_s=0.5, kill_s=5))
+        assert exit_ is not None
+        assert (exit_.signal, exit_.stopped_by) == ("SIGKILL", "SIGKILL")
         assert not same_process_alive(child.pid, child.create_time)
 
     asyncio.run(scenario())

@@ -1,14 +1,20 @@
 """The control loop's spawn request carries each stage's environment contract whole, which
 the agent reads back with the engine's own parser, with the stage's addresses (an IPv6
-node's in brackets), and its model's kernel settings."""
+node's in brackets), and its model's kernel settings; its /health probe tells an answer
+(a 503 "draining" too) from none."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ssl
 
+import aiohttp
+from aiohttp import web
+
 from agent.spawn import SpawnRequest
 from engine.env import KERNEL_KNOBS, EngineEnv
+from engine.harness.launch import free_port
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
@@ -74,3 +80,44 @@ def test_a_models_kernels_reach_every_stages_contract(tmp_path):
         engine = SpawnRequest.from_dict(body).spec(drain_s=1.0, key_file=key).engine
         assert {attr: getattr(engine, attr) for attr in KERNEL_KNOBS} == dict(kernels)
         assert EngineEnv.from_environ(engine.to_environ()) == engine
+
+
+def test_the_health_probe_tells_a_draining_answer_from_silence():
+    """Only no answer is silence (what fails a frozen rank 0): a 503 "draining" and a body
+    that is not JSON are answers; a reply that never comes and a refused connection are not."""
+    answering = {"kind": "ok"}
+
+    async def health(request: web.Request) -> web.Response:
+        kind = answering["kind"]
+        if kind == "draining":
+            return web.json_response({"status": "draining", "in_flight": 1}, status=503)
+        if kind == "garbled":
+            return web.Response(text="<html>", status=200)
+        if kind == "frozen":
+            await asyncio.Event().wait()  # as a stopped process: the connection open, mute
+        return web.json_response({"status": "ok", "slots_in_use": 0})
+
+    def replica(port: int) -> lc.Replica:
+        stage = lc.StageRecord(0, "a", "torch-cpu", (0, 8), "demo-g1-r0", "127.0.0.1", 1, port)
+        return lc.Replica("demo-g1", "demo", 1, lc.SERVING, 0.0, "d", stages=(stage,))
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        answers = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+            for kind in ("ok", "draining", "garbled", "frozen"):
+                answering["kind"] = kind
+                answers[kind] = await Supervisor._health(session, replica(port))
+            await runner.cleanup()
+            answers["refused"] = await Supervisor._health(session, replica(port))
+        assert answers["ok"] == (True, True, {"status": "ok", "slots_in_use": 0})
+        assert answers["draining"] == (True, False, {"status": "draining", "in_flight": 1})
+        assert answers["garbled"] == (True, True, None)
+        assert answers["frozen"] == answers["refused"] == (False, False, None)
+
+    asyncio.run(scenario())

@@ -298,3 +298,126 @@ def test_an_ipv6_member_gets_a_bracketed_url():
     [start] = lc.decide(snap([placing], members=ipv6))
     assert start.replica.stages[0].host == "::1"
     assert start.replica.url.startswith("http://[::1]:")
+
+
+# --- a frozen rank 0: its /health unanswered past the dead-ring time ----------------------
+
+PROBE_TIMEOUT_S, HEALTH_INTERVAL_S = 2.0, 1.0  # the supervisor's own (control_loop)
+MAX_GAP_S = HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
+
+
+def heard_after(probes, heard=None):
+    """Fold probes (sent_at, ended_at, answered[, node_beat_at]) into what the supervisor
+    heard."""
+    for sent_at, ended_at, answered, *beat in probes:
+        heard = lc.after_probe(heard, sent_at, ended_at, answered, beat[0] if beat else 0.0,
+                               PROBE_TIMEOUT_S, MAX_GAP_S)
+    return heard
+
+
+def test_silence_counts_from_the_last_answer_and_any_answer_ends_it():
+    assert heard_after([(0.0, 0.1, True)]) == lc.Rank0Heard(0.1)
+    assert heard_after([(0.0, 0.1, True)]).silent_s == 0.0
+    silent = heard_after([(0.0, 0.1, True), (1.1, 3.1, False, 0.5), (4.1, 6.1, False, 3.5)])
+    assert silent == lc.Rank0Heard(0.1, 6.1, 1.1, 3.5) and silent.silent_s == 6.0
+    assert silent.node_heard_meanwhile  # its node beat at 3.5, between the two probes
+    # A 503 "draining" is an answer: the control loop passes answered=True for any status.
+    assert heard_after([(7.1, 7.2, True)], silent).silent_s == 0.0
+    # A refused connection is over at once: silence as far as it was seen.
+    assert heard_after([(1.0, 1.25, False)], lc.Rank0Heard(0.5)).silent_s == 0.75
+
+
+def test_silence_counts_only_time_the_probes_covered():
+    # A probe seen to end long after its timeout was held up on the supervisor's side (a
+    # stalled loop, a suspended process): it says nothing past its timeout.
+    assert heard_after([(1.0, 30.0, False)], lc.Rank0Heard(0.5)).silent_until == 3.0
+    # After a gap in the probing (a supervisor suspended, then its network not yet back),
+    # the last answer says nothing about the time between: the count starts again.
+    assert heard_after([(40.0, 40.01, False)], lc.Rank0Heard(0.5)) == lc.Rank0Heard(
+        40.0, 40.01, 40.0)
+    assert heard_after([(40.0, 42.0, False)], lc.Rank0Heard(0.5, 3.0, 1.0)) == lc.Rank0Heard(
+        40.0, 42.0, 40.0)
+    # The first probe this supervisor sends (a replica adopted after a restart) starts it.
+    assert heard_after([(5.0, 7.0, False)]) == lc.Rank0Heard(5.0, 7.0, 5.0)
+
+
+def test_the_limit_is_the_rings_dead_ring_time():
+    from supervisor.relays import UpstreamSilence
+
+    assert lc.Policy().rank0_silence_s == UpstreamSilence().limit_s == 6.0
+
+
+def frozen_serving(silent_s: float, state: str = lc.SERVING, beat_at: float = 4.5):
+    """A replica whose rank 0 last answered at 3.0 and went unanswered since, first by a
+    probe sent at 4.0 and for `silent_s` in all; its node beat at `beat_at` as far as the
+    supervisor knew when the latest probe went out."""
+    serving = started(state)
+    heard = {serving.id: lc.Rank0Heard(3.0, 3.0 + silent_s, 4.0, beat_at)}
+    return replace(snap([serving], members=both(("ready", "ready")), healthy={serving.id}),
+                   rank0_heard=heard, policy=replace(POLICY, rank0_silence_s=6.0))
+
+
+def test_a_serving_rank0_silent_for_the_dead_ring_time_fails_and_is_stopped():
+    assert lc.decide(frozen_serving(5.9)) == []
+    actions = lc.decide(frozen_serving(6.5))
+    [record], [stop] = only(actions, lc.Record), only(actions, lc.StopEngines)
+    assert record.replica.state == lc.FAILED and stop.drain_s == 0.0
+    assert "rank 0 has not answered /health for 6.5 s" in record.replica.reason
+    assert "dead-ring time is 6 s" in record.replica.reason
+    assert record.replica.next_attempt_at == 10.0 + POLICY.backoff_s(1)
+    # then, after the backoff, the next generation is placed (what restarts it)
+    [placed] = lc.decide(snap([record.replica], now=record.replica.next_attempt_at))
+    assert placed.replica.state == lc.PLACING and placed.replica.id == "demo-g2"
+
+
+def test_silence_fails_a_replica_only_if_its_node_was_heard_from_meanwhile():
+    """The supervisor's own network down (no heartbeat from the node since rank 0 first
+    went unanswered) is not rank 0's silence."""
+    assert lc.decide(frozen_serving(6.5, beat_at=3.5)) == []  # none since the first probe
+    # ... nor after a later beat that came before rank 0 answered again: the network back
+    beaten = replace(frozen_serving(6.5, beat_at=3.5), members={
+        n: replace(m, last_heartbeat_at=9.9) for n, m in both(("ready", "ready")).items()})
+    assert lc.decide(beaten) == []
+
+
+def test_a_replica_still_starting_or_draining_is_not_failed_for_silence():
+    for state in (lc.STARTING, lc.WARMING):
+        assert not [a for a in only(lc.decide(frozen_serving(60.0, state)), lc.Record)
+                    if a.replica.state == lc.FAILED]
+    assert lc.decide(frozen_serving(60.0, lc.DRAINING)) == []
+
+
+def failed_after_freeze(freeze_at: float, beat_s: float, beat_phase_s: float
+                        ) -> tuple[float, float]:
+    """The health loop's cadence with a hand clock: probes of a live rank 0 answer at once,
+    probes of a frozen one take their whole timeout; its agent beats every `beat_s`. When
+    the replica fails: (seconds after its last answer, seconds after the freeze)."""
+    # It answered the probe that made it serving, over at 0.0; the next one is due.
+    heard, t, answered_at = lc.Rank0Heard(0.0), HEALTH_INTERVAL_S, 0.0
+    while t < 60.0:
+        answers = t + 0.01 < freeze_at  # frozen before its answer left: none comes
+        ended = t + (0.01 if answers else PROBE_TIMEOUT_S)
+        answered_at = ended if answers else answered_at
+        beat_at = beat_phase_s + beat_s * ((t - beat_phase_s) // beat_s)  # the last, at t
+        heard = lc.after_probe(heard, t, ended, answers, beat_at, PROBE_TIMEOUT_S, MAX_GAP_S)
+        s = replace(frozen_serving(0.0), now=ended, rank0_heard={"demo-g1": heard})
+        if only(lc.decide(s), lc.StopEngines):
+            return ended - answered_at, ended - freeze_at
+        t = ended + HEALTH_INTERVAL_S
+    raise AssertionError(f"frozen at {freeze_at} s, never failed")
+
+
+def test_a_frozen_rank0_fails_within_the_dead_ring_time_of_its_freeze():
+    """Whenever it froze (between probes, or with a probe in flight), the replica fails no
+    sooner than the dead-ring time after its last answer; with its agent beating often (as
+    in the end-to-end tests), no later than the dead-ring time after the freeze; at the
+    agents' default pace (5 s), one health round (3 s) later when no beat came between its
+    first two unanswered probes."""
+    limit_s, round_s = 6.0, HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
+    for freeze_at in (0.005, 0.3, 0.6, 0.95, 1.005, 1.5, 2.9):
+        for phase_s in (0.0, 0.15, 1.3, 2.6, 4.0, 4.9):
+            since_answer_s, since_freeze_s = failed_after_freeze(freeze_at, 0.3, phase_s % 0.3)
+            assert since_answer_s >= limit_s and since_freeze_s <= limit_s, (freeze_at, phase_s)
+            since_answer_s, since_freeze_s = failed_after_freeze(freeze_at, 5.0, phase_s)
+            assert since_answer_s >= limit_s, (freeze_at, phase_s)
+            assert since_freeze_s <= limit_s + round_s, (freeze_at, phase_s)

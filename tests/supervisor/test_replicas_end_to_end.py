@@ -3,7 +3,9 @@ supervisor and two agents serving a generated checkpoint, one replica a node. Bo
 serve and share the requests; `kill -9` of one replica's engine under a client load loses no
 request (the front door hands a refused request to the other) and the replica is placed
 again; a rank 0 frozen with SIGSTOP under a client load costs each request at most the
-dead-ring time, and once the front door has seen it silent it routes it nothing new; with
+dead-ring time, once the front door has seen it silent it routes it nothing new, and once
+its /health has gone unanswered for the dead-ring time the supervisor fails it and places
+it again; with
 one replica left, `fleetctl drain` of its node under load starts the successor on
 the other node first and drains the old one only once the successor serves: no request
 fails, and no outage is announced. The tests share one fleet and run in file order.
@@ -190,7 +192,8 @@ class TimedLoad(threading.Thread):
             self.answers.append(ask_timed(self.fleet, f"Hi from {self.name}, #{i}"))
 
 
-def test_a_frozen_rank0_costs_at_most_the_dead_ring_time_and_gets_nothing_new(fleet):
+def test_a_frozen_rank0_costs_at_most_the_dead_ring_time_gets_nothing_new_and_is_replaced(
+        fleet):
     pair = wait_serving(fleet, 2)
     victim = next(r for r in pair if r["stages"][0]["node"] == "node-b")["id"]
     other = next(r["id"] for r in pair if r["id"] != victim)
@@ -215,10 +218,16 @@ def test_a_frozen_rank0_costs_at_most_the_dead_ring_time_and_gets_nothing_new(fl
         seen_at = min(a.ended for a in handed_on())
         wait_until(lambda: sum(a.started > seen_at for a in answers()) >= 12, within_s=60,
                    what="answers after the front door saw the frozen replica")
+        failed_event = wait_until(lambda: next((e for e in fleet.status()["events"] if e[
+            "message"].startswith(f"{victim} is failed")), None), within_s=60,
+            what=f"{victim} failed by the supervisor", poll_s=0.3)
     finally:
         for load in loads:
             load.stop_asked.set()
-        os.kill(pid, signal.SIGCONT)
+        try:
+            os.kill(pid, signal.SIGCONT)  # its agent has killed it, unless a wait above failed
+        except ProcessLookupError:
+            pass
         for load in loads:
             load.join(90)
     assert not any(load.is_alive() for load in loads)
@@ -244,14 +253,16 @@ def test_a_frozen_rank0_costs_at_most_the_dead_ring_time_and_gets_nothing_new(fl
     # Each request waits at most the dead-ring time for the frozen one, plus a whole reply
     # of the other on a busy machine.
     assert worst_s < limit_s + 10.0, worst_s
-    # Running again: its /health answers, and the front door routes it requests again.
-    wait_until(lambda: ask_timed(fleet, f"back {time.monotonic()}").replica == victim,
-               within_s=60, what="the thawed replica answering again", poll_s=0.1)
+    # Its /health unanswered for the dead-ring time: the supervisor failed it (its agent
+    # killed the stopped process), and its successor serves beside the other replica.
+    assert "rank 0 has not answered /health" in failed_event["message"]
+    wait_serving(fleet, 2, where=lambda r: r["id"] != victim)
 
 
 def test_kill_9_of_one_replicas_engine_loses_no_request(fleet):
     before = {r["id"]: r for r in serving(fleet)}
-    victim = next(r for r in before.values() if r["stages"][0]["node"] == "node-b")
+    # The newest: the frozen one's successor (on whichever node placement chose for it).
+    victim = max(before.values(), key=lambda r: r["generation"])
     load = Load(fleet)
     load.start()
     try:
