@@ -21,6 +21,15 @@ class Op(IntEnum):
     RESUME = 5  # restart from a kept prompt state at `resume` positions
 
 
+# A CONTINUE entry of 2 to VERIFY_ROWS rows is a verify entry: a stream's newest token and
+# the tokens drafted after it (engine.lanes.drafting). Every row of it comes back to rank 0,
+# whose head scores them all, and every stage can keep any prefix of its rows (the next
+# entry's `accepted`). The wire carries no mark: every stage reads the same plan the same
+# way. A prompt's tail of that many rows is read as one too; its extra rows cost nothing
+# worth a field.
+VERIFY_ROWS = 8
+
+
 @dataclass(frozen=True)
 class StreamEntry:
     """One stream's part of a round. The stream id is its slot (lane) index."""
@@ -36,6 +45,11 @@ class StreamEntry:
     @property
     def end(self) -> int:
         return self.first + self.rows
+
+    @property
+    def verifies(self) -> bool:
+        """A verify entry (VERIFY_ROWS): all its rows return, any prefix of them may stay."""
+        return self.op == Op.CONTINUE and 1 < self.rows <= VERIFY_ROWS
 
 
 @dataclass(frozen=True)
@@ -67,8 +81,21 @@ class RoundPlan:
         return spans
 
     def returned_rows(self) -> list[int]:
-        """Row indices that travel back to rank 0: the last row of each entry with rows."""
-        return [stop - 1 for entry, _start, stop in self.row_spans() if entry.rows]
+        """Row indices that travel back to rank 0: every row of a verify entry, the last row
+        of each other entry with rows."""
+        return [row for entry, start, stop in self.row_spans() if entry.rows
+                for row in (range(start, stop) if entry.verifies else (stop - 1,))]
+
+    def returned_by_stream(self) -> dict[int, range]:
+        """Stream id -> its rows' indices among the returned rows (the last is the one that
+        predicts the token after the entry)."""
+        spans, at = {}, 0
+        for entry in self.entries:
+            if entry.rows:
+                count = entry.rows if entry.verifies else 1
+                spans[entry.stream_id] = range(at, at + count)
+                at += count
+        return spans
 
 
 @dataclass(frozen=True)

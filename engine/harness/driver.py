@@ -43,7 +43,8 @@ class RoundDriver:
         if built.plan is None:
             return {}
         logits = self.runner.run_round(built.plan, built.token_ids)
-        return {entry.stream_id: logits[i] for i, entry in enumerate(built.plan.entries)}
+        return {stream: logits[rows[-1]]
+                for stream, rows in built.plan.returned_by_stream().items()}
 
     def close(self, slots: list[int]) -> None:
         built = self._build({slot: Lane((), 0, ending=Op.CLOSE) for slot in slots})
