@@ -63,3 +63,6 @@ DECODE_ATTENTIONS = ("triton", "sdpa")
 # Which kernel a PyTorch stage on CUDA runs a packed weight's matmul with
 # (engine.backends.pytorch.packed_linear): our Triton kernel, or PyTorch's int4 one.
 PACKED_KERNELS = ("triton", "int4")
+# What rank 0 drafts a decoding stream's next tokens with (engine.lanes.drafting): nothing,
+# or prompt lookup (n-grams of the stream's own tokens).
+DRAFTERS = ("off", "ngram")

@@ -17,11 +17,13 @@ from engine.backend_names import (
     COMPILE_MODES,
     DECODE_ATTENTIONS,
     DELTA_KERNELS,
+    DRAFTERS,
     PACKED_KERNELS,
     QUANT_MODES,
 )
 from engine.hop_choice import HOP_TRANSPORTS
 from engine.link.hello import HANDSHAKE_DEADLINE_S
+from engine.rounds import MAX_DRAFT_TOKENS
 
 MIN_API_SECRET_CHARS = 16
 DEFAULT_HTTP = "127.0.0.1:8000"
@@ -40,7 +42,8 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight",
           "FLEET_HOP_TRANSPORT": "hop_transport",
           "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots",
-          "FLEET_DECODE_ATTENTION": "decode_attention", "FLEET_PACKED_KERNEL": "packed_kernel"}
+          "FLEET_DECODE_ATTENTION": "decode_attention", "FLEET_PACKED_KERNEL": "packed_kernel",
+          "FLEET_DRAFTER": "drafter", "FLEET_DRAFT_TOKENS": "draft_tokens"}
 # Every field's variable, for a caller that refuses a value by the name its sender set
 # (the agent's spawn checks). The master address is two variables, named as one.
 VARIABLE_OF = {"rank": "RANK", "world_size": "WORLD_SIZE", "master": "MASTER_ADDR:MASTER_PORT",
@@ -161,6 +164,10 @@ class EngineEnv:
     # decode attention by our Triton kernel or SDPA, a packed matmul by Triton or int4.
     decode_attention: str = "triton"
     packed_kernel: str = "triton"
+    # Rank 0's drafter (engine.lanes.drafting): off or ngram, and the most tokens a verify
+    # round carries after a stream's newest one (1 to MAX_DRAFT_TOKENS).
+    drafter: str = "off"
+    draft_tokens: int = 5
     # Rank 0's API answers only requests bearing the secret in this file; None keeps it open,
     # as a standalone engine is.
     api_secret_file: Path | None = None
@@ -192,6 +199,13 @@ class EngineEnv:
             if not raw.lstrip("-").isdigit() or int(raw) < low:
                 raise EnvError(name, f"{name}={raw!r}: expected an integer >= {low}")
             return int(raw)
+
+        def draft_tokens() -> int:
+            value = integer("FLEET_DRAFT_TOKENS", "draft_tokens")
+            if value > MAX_DRAFT_TOKENS:
+                raise EnvError("FLEET_DRAFT_TOKENS", f"FLEET_DRAFT_TOKENS={value}: a verify "
+                               f"round carries at most {MAX_DRAFT_TOKENS} drafts")
+            return value
 
         def number(name: str, attr: str, *, zero_ok: bool = False) -> float:
             raw = env.get(name, str(default[attr]))
@@ -261,6 +275,8 @@ class EngineEnv:
             context=integer("FLEET_CONTEXT", "context"),
             parallel=integer("FLEET_PARALLEL", "parallel"),
             prompt_cache_slots=integer("FLEET_PROMPT_CACHE_SLOTS", "prompt_cache_slots", 0),
+            drafter=choice("FLEET_DRAFTER", "drafter", DRAFTERS),
+            draft_tokens=draft_tokens(),
             chunk=integer("FLEET_CHUNK", "chunk"),
             max_waiting=integer("FLEET_MAX_WAITING", "max_waiting", 0),
             model_id=env.get("FLEET_MODEL_ID") or model_dir.resolve().name,

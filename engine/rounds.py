@@ -28,6 +28,7 @@ class Op(IntEnum):
 # way. A prompt's tail of that many rows is read as one too; its extra rows cost nothing
 # worth a field.
 VERIFY_ROWS = 8
+MAX_DRAFT_TOKENS = VERIFY_ROWS - 1  # a verify entry is the newest token and its drafts
 
 
 @dataclass(frozen=True)

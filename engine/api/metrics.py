@@ -1,4 +1,5 @@
-"""Prometheus metrics of one engine: requests, tokens, latency, slots, the prompt cache."""
+"""Prometheus metrics of one engine: requests, tokens, drafts, latency, slots, the prompt
+cache."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class EngineMetrics:
                                            "Requests that ran their whole prompt", registry=r)
         self.prompt_cache_tokens = Counter("ringfleet_prompt_cache_reused_tokens",
                                            "Prompt tokens restored instead of run", registry=r)
+        self.drafted_tokens = Counter("ringfleet_drafted_tokens", "Tokens drafted into verify "
+                                      "rounds", registry=r)
+        self.accepted_tokens = Counter("ringfleet_accepted_tokens", "Drafted tokens a verify "
+                                       "round confirmed", registry=r)
         self.ttft = Histogram("ringfleet_time_to_first_token_seconds",
                               "From admission to the first token", buckets=LATENCY_BUCKETS_S,
                               registry=r)
@@ -85,6 +90,10 @@ class EngineMetrics:
         """A round ran; `decode_rows` > 0 when every row in it was a decode row."""
         if decode_rows > 0:
             self.decode_round.labels(rows=str(decode_rows)).observe(seconds)
+
+    def verified(self, *, drafted: int, accepted: int) -> None:
+        self.drafted_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
 
     def prompt_cache(self, *, reused_tokens: int) -> None:
         (self.prompt_cache_hits if reused_tokens else self.prompt_cache_misses).inc()

@@ -31,7 +31,8 @@ from engine.api.server import (
 from engine.config import ModelConfig
 from engine.env import EngineEnv
 from engine.families.description import slot_state_bytes
-from engine.lanes.host import LaneHost
+from engine.lanes.drafting import PromptLookup
+from engine.lanes.host import DraftPolicy, LaneHost
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import RoundRunner
 from engine.row_format import RowFormat
@@ -86,8 +87,10 @@ async def serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
 async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
                  config: ModelConfig) -> int:
     install_repeated_errors(asyncio.get_running_loop(), RepeatedLog())
+    drafts = (DraftPolicy(PromptLookup(), env.draft_tokens) if env.drafter == "ngram"
+              else None)
     host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting,
-                    streams=env.parallel)
+                    streams=env.parallel, drafts=drafts)
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting),
                                  host.slots_kept, cache_stages(env, config),
                                  env.prompt_cache_slots)

@@ -301,7 +301,11 @@ class CompletionFormat:
     def usage(self, done: Done) -> dict[str, Any]:
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+                # the drafter's tokens, in the fields OpenAI gives predicted outputs
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": done.accepted_tokens,
+                    "rejected_prediction_tokens": done.drafted_tokens - done.accepted_tokens}}
 
     def opening(self) -> list[dict[str, Any]]:
         return []

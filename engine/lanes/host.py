@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import structlog
 
+from engine.lanes.drafting import Drafting, PromptLookup
 from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot, resume_point
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
@@ -74,6 +75,8 @@ class TokenMetrics(Protocol):
 
     def prompt_cache(self, *, reused_tokens: int) -> None: ...
 
+    def verified(self, *, drafted: int, accepted: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -86,11 +89,21 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class DraftPolicy:
+    """A model's drafting (fleet.yaml `drafter`, `draft_tokens`): how, and at most how many."""
+
+    lookup: PromptLookup
+    most: int  # drafts a verify round carries at most
+
+
+@dataclass(frozen=True)
 class Launched:
     """A round in flight, as the host needs it when it lands."""
 
     plan: RoundPlan
-    drawn: list[int]  # the stream ids of the round's draws, in the batch's order
+    # stream id -> its draws' positions in the batch, in row order (a verify entry draws
+    # once a row), for each stream whose rows predict its next tokens
+    drawn: dict[int, range]
     decode_rows: int  # its rows, when all are decode rows (else 0): the metrics' measure
     started_s: float
 
@@ -108,6 +121,8 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prompt cache restored instead of running
+    drafted_tokens: int = 0  # tokens its drafter proposed in verify rounds
+    accepted_tokens: int = 0  # of them, the ones its reply kept
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,11 @@ class Stream:
     busy_in: int = 0
     resume: int = 0  # prompt positions its slot's kept state restored (the prompt cache)
     chunks: ChunkRecord | None = None  # how much of its state a later request may reuse
+    drafting: Drafting | None = None  # None: it decodes one row a round
+    draft: tuple[int, ...] = ()  # the drafts its next round carries after its newest token
+    verifying: tuple[int, ...] = ()  # the drafts of its round in flight
+    # Rows of its last round its state keeps (None: all): a verify round's accepted path.
+    keep_rows: int | None = None
 
     @property
     def decoding(self) -> bool:
@@ -175,13 +195,21 @@ class Stream:
         if self.fed < len(prompt):
             return Lane(prompt[self.fed:self.fed + chunk], self.position, chunked=True,
                         resume=self.resume)
-        return Lane((self.generated[-1],), self.position)
+        return Lane((self.generated[-1], *self.draft), self.position, accepted=self.keep_rows)
+
+    def propose(self, context: int) -> None:
+        """Choose the drafts of this stream's next round, once per round it rides."""
+        if self.drafting is None or self.busy_in or self.draft or not self.decoding:
+            return
+        room = min(self.request.max_tokens - len(self.generated), context - self.position) - 1
+        self.draft = self.drafting.propose(room)
 
 
 class LaneHost:
     def __init__(self, runner: RoundRunner, codec: TextCodec, *, chunk: int, max_waiting: int,
                  streams: int | None = None, metrics: TokenMetrics | None = None,
-                 on_round: Callable[[RoundPlan, np.ndarray], None] | None = None) -> None:
+                 on_round: Callable[[RoundPlan, np.ndarray], None] | None = None,
+                 drafts: DraftPolicy | None = None) -> None:
         self.runner = runner
         self.depth = runner.depth  # rounds in flight at once
         self.codec = codec
@@ -198,6 +226,12 @@ class LaneHost:
         # recurrent (hybrid) state resumes only where it was saved.
         self.kept: list[KeptPrompt | None] = [None] * runner.slots.parallel
         self.recurrent = not runner.slots.can_roll_back
+        # Drafting needs every stage to keep any prefix of a verify entry; a hybrid's
+        # recurrent state cannot yet, so it decodes a row a round.
+        self.drafts = drafts if runner.slots.can_roll_back else None
+        if drafts is not None and self.drafts is None:
+            log.warning("drafting is off: this model's recurrent state cannot keep a "
+                        "verify round's accepted rows")
         self.waiting: deque[Stream] = deque()
         self.failure: str | None = None
         self.draining = False
@@ -224,6 +258,9 @@ class LaneHost:
         if self.draining:
             raise Busy("the engine is draining: it takes no new requests")
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
+        if self.drafts is not None:
+            stream.drafting = Drafting(self.drafts.lookup, self.drafts.most, request.prompt_ids,
+                                       len(request.prompt_ids) + request.max_tokens)
         if self._closing_slot_reuses_more(stream):
             self.waiting.append(stream)  # placed a round from now, when that slot's CLOSE lands
         elif self._can_place():
@@ -380,33 +417,43 @@ class LaneHost:
         stream whose next input the round decides is busy until it lands. Returns the
         round's record and the draws its head makes (stream id -> draw, for each stream
         whose returned row predicts its next token: a decode row, or a prompt's last chunk)."""
-        draws: dict[int, RowDraw] = {}
-        returned, decode_only = 0, True
+        draws: list[RowDraw] = []
+        drawn: dict[int, range] = {}
+        returned = plan.returned_by_stream()
+        decode_only = True
         for entry in plan.entries:
             stream = self.slots[entry.stream_id]
             stream.busy_in = plan.round_no
             if entry.op in (Op.CLOSE, Op.CANCEL):
                 continue
-            row = returned
-            returned += 1
             prompt = len(stream.request.prompt_ids)
-            decode_only &= entry.rows == 1 and entry.first >= prompt
+            decode_only &= entry.first >= prompt
+            rows = returned[entry.stream_id]
             if stream.fed < prompt:
                 stream.chunks.ran(entry.first, entry.rows)
                 stream.fed += entry.rows
                 if stream.fed < prompt:
                     stream.busy_in = 0  # a mid-prompt chunk: the next chunk may follow it
                     continue
+                rows = rows[-1:]  # a prompt's tail predicts one token: its last row's
+            else:
+                stream.verifying, stream.draft = stream.draft[:entry.rows - 1], ()
+                stream.keep_rows = None
             if not (stream.cancelled or stream.finished):
-                draws[entry.stream_id] = stream.sampler.draw(row, stream.request.top_logprobs)
-        batch = SamplingBatch.of(list(draws.values()), keep_logits=self.on_round is not None)
-        decode_rows = returned if decode_only else 0  # one row each entry that returns one
-        return Launched(plan, list(draws), decode_rows, time.monotonic()), batch
+                drawn[entry.stream_id] = range(len(draws), len(draws) + len(rows))
+                draws.extend(stream.sampler.draw(row, stream.request.top_logprobs, ahead=i)
+                             for i, row in enumerate(rows))
+        batch = SamplingBatch.of(draws, keep_logits=self.on_round is not None)
+        decode_rows = len(plan.returned_rows()) if decode_only else 0
+        return Launched(plan, drawn, decode_rows, time.monotonic()), batch
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _round_inputs(self) -> RoundInputs:
+        for stream in self.slots:
+            if stream is not None:
+                stream.propose(self.context)
         decode_rows = None
         if self.depth > 1:  # groups of decode rows, one per stage, to keep every stage busy
             decoding = sum(s is not None and s.decoding for s in self.slots)
@@ -431,7 +478,7 @@ class LaneHost:
     def _deliver(self, launched: Launched, sampled: SampledRows) -> None:
         """Hand each stream of a landed round its token; its streams are no longer busy."""
         now = time.monotonic()
-        at = {stream_id: i for i, stream_id in enumerate(launched.drawn)}
+        at = launched.drawn
         for entry in launched.plan.entries:
             stream = self.slots[entry.stream_id]
             if stream.busy_in == launched.plan.round_no:
@@ -444,7 +491,7 @@ class LaneHost:
             if stream.cancelled or stream.finished or entry.stream_id not in at:
                 continue  # ended meanwhile, or a mid-prompt chunk: nothing to hand out
             try:
-                self._take(stream, sampled, at[entry.stream_id], now)
+                self._take_verified(stream, sampled, at[entry.stream_id], now)
             except Exception as exc:  # noqa: BLE001 - one stream's fault ends that stream only
                 log.warning("stream failed", round=launched.plan.round_no,
                             stream=entry.stream_id, error=f"{type(exc).__name__}: {exc}")
@@ -466,11 +513,43 @@ class LaneHost:
         if self.idle():
             self._settled.set()
 
-    def _take(self, stream: Stream, sampled: SampledRows, i: int, now: float) -> None:
-        """Hand out the token drawn at batch position `i`: its text, and the end it may make."""
+    def _take_verified(self, stream: Stream, sampled: SampledRows, draws: range,
+                       now: float) -> None:
+        """Hand out a landed entry's tokens: the first draw's, then while each draw equals
+        the draft it scored (the draft is confirmed), the next draw's, until a draft is
+        refused or the stream ends. Its next entry keeps the rows that ran the tokens handed
+        out (`keep_rows`): the newest token's and the confirmed drafts'."""
+        drafts, stream.verifying = stream.verifying, ()
+        taken = accepted = 0
+        reason = None
+        for i in draws:
+            token_id, reason = self._take(stream, sampled, i, now)
+            taken += 1
+            confirmed = taken <= len(drafts) and token_id == drafts[taken - 1]
+            accepted += confirmed
+            if reason or not confirmed:
+                break
+        if drafts:
+            stream.keep_rows = taken
+            stream.drafting.verified(len(drafts), accepted)
+            if self.metrics is not None:
+                self.metrics.verified(drafted=len(drafts), accepted=accepted)
+        if reason:
+            request, drafting = stream.request, stream.drafting
+            stream.finished = True
+            stream.events.put_nowait(
+                Done(reason, len(request.prompt_ids), len(stream.generated), stream.resume,
+                     drafting.drafted if drafting else 0, drafting.accepted if drafting else 0))
+
+    def _take(self, stream: Stream, sampled: SampledRows, i: int,
+              now: float) -> tuple[int, str | None]:
+        """Hand out the token drawn at batch position `i` and its text; returns it and the
+        end it makes ("stop", "length"; None: none)."""
         request = stream.request
         choice = stream.sampler.take(sampled, i, request.top_logprobs)
         stream.generated.append(choice.token_id)
+        if stream.drafting is not None:
+            stream.drafting.took(choice.token_id)
         if self.metrics is not None:
             self.metrics.token(first=stream.last_token_s is None,
                                since_s=now - (stream.last_token_s or stream.created_s))
@@ -486,7 +565,4 @@ class LaneHost:
         if reason:
             text += stream.text.flush()  # text held back for a stop string that never came
         stream.events.put_nowait(Token(choice.token_id, text, choice))
-        if reason:
-            stream.finished = True
-            stream.events.put_nowait(
-                Done(reason, len(request.prompt_ids), len(stream.generated), stream.resume))
+        return choice.token_id, reason

@@ -29,9 +29,11 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
         self.drawn = 0
 
-    def draw(self, row: int, top_logprobs: int | None) -> RowDraw:
-        """This stream's next draw, from returned row `row` of the round."""
-        return RowDraw(row, self.params, row_uniform(self.seed, self.drawn), top_logprobs)
+    def draw(self, row: int, top_logprobs: int | None, ahead: int = 0) -> RowDraw:
+        """This stream's next draw (or the one `ahead` draws later, for a verify round's
+        later rows), from returned row `row` of the round."""
+        return RowDraw(row, self.params, row_uniform(self.seed, self.drawn + ahead),
+                       top_logprobs)
 
     def take(self, sampled: SampledRows, i: int, top_logprobs: int | None) -> Choice:
         """The choice made for this stream's draw at batch position `i`."""

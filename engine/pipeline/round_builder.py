@@ -30,6 +30,8 @@ class Lane:
     # Positions its closed slot's kept prompt state restores (the prompt cache): the first
     # rows RESUME there instead of opening at 0. 0: a fresh stream.
     resume: int = 0
+    # Rows of its slot's last round that stay (a verify round's accepted path); None: all.
+    accepted: int | None = None
 
     def __post_init__(self) -> None:
         if self.ending is not None and self.ending not in ENDINGS:
@@ -93,7 +95,8 @@ def build_round(inputs: RoundInputs) -> BuiltRound:
                 continue  # this round's decode group is full: the next round takes it
             decode_budget -= 1
         if state.open:
-            entries.append(StreamEntry(slot, Op.CONTINUE, lane.position, rows, state.last_rows,
+            accepted = state.last_rows if lane.accepted is None else lane.accepted
+            entries.append(StreamEntry(slot, Op.CONTINUE, lane.position, rows, accepted,
                                        0, state.generation))
         elif lane.resume:
             if lane.resume > state.kept or lane.position != lane.resume:
