@@ -351,7 +351,7 @@ class Supervisor:
             # stage must hold the same slot table.
             prompt_cache_slots=replica.prompt_cache_slots, chunk=spec.chunk,
             drain_s=self.settings.policy.drain_s, hop_transport=spec.hop_transport,
-            **dict(spec.kernels))
+            drafter=spec.drafter, draft_tokens=spec.draft_tokens, **dict(spec.kernels))
         # The secrets travel inside the mutual-TLS request: agents need not share a disk.
         # The agent's own drain_s applies only to a contract that sets none; this one's is
         # the policy's, written even at the default so that no agent's setting replaces it.

@@ -18,9 +18,10 @@ from typing import Any
 import yaml
 
 from engine.addresses import AddressError, is_wildcard_host, parse_host_port
-from engine.backend_names import BACKENDS
+from engine.backend_names import BACKENDS, DRAFTERS
 from engine.env import KERNEL_CHOICES, KERNEL_KNOBS, EngineEnv
 from engine.hop_choice import HOP_TRANSPORTS
+from engine.rounds import MAX_DRAFT_TOKENS
 
 OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
@@ -110,6 +111,9 @@ class ModelSpec:
     # Which kernels every stage runs its layers with (`kernels:`): EngineEnv field -> value,
     # in KERNEL_KNOBS order, only those that differ from the engine's defaults.
     kernels: tuple[tuple[str, str | bool], ...] = ()
+    # Rank 0's drafter (engine.lanes.drafting) and the most drafts a verify round carries.
+    drafter: str = "off"
+    draft_tokens: int = EngineEnv.__dataclass_fields__["draft_tokens"].default
 
     @property
     def prompt_length(self) -> int:
@@ -321,6 +325,15 @@ class _Field:
                              f"{self.describe()}", value)
         return int(float(match[1]) * SIZE_UNITS[match[2] or "B"])
 
+    def word(self, options: tuple[str, ...], what: str) -> str:
+        """One of `options` as written: YAML 1.1 would read `off` and `on` as booleans."""
+        value = self.node.value if isinstance(self.node, yaml.ScalarNode) else None
+        if value not in options:
+            shown = repr(value) if value is not None else self.describe()
+            raise self.error(f"unknown {what} {shown} (expected one of {', '.join(options)})",
+                             value)
+        return value
+
     def choice(self, options: tuple[str, ...], what: str = "value") -> str:
         text = self.string()
         if text not in options:
@@ -365,7 +378,8 @@ def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "prompt_cache_slots",
                  "prompt_cache_bytes", "chunk", "objective",
-                 "prompt_tokens", "placement", "rank0", "replicas", "hop_transport", "kernels")
+                 "prompt_tokens", "placement", "rank0", "replicas", "hop_transport", "kernels",
+                 "drafter", "draft_tokens")
 
 
 def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
@@ -399,12 +413,20 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
     hop_transport = (f["hop_transport"].choice(HOP_TRANSPORTS, "hop transport")
                      if "hop_transport" in f else "auto")
     kernels = _parse_kernels(f["kernels"]) if "kernels" in f else ()
+    drafter = f["drafter"].word(DRAFTERS, "drafter") if "drafter" in f else "off"
+    draft_tokens = ModelSpec.draft_tokens
+    if "draft_tokens" in f:
+        draft_tokens = f["draft_tokens"].integer()
+        if draft_tokens > MAX_DRAFT_TOKENS:
+            raise f["draft_tokens"].error(f"a verify round carries at most {MAX_DRAFT_TOKENS} "
+                                          f"drafts, not {draft_tokens}", draft_tokens)
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
                      parallel=parallel, prompt_cache_slots=kept,
                      prompt_cache_bytes=budget, chunk=chunk,
                      objective=objective, placement=placement,
                      rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens,
-                     hop_transport=hop_transport, kernels=kernels)
+                     hop_transport=hop_transport, kernels=kernels, drafter=drafter,
+                     draft_tokens=draft_tokens)
 
 
 def _parse_kernels(at: _Field) -> tuple[tuple[str, str | bool], ...]:
@@ -420,13 +442,7 @@ def _parse_kernels(at: _Field) -> tuple[tuple[str, str | bool], ...]:
             if not isinstance(value, bool):
                 raise child.error(f"expected true or false, got {child.describe()}", value)
         else:
-            # The text as written: YAML 1.1 reads compile's `off` and `on` as booleans.
-            value = child.node.value if isinstance(child.node, yaml.ScalarNode) else None
-            allowed = KERNEL_CHOICES[attr]
-            if value not in allowed:
-                shown = repr(value) if value is not None else child.describe()
-                raise child.error(f"unknown {attr.replace('_', ' ')} {shown} (expected one "
-                                  f"of {', '.join(allowed)})", value)
+            value = child.word(KERNEL_CHOICES[attr], attr.replace("_", " "))
         if value != EngineEnv.__dataclass_fields__[attr].default:
             kernels.append((attr, value))
     return tuple(kernels)

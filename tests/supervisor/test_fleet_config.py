@@ -297,3 +297,25 @@ def test_the_kernel_spellings_fleet_yaml_accepts_are_the_engines():
             assert parse_fleet_config(KERNELS % f"      {attr}: '{value}'\n")
         with pytest.raises(FleetConfigError, match=f"expected one of {', '.join(allowed)}"):
             parse_fleet_config(KERNELS % f"      {attr}: nope\n")
+
+
+def test_a_models_drafter_is_read_as_written_and_bounded_by_the_verify_round():
+    def model(lines: str):
+        return parse_fleet_config(ONE_MODEL % lines).model("m")
+
+    unset = model("")
+    assert (unset.drafter, unset.draft_tokens) == ("off", 5)
+    assert model("    drafter: off\n") == unset  # YAML's false, read as the word written
+    spec = model("    drafter: ngram\n    draft_tokens: 7\n")
+    assert (spec.drafter, spec.draft_tokens) == ("ngram", 7)
+    for lines, message in (
+            ("    drafter: mtp\n",
+             "models[0].drafter: unknown drafter 'mtp' (expected one of off, ngram)"),
+            ("    drafter: ngram\n    draft_tokens: 8\n",
+             "models[0].draft_tokens: a verify round carries at most 7 drafts, not 8"),
+            ("    draft_tokens: 0\n", "models[0].draft_tokens: expected a positive integer, got 0")):
+        with pytest.raises(FleetConfigError, match=re.escape(message)):
+            model(lines)
+    from supervisor.planning import spec_digest
+    assert spec_digest(model("    draft_tokens: 3\n")) == spec_digest(unset)
+    assert spec_digest(spec) != spec_digest(unset)
