@@ -5,7 +5,8 @@
 # rounds at long conversations, Triton kernel against SDPA), tuning (bench/packed_tuning.py:
 # the packed kernels' launches), packed (bench/quantized.py), profile (bench/stage_profile.py:
 # a packed stage's round kernel by kernel),
-# anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py).
+# anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py),
+# verify (bench/verify_rounds.py: a speculative round against a decode round).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -57,6 +58,9 @@ for what in "$@"; do
     exactness) step test_cuda_exactness 240 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/pipeline/test_cuda_exactness.py ;;
     hybrid) step hybrid 300 python3 bench/qwen3_5_decode.py --layers 8 ;;
+    verify)  # speculative rounds' cost against a decode round, dense 8B and the hybrid
+      step verify-8b 240 python3 bench/verify_rounds.py --device cuda --preset 8b
+      step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda --hybrid --layers 8 ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
 done
