@@ -1,0 +1,75 @@
+"""Speculative rounds through the API: a two-stage ring with prompt lookup on (a mixed
+torch + MLX one) answers the official client as a ring without it does, and says what
+was drafted: `usage.completion_tokens_details` (the fields OpenAI gives predicted
+outputs) and rank 0's /metrics."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import numpy as np
+from openai import OpenAI
+
+from engine.harness.launch import launch
+
+CONTEXT, CHUNK, TOKENS = 256, 16, 40
+
+
+def prompt() -> list[int]:
+    rng = np.random.default_rng(11)
+    stretch = rng.integers(0, 300, 12).tolist()
+    return [*rng.integers(0, 300, 5).tolist(), *stretch, *stretch, *stretch[:3]]
+
+
+def completions(fleet) -> tuple[object, list, str]:
+    """A completion, its stream (with usage), and rank 0's /metrics."""
+    client = OpenAI(base_url=fleet.url, api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    whole = client.completions.create(model=model, prompt=prompt(), max_tokens=TOKENS,
+                                      temperature=0, logprobs=2)
+    chunks = list(client.completions.create(model=model, prompt=prompt(), max_tokens=TOKENS,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    with urllib.request.urlopen(fleet.url.removesuffix("/v1") + "/metrics",
+                                timeout=30) as reply:
+        metrics = reply.read().decode()
+    return whole, chunks, metrics
+
+
+def counter(metrics: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
+    assert found, f"{name} not in /metrics"
+    return float(found[1])
+
+
+def test_a_drafting_ring_answers_as_a_plain_one_and_counts_its_drafts(make_model, tmp_path):
+    model_dir = make_model("llama", seed=8)
+    stages, backends = [(0, 1), (1, 3)], ["torch-cpu", "mlx-cpu"]
+    runs = {}
+    for drafter in ("off", "ngram"):
+        with launch(model_dir, stages, backends, context=CONTEXT, parallel=2, chunk=CHUNK,
+                    run_dir=tmp_path / drafter, extra_env={"FLEET_DRAFTER": drafter,
+                                                           "FLEET_DRAFT_TOKENS": "7"}) as fleet:
+            fleet.wait_ready()
+            runs[drafter] = completions(fleet)
+    (plain, _, plain_metrics), (drafted, chunks, metrics) = runs["off"], runs["ngram"]
+    assert drafted.choices[0].text == plain.choices[0].text
+    assert drafted.choices[0].logprobs.tokens == plain.choices[0].logprobs.tokens
+    np.testing.assert_allclose(drafted.choices[0].logprobs.token_logprobs,
+                               plain.choices[0].logprobs.token_logprobs, atol=1e-4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    details = drafted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
+    assert drafted.usage.completion_tokens == plain.usage.completion_tokens == TOKENS
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    streamed = chunks[-1].usage.completion_tokens_details
+    assert streamed.accepted_prediction_tokens == details.accepted_prediction_tokens
+    # Both requests' drafts, counted where the lane host drafted them.
+    accepted = counter(metrics, "ringfleet_accepted_tokens_total")
+    drafted_total = counter(metrics, "ringfleet_drafted_tokens_total")
+    assert accepted == 2 * details.accepted_prediction_tokens
+    assert drafted_total == 2 * (details.accepted_prediction_tokens
+                                 + details.rejected_prediction_tokens)
+    assert counter(plain_metrics, "ringfleet_drafted_tokens_total") == 0
