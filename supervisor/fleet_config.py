@@ -1,7 +1,8 @@
 """`fleet.yaml`: the fleet's desired state, parsed into frozen dataclasses with line-exact errors.
 
-The file is composed into YAML nodes first (never loaded straight into dicts), so every
-error can name the file, the line and the field path, e.g.
+The file is composed into YAML nodes first (never loaded straight into dicts) and read
+through `supervisor.yaml_fields`, so every error can name the file, the line and the field
+path, e.g.
 `fleet.yaml:23: models[0].context: expected a positive integer, got -5`. Unknown keys are
 refused with a suggestion, because a typo that is silently ignored is a setting that is
 silently lost. `diff` says, in words, what applying a new file would change.
@@ -9,7 +10,6 @@ silently lost. `diff` says, in words, what applying a new file would change.
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,6 +22,7 @@ from engine.backend_names import BACKENDS, DRAFTERS
 from engine.env import KERNEL_CHOICES, KERNEL_KNOBS, EngineEnv
 from engine.hop_choice import HOP_TRANSPORTS
 from engine.rounds import MAX_DRAFT_TOKENS
+from supervisor.yaml_fields import COMPOSER, FleetConfigError, YamlField
 
 OBJECTIVES = ("decode", "prompt")
 SUPPORTED_VERSIONS = (1,)
@@ -31,27 +32,8 @@ DEFAULT_CHUNK = 512
 # prompt_cache_bytes nor prompt_cache_slots: this share of the usable memory its node's
 # agent reports; placement turns the budgets into one slot count (docs/prompt-cache.md).
 DEFAULT_PROMPT_CACHE_SHARE = 0.1
-# A size: bytes as an integer, or a number and a unit ("4GiB", "1.5 GB", "512MiB").
-SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|[kKMGT]B|B)?\s*$")
-SIZE_UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 AUTO_REPLICAS = 0  # `replicas: auto`: as many as fit
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 LAYERS_PATTERN = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-_UNSET = object()
-# libyaml composes some 15x faster when present; its nodes carry the same marks.
-_COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class FleetConfigError(ValueError):
-    """fleet.yaml is wrong somewhere: names the file, the line, the field path and the value."""
-
-    def __init__(self, source: str, line: int, field: str, reason: str,
-                 value: Any = _UNSET) -> None:
-        where = f"{source}:{line}" if line else source
-        super().__init__(f"{where}: {field}: {reason}" if field else f"{where}: {reason}")
-        self.source, self.line, self.field, self.reason = source, line, field, reason
-        self.value = None if value is _UNSET else value
 
 
 @dataclass(frozen=True)
@@ -157,7 +139,7 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
 def parse_fleet_config(text: str, source_name: str = "fleet.yaml") -> FleetConfig:
     """Validate fleet.yaml's text; `source_name` is what errors call the file."""
     try:
-        root = yaml.compose(text, Loader=_COMPOSER)
+        root = yaml.compose(text, Loader=COMPOSER)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 0
@@ -170,7 +152,7 @@ def parse_fleet_config(text: str, source_name: str = "fleet.yaml") -> FleetConfi
     if root is None:
         raise FleetConfigError(source_name, 1, "", "empty file: expected a mapping with "
                                "version, supervisor, nodes and models")
-    top = _Field(root, "", source_name, yaml.SafeLoader("")).mapping(
+    top = YamlField(root, "", source_name).mapping(
         known=("version", "supervisor", "nodes", "models"),
         required=("version", "supervisor", "nodes"), extensions=True)
     version = top["version"].integer(minimum=0)
@@ -194,155 +176,7 @@ def parse_fleet_config(text: str, source_name: str = "fleet.yaml") -> FleetConfi
                        nodes=nodes, models=tuple(models))
 
 
-class _Field:
-    """A YAML node and the field path that reached it, so that an error can name both."""
-
-    def __init__(self, node: yaml.Node, path: str, source: str,
-                 loader: yaml.SafeLoader | None = None) -> None:
-        self.node, self.path, self.source = node, path, source
-        # Only the loader's constructor is used: to build scalar values and resolve merges.
-        self._loader = loader or yaml.SafeLoader("")
-        self._children: dict[str, _Field] = {}
-
-    def _at(self, node: yaml.Node, path: str) -> _Field:
-        return _Field(node, path, self.source, self._loader)
-
-    @property
-    def line(self) -> int:
-        return self.node.start_mark.line + 1
-
-    def error(self, reason: str, value: Any = _UNSET) -> FleetConfigError:
-        return FleetConfigError(self.source, self.line, self.path, reason, value)
-
-    def field(self, key: str) -> _Field:
-        """A child found by `mapping`; a key it lacks answers with this mapping's node."""
-        return self._children.get(key) or self._at(self.node, self._join(key))
-
-    def _join(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def mapping(self, known: tuple[str, ...], required: tuple[str, ...] = (),
-                extensions: bool = False) -> dict[str, _Field]:
-        """Children by key; unknown, duplicate and missing keys are errors. With `extensions`,
-        keys starting `x-` are skipped (a home for YAML anchors, as in docker compose)."""
-        if not isinstance(self.node, yaml.MappingNode):
-            raise self.error(f"expected a mapping, got {self.describe()}", self.value())
-        try:
-            self._loader.flatten_mapping(self.node)  # resolve `<<:` merges
-        except yaml.MarkedYAMLError as exc:
-            raise self.error(f"cannot merge: {exc.problem}") from exc
-        out: dict[str, _Field] = {}
-        for key_node, value_node in self.node.value:
-            key = self._at(key_node, self.path).string()
-            child = self._at(value_node, self._join(key))
-            if key in out:
-                raise self._at(key_node, child.path).error(
-                    f"duplicate key (first at line {out[key].line})", key)
-            if extensions and key.startswith("x-"):
-                continue
-            if known and key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise self._at(key_node, child.path).error(
-                    f"unknown field{hint}; known fields: {', '.join(known)}", key)
-            out[key] = child
-        for key in required:
-            if key not in out:
-                raise self._at(self.node, self._join(key)).error("missing (required)")
-        self._children = out
-        return out
-
-    def string_map(self) -> tuple[tuple[str, str], ...]:
-        """A mapping of names to scalar values, both kept as text."""
-        return tuple((key, child.string()) for key, child in self.mapping(known=()).items())
-
-    def sequence(self) -> list[_Field]:
-        if not isinstance(self.node, yaml.SequenceNode):
-            raise self.error(f"expected a list, got {self.describe()}", self.value())
-        return [self._at(n, f"{self.path}[{i}]") for i, n in enumerate(self.node.value)]
-
-    def value(self) -> Any:
-        if not isinstance(self.node, yaml.ScalarNode):
-            return None
-        try:
-            return self._loader.construct_object(self.node, deep=True)
-        except (yaml.YAMLError, ValueError, TypeError) as exc:  # `!!int x`, `!custom x`
-            raise self.error(f"cannot read {self.node.value!r} as {self.node.tag}: {exc}",
-                             self.node.value) from exc
-        finally:
-            self._loader.constructed_objects.clear()  # a cache keyed by node: keep nothing
-
-    def describe(self) -> str:
-        if isinstance(self.node, yaml.MappingNode):
-            return "a mapping"
-        if isinstance(self.node, yaml.SequenceNode):
-            return "a list"
-        value = self.value()
-        return "nothing (null)" if value is None else repr(value)
-
-    def string(self) -> str:
-        """Scalar text. Numbers keep their spelling (`1.10`, `10:30`); null and booleans are
-        refused, since YAML turns `no`, `on` or `~` into something that is not the text."""
-        if not isinstance(self.node, yaml.ScalarNode):
-            raise self.error(f"expected a string, got {self.describe()}")
-        value = self.value()
-        if value is None or isinstance(value, bool):
-            raise self.error(f"expected a string, got {self.describe()}"
-                             + (" (quote it: YAML reads it as a boolean)" if value is not None else ""),
-                             value)
-        text = value if isinstance(value, str) else self.node.value
-        if not text.strip():
-            raise self.error("expected a non-empty string", text)
-        return text
-
-    def name(self, what: str) -> str:
-        text = self.string()
-        if not NAME_PATTERN.match(text):
-            raise self.error(f"{what} {text!r} must be letters, digits, '.', '_' or '-' "
-                             "(starting with a letter or digit)", text)
-        return text
-
-    def integer(self, minimum: int = 1) -> int:
-        value = self.value()
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise self.error(f"expected {kind}, got {self.describe()}", value)
-        return value
-
-    def size(self) -> int:
-        """Bytes >= 0: an integer, or a number with a unit (`4GiB`, `1.5 GB`, `512MiB`;
-        kB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB of 1024)."""
-        value = self.value()
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-        text = self.node.value if isinstance(self.node, yaml.ScalarNode) else ""
-        match = SIZE_PATTERN.match(text) if isinstance(value, (str, float)) else None
-        if match and match[2] is None and "." in match[1]:
-            match = None  # a fraction of a byte: a unit was meant
-        if not match:
-            raise self.error(f"expected a size in bytes (an integer >= 0, or a number and "
-                             f"one of {', '.join(SIZE_UNITS)}, e.g. 4GiB), got "
-                             f"{self.describe()}", value)
-        return int(float(match[1]) * SIZE_UNITS[match[2] or "B"])
-
-    def word(self, options: tuple[str, ...], what: str) -> str:
-        """One of `options` as written: YAML 1.1 would read `off` and `on` as booleans."""
-        value = self.node.value if isinstance(self.node, yaml.ScalarNode) else None
-        if value not in options:
-            shown = repr(value) if value is not None else self.describe()
-            raise self.error(f"unknown {what} {shown} (expected one of {', '.join(options)})",
-                             value)
-        return value
-
-    def choice(self, options: tuple[str, ...], what: str = "value") -> str:
-        text = self.string()
-        if text not in options:
-            raise self.error(f"unknown {what} {text!r} (expected one of {', '.join(options)})",
-                             text)
-        return text
-
-
-def _parse_supervisor(at: _Field) -> SupervisorConfig:
+def _parse_supervisor(at: YamlField) -> SupervisorConfig:
     fields_ = at.mapping(known=("address", "state_dir"), required=("address", "state_dir"))
     address = fields_["address"].string()
     try:
@@ -357,7 +191,7 @@ def _parse_supervisor(at: _Field) -> SupervisorConfig:
     return SupervisorConfig(address=address, state_dir=fields_["state_dir"].string())
 
 
-def _parse_nodes(at: _Field) -> tuple[NodeConfig, ...]:
+def _parse_nodes(at: YamlField) -> tuple[NodeConfig, ...]:
     items = at.sequence()
     if not items:
         raise at.error("expected at least one node")
@@ -382,7 +216,7 @@ _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "prompt_
                  "drafter", "draft_tokens")
 
 
-def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
+def _parse_model(at: YamlField, node_names: tuple[str, ...]) -> ModelSpec:
     f = at.mapping(known=_MODEL_FIELDS, required=("id", "checkpoint", "context"))
     model_id = f["id"].string()
     if any(c.isspace() for c in model_id):
@@ -429,7 +263,7 @@ def _parse_model(at: _Field, node_names: tuple[str, ...]) -> ModelSpec:
                      draft_tokens=draft_tokens)
 
 
-def _parse_kernels(at: _Field) -> tuple[tuple[str, str | bool], ...]:
+def _parse_kernels(at: YamlField) -> tuple[tuple[str, str | bool], ...]:
     """A model's kernel knobs, each checked against the engine's own spellings (KERNEL_CHOICES)
     and kept only where it differs from the engine's default, so that spelling a default out
     changes nothing."""
@@ -448,7 +282,7 @@ def _parse_kernels(at: _Field) -> tuple[tuple[str, str | bool], ...]:
     return tuple(kernels)
 
 
-def _parse_replicas(at: _Field) -> int:
+def _parse_replicas(at: YamlField) -> int:
     """A positive count, or `auto` (as many as fit, AUTO_REPLICAS)."""
     if isinstance(at.node, yaml.ScalarNode) and at.value() == "auto":
         return AUTO_REPLICAS
@@ -458,7 +292,7 @@ def _parse_replicas(at: _Field) -> int:
     return value
 
 
-def _known_node(at: _Field, node_names: tuple[str, ...], checkpoint: CheckpointPaths) -> str:
+def _known_node(at: YamlField, node_names: tuple[str, ...], checkpoint: CheckpointPaths) -> str:
     name = at.string()
     if name not in node_names:
         raise at.error(f"unknown node {name!r} (nodes: {', '.join(node_names)})", name)
@@ -467,7 +301,7 @@ def _known_node(at: _Field, node_names: tuple[str, ...], checkpoint: CheckpointP
     return name
 
 
-def _parse_checkpoint(at: _Field, node_names: tuple[str, ...]) -> CheckpointPaths:
+def _parse_checkpoint(at: YamlField, node_names: tuple[str, ...]) -> CheckpointPaths:
     if isinstance(at.node, yaml.ScalarNode):
         return CheckpointPaths(all_nodes=at.string())
     if not isinstance(at.node, yaml.MappingNode):
@@ -482,7 +316,7 @@ def _parse_checkpoint(at: _Field, node_names: tuple[str, ...]) -> CheckpointPath
     return CheckpointPaths(by_node=by_node)
 
 
-def _parse_backends(at: _Field) -> tuple[str, ...]:
+def _parse_backends(at: YamlField) -> tuple[str, ...]:
     items = at.sequence()
     if not items:
         raise at.error(f"expected at least one backend (known: {', '.join(BACKENDS)})")
@@ -495,7 +329,7 @@ def _parse_backends(at: _Field) -> tuple[str, ...]:
     return tuple(backends)
 
 
-def _parse_placement(at: _Field, node_names: tuple[str, ...], checkpoint: CheckpointPaths,
+def _parse_placement(at: YamlField, node_names: tuple[str, ...], checkpoint: CheckpointPaths,
                      backends: tuple[str, ...]) -> tuple[ExplicitStage, ...]:
     if isinstance(at.node, yaml.ScalarNode):
         if at.value() == "auto":
@@ -528,7 +362,7 @@ def _parse_placement(at: _Field, node_names: tuple[str, ...], checkpoint: Checkp
     return tuple(stages)
 
 
-def _layer_range(at: _Field) -> tuple[int, int]:
+def _layer_range(at: YamlField) -> tuple[int, int]:
     # The raw text, so that an unquoted 20:36 (YAML 1.1's base-60 integer 1236) still reads.
     text = at.node.value if isinstance(at.node, yaml.ScalarNode) else ""
     match = LAYERS_PATTERN.match(text) if isinstance(text, str) else None
