@@ -41,6 +41,20 @@ SHAPE = dict(family="qwen3_5", hidden_size=5120, intermediate_size=17408,
 H200_BYTES_PER_S = 4.8e12  # nominal HBM3e bandwidth
 
 
+def hybrid_checkpoint(layers: int, out: Path | None = None) -> Path:
+    """The 27B-like checkpoint of `layers` layers, made once under build/ (or at `out`)."""
+    out = out or ROOT / "build" / f"bench-qwen3_5-27b-like-{layers}"
+    if not (out / "config.json").exists():
+        print(f"# making {out}", flush=True)
+        start = time.perf_counter()
+        # One shard a core at most, written at once.
+        make_checkpoint(out, CheckpointSpec(**SHAPE, num_hidden_layers=layers,
+                                            shards=max(1, min(layers, os.cpu_count() or 1))),
+                        overwrite=True)
+        print(f"# made in {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
 def weight_bytes(model_dir: Path) -> int:
     """Bytes a decode step reads: every weight but the embedding table (rows are gathered)."""
     checkpoint = open_checkpoint(model_dir)
@@ -208,22 +222,14 @@ def main() -> None:
     parser.add_argument("--make-only", action="store_true",
                         help="write the checkpoint (if it is not there) and stop")
     args = parser.parse_args()
-    out = args.out or ROOT / "build" / f"bench-qwen3_5-27b-like-{args.layers}"
-    # One shard a core at most, written at once.
-    spec = CheckpointSpec(**SHAPE, num_hidden_layers=args.layers,
-                          shards=max(1, min(args.layers, os.cpu_count() or 1)))
-    if not (out / "config.json").exists():
-        print(f"# making {out}", flush=True)
-        start = time.perf_counter()
-        make_checkpoint(out, spec, overwrite=True)
-        print(f"# made in {time.perf_counter() - start:.0f} s", flush=True)
+    out = hybrid_checkpoint(args.layers, args.out)
     if args.make_only:
         return
     size = weight_bytes(out)
     print(f"# {args.layers} layers, {size / 2**30:.2f} GiB of bf16 weights read a step; floor "
           f"{size / H200_BYTES_PER_S * 1e3:.3f} ms a step at {H200_BYTES_PER_S / 1e12} TB/s")
     if args.split:
-        split_against_whole(out, args.layers, args.context, spec.vocab_size)
+        split_against_whole(out, args.layers, args.context, SHAPE["vocab_size"])
         return
     print(f"# context {args.context} positions a slot, 8 slots; decode timed after "
           f"{args.conversation}-token conversations")
@@ -238,21 +244,21 @@ def main() -> None:
                                          512, graphs, delta_kernel=kernels))
             driver = RoundDriver(LocalRunner(stage))
             for streams in (1, 8):
-                ms = decode_ms(driver, streams, args.steps, spec.vocab_size, args.conversation)
+                ms = decode_ms(driver, streams, args.steps, SHAPE["vocab_size"], args.conversation)
                 label = "CUDA graphs" if graphs else "eager"
                 print(f"| {kernels} | {label} | {streams} | {ms:.2f} | {ms / args.layers:.3f} |",
                       flush=True)
             if graphs:
-                rate = prompt_tokens_per_s(driver, 2048, 512, spec.vocab_size)
+                rate = prompt_tokens_per_s(driver, 2048, 512, SHAPE["vocab_size"])
                 print(f"# {kernels}: prompt: 2048 tokens in chunks of 512: {rate:,.0f} tokens/s",
                       flush=True)
             elif args.profile:
-                profile_eager_decode(driver, spec.vocab_size)
+                profile_eager_decode(driver, SHAPE["vocab_size"])
             del driver, stage
             torch.cuda.empty_cache()
     if not args.no_transformers:
         for streams in (1, 8):
-            ms = transformers_decode_ms(out, streams, args.steps, spec.vocab_size)
+            ms = transformers_decode_ms(out, streams, args.steps, SHAPE["vocab_size"])
             print(f"| transformers generate | eager | {streams} | {ms:.2f} | "
                   f"{ms / args.layers:.3f} |", flush=True)
             torch.cuda.empty_cache()

@@ -26,23 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, checkpoint, n_layers, table
+from bench.common import checkpoint, n_layers, table
 from engine.backends.base import StageSpec, load_stage
-from engine.checkpoint.maker import CheckpointSpec, make_checkpoint
 from engine.harness.driver import RoundDriver
 from engine.pipeline.runner import LocalRunner
 from engine.rounds import MAX_DRAFT_TOKENS
-
-
-def hybrid_checkpoint(layers: int) -> Path:
-    """The 27B hybrid's layer shape (bench/qwen3_5_decode.py's), `layers` of them."""
-    from bench.qwen3_5_decode import SHAPE
-
-    out = ROOT / "build" / f"bench-qwen3_5-27b-{layers}"
-    if not (out / "config.json").exists():
-        make_checkpoint(out, CheckpointSpec(**SHAPE, num_hidden_layers=layers, shards=2),
-                        overwrite=True)
-    return out
 
 
 def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: int,
@@ -83,7 +71,11 @@ def main() -> int:
     drafts = [int(k) for k in args.drafts.split(",")]
     if max(drafts) > MAX_DRAFT_TOKENS:
         parser.error(f"a verify round carries at most {MAX_DRAFT_TOKENS} drafts")
-    model_dir = hybrid_checkpoint(args.layers) if args.hybrid else checkpoint(None, args.preset)
+    if args.hybrid:
+        from bench.qwen3_5_decode import hybrid_checkpoint  # torch at import: CUDA's bench
+        model_dir = hybrid_checkpoint(args.layers)
+    else:
+        model_dir = checkpoint(None, args.preset)
     streams = [int(s) for s in args.streams.split(",")]
     backend = "torch-cuda" if args.device == "cuda" else "torch-cpu"
     stage = load_stage(StageSpec(model_dir, (0, n_layers(model_dir)), backend, max(streams),
