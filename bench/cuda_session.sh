@@ -6,7 +6,8 @@
 # the packed kernels' launches), packed (bench/quantized.py), profile (bench/stage_profile.py:
 # a packed stage's round kernel by kernel),
 # anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py),
-# verify (bench/verify_rounds.py: a speculative round against a decode round).
+# verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
+# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -58,9 +59,13 @@ for what in "$@"; do
     exactness) step test_cuda_exactness 240 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/pipeline/test_cuda_exactness.py ;;
     hybrid) step hybrid 300 python3 bench/qwen3_5_decode.py --layers 8 ;;
-    verify)  # speculative rounds' cost against a decode round, dense 8B and the hybrid
+    verify)  # speculative rounds: exactness on CUDA, and their cost against a decode round
+      step test_drafting 150 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/pipeline/test_drafting.py -k cuda
       step verify-8b 240 python3 bench/verify_rounds.py --device cuda --preset 8b
-      step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda --hybrid --layers 8 ;;
+      ;;
+    verify-hybrid) step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda \
+        --hybrid --layers 8 ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
 done

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from engine.harness.local_pipeline import whole_runner
 from engine.lanes.drafting import PromptLookup
@@ -149,4 +150,18 @@ def test_two_stages_roll_back_together(make_model, tmp_path):
     plain = serve(whole_runner(model_dir, chunk=CHUNK), model_dir, requests, drafts=None)
     with pipeline(model_dir, [(0, 1), (1, 3)], tmp_path, chunk=CHUNK) as runner:
         drafted = serve(runner, model_dir, requests, drafts=ngram())
+    check_same_replies(plain, drafted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_replies_are_the_same_with_a_drafter_on_cuda(make_model, dtype):
+    """Decode rows replay CUDA graphs of the compiled step; verify rows run the eager path."""
+    model_dir = make_model("llama", seed=8, dtype=dtype)
+    requests = [GenerationRequest(tuple(p), max_tokens=STEPS, sampling=GREEDY)
+                for p in prompts(3)]
+    plain = serve(whole_runner(model_dir, backend="torch-cuda", chunk=CHUNK), model_dir,
+                  requests, drafts=None)
+    drafted = serve(whole_runner(model_dir, backend="torch-cuda", chunk=CHUNK), model_dir,
+                    requests, drafts=ngram())
     check_same_replies(plain, drafted)
