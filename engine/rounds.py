@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import pairwise
 
 
 class Op(IntEnum):
@@ -115,7 +116,11 @@ class RowLayout:
     """Where each row of a round sits, as plain lists every backend turns into tensors.
 
     One-row entries (decode rows) are batched into one attention call; each multi-row
-    entry (a prompt chunk) attends over its own slot.
+    entry (a prompt chunk) attends over its own slot. With `verify_single`, a verify
+    entry's rows are batched with the decode rows, one single row each at its own position
+    (every row's K and V are written before any row attends, so each sees its entry's
+    earlier rows): the decode path's kernels and captured graphs then run them. A hybrid's
+    recurrent step cannot take two rows of one slot in one batch, so it keeps them a span.
     """
 
     positions: list[int]  # per row
@@ -126,17 +131,17 @@ class RowLayout:
     spans: list[RowSpan]
 
     @classmethod
-    def of(cls, plan: RoundPlan) -> RowLayout:
+    def of(cls, plan: RoundPlan, *, verify_single: bool = False) -> RowLayout:
         layout = cls([], [], [], [], [], [])
         for entry, start, stop in plan.row_spans():
             if not entry.rows:
                 continue
             layout.positions.extend(range(entry.first, entry.end))
             layout.slots.extend([entry.stream_id] * entry.rows)
-            if entry.rows == 1:
-                layout.single_rows.append(start)
-                layout.single_slots.append(entry.stream_id)
-                layout.single_positions.append(entry.first)
+            if entry.rows == 1 or (verify_single and entry.verifies):
+                layout.single_rows.extend(range(start, stop))
+                layout.single_slots.extend([entry.stream_id] * entry.rows)
+                layout.single_positions.extend(range(entry.first, entry.end))
             else:
                 layout.spans.append(RowSpan(start, stop, entry.stream_id, entry.first,
                                             entry.end))
@@ -153,4 +158,14 @@ class RowLayout:
         slots = self.single_slots
         if slots and slots == list(range(slots[0], slots[0] + len(slots))):
             return slots[0], slots[0] + len(slots)
+        return None
+
+    @property
+    def single_span(self) -> tuple[int, int] | None:
+        """The single rows' slots as [a, b) when they run through every slot from a to
+        b - 1 in order, each one row or more (a decode round, verify rows among it): the
+        shape the decode graphs take, with each row's slot an offset from a."""
+        slots = self.single_slots
+        if slots and all(0 <= b - a <= 1 for a, b in pairwise(slots)):
+            return slots[0], slots[-1] + 1
         return None

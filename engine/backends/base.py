@@ -168,7 +168,8 @@ class Stage(ABC):
                     if entry.op == Op.RESUME:
                         self.model.cache.restore_recurrent(entry.stream_id)
             x = self._embed(token_ids) if self.is_first else rows  # [rows, hidden]
-            x = self._run_layers(x, RowLayout.of(plan))
+            layout = RowLayout.of(plan, verify_single=not self.config.is_hybrid)
+            x = self._run_layers(x, layout)
             for slot in saving:  # where a full prompt chunk ended: a later RESUME's start
                 self.model.cache.save_recurrent(slot)
             returned = plan.returned_rows()

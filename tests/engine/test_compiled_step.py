@@ -100,3 +100,36 @@ def test_compiled_stage_decodes_the_eager_stages_tokens(make_model, family, dtyp
     drivers = (stage_driver(eager), stage_driver(compiled))
     decided = teacher_forced_agreement(drivers, PROMPTS, STEPS + 1, tolerance)
     assert decided >= len(PROMPTS) * STEPS * 3 // 4  # ties are rare: most tokens compared
+
+
+def test_verify_rows_take_the_decode_path_with_each_rows_own_slot(make_model):
+    """A verify entry's rows as decode rows (RowLayout's `verify_single`): several rows of
+    one slot, each reading keys up to its own position, the layer given each row's slot.
+    The plain layer gives the captured path's bytes, and both agree with the prompt-chunk
+    path those rows took before."""
+    from engine.backends.pytorch.kv_cache import RoundIndex
+    from engine.rounds import Op, RoundPlan, RowLayout, StreamEntry
+
+    stage = make_stage(make_model("qwen3", seed=43), "off")
+    stage_driver(stage).greedy(PROMPTS, STEPS)
+    at = [len(p) + STEPS for p in PROMPTS.values()]  # each slot's next position
+    plan = RoundPlan(1, (StreamEntry(0, Op.CONTINUE, at[0], 3, 1, 0, 0),
+                         StreamEntry(1, Op.CONTINUE, at[1], 1, 1, 0, 0),
+                         StreamEntry(2, Op.CONTINUE, at[2], 4, 1, 0, 0)))
+    layout = RowLayout.of(plan, verify_single=True)
+    assert layout.single_span == (0, 3) and not layout.spans
+    positions = torch.tensor(layout.single_positions)
+    offsets = torch.tensor(layout.single_slots)
+    rows = torch.randn(8, stage.hidden_size, generator=torch.Generator().manual_seed(2))
+    keys, window = layout.single_keys, stage.config.sliding_window
+    cache = stage.model.cache.k.clone(), stage.model.cache.v.clone()
+    with torch.inference_mode():
+        captured = stage.model.run_layers(rows, decode_index(positions, (0, 3), keys, window,
+                                                             offsets))
+        decoded = stage.model.run_decode(rows, positions, (0, 3), keys, window,
+                                         offsets=offsets)
+        as_spans = stage.model.run_layers(rows, RoundIndex.build(RowLayout.of(plan),
+                                                                 stage.device, window))
+    assert torch.equal(decoded, captured)
+    torch.testing.assert_close(decoded, as_spans, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(stage.model.cache.k, cache[0])  # the rounds wrote their K

@@ -165,3 +165,23 @@ def test_greedy_replies_are_the_same_with_a_drafter_on_cuda(make_model, dtype):
     drafted = serve(whole_runner(model_dir, backend="torch-cuda", chunk=CHUNK), model_dir,
                     requests, drafts=ngram())
     check_same_replies(plain, drafted)
+
+
+def test_greedy_replies_are_the_same_with_a_drafter_through_the_compiled_step(make_model):
+    """FLEET_COMPILE=on: decode rows and verify rows through the compiled layer (Inductor
+    on the CPU; CUDA captures the same graph)."""
+    from engine.backends.base import StageSpec, load_stage
+    from engine.pipeline.runner import LocalRunner
+
+    model_dir = make_model("llama", seed=8)
+
+    def runner():
+        return LocalRunner(load_stage(StageSpec(model_dir, (0, 3), "torch-cpu", 4, 512, CHUNK,
+                                                compile="on")))
+
+    requests = [GenerationRequest(tuple(p), max_tokens=STEPS, sampling=GREEDY)
+                for p in prompts(3)]
+    first = runner()
+    assert first.stage.decode_step is not None
+    check_same_replies(serve(first, model_dir, requests, drafts=None),
+                       serve(runner(), model_dir, requests, drafts=ngram()))

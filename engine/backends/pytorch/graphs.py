@@ -40,7 +40,7 @@ WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
 # few warm-up steps, and a long-lived stage meets many (run, bucket) pairs.
 MAX_GRAPHS = 64
 
-GraphKey = tuple[tuple[int, int], int]  # (run of slots [a, b), keys read)
+GraphKey = tuple[tuple[int, int], int, int]  # (run of slots [a, b), rows, keys read)
 
 
 @dataclass
@@ -48,6 +48,7 @@ class Captured:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [n, hidden] rows
     positions: torch.Tensor  # [n]
+    offsets: torch.Tensor  # [n]: each row's slot in the run
     output: torch.Tensor  # [n, hidden]
 
 
@@ -81,45 +82,50 @@ class DecodeGraphs:
         return key_bucket(keys_needed, self.positions)
 
     def replay(self, run: tuple[int, int], keys_needed: int, inputs: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """One decode round of the slots in `run`; its rows need keys [0, keys_needed)."""
-        key = (run, self.keys_read(keys_needed))
+               positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """One decode round of the slots in `run`, row i in slot a + offsets[i]; its rows
+        need keys [0, keys_needed)."""
+        key = (run, len(offsets), self.keys_read(keys_needed))
         captured = self.captured.get(key)
         if captured is None:
-            captured = self._capture(key, inputs, positions)
+            captured = self._capture(key, inputs, positions, offsets)
         self.captured.move_to_end(key)
         captured.inputs.copy_(inputs)
         captured.positions.copy_(positions)
+        captured.offsets.copy_(offsets)
         captured.graph.replay()
         return captured.output.clone()  # the next replay reuses the output buffer
 
-    def _step(self, key: GraphKey, rows: torch.Tensor,
-              positions: torch.Tensor) -> torch.Tensor:
-        run, keys = key
+    def _step(self, key: GraphKey, rows: torch.Tensor, positions: torch.Tensor,
+              offsets: torch.Tensor) -> torch.Tensor:
+        run, _rows, keys = key
         if self.step is not None:
-            return self.model.run_decode(rows, positions, run, keys, self.window, self.step)
-        return self.model.run_layers(rows, decode_index(positions, run, keys, self.window))
+            return self.model.run_decode(rows, positions, run, keys, self.window, self.step,
+                                         offsets=offsets)
+        return self.model.run_layers(rows, decode_index(positions, run, keys, self.window,
+                                                        offsets))
 
-    def _capture(self, key: GraphKey, inputs: torch.Tensor,
-                 positions: torch.Tensor) -> Captured:
+    def _capture(self, key: GraphKey, inputs: torch.Tensor, positions: torch.Tensor,
+                 offsets: torch.Tensor) -> Captured:
         while len(self.captured) >= self.max_graphs:
             self.captured.popitem(last=False)  # its pool blocks return to the shared pool
         # Static inputs hold this round's values, so the warm-up steps write the same K and V
         # the captured step will: running them changes no slot's state.
         static_inputs, static_positions = inputs.clone(), positions.clone()
+        static_offsets = offsets.clone()
         run = key[0]
         kept = self.recurrent.keep_aside(run) if self.recurrent is not None else None
         side = self.warmup_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                self._step(key, static_inputs, static_positions)
+                self._step(key, static_inputs, static_positions, static_offsets)
         torch.cuda.current_stream().wait_stream(side)
         if kept is not None:
             self.recurrent.put_back(run, kept)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self._step(key, static_inputs, static_positions)
-        captured = Captured(graph, static_inputs, static_positions, output)
+            output = self._step(key, static_inputs, static_positions, static_offsets)
+        captured = Captured(graph, static_inputs, static_positions, static_offsets, output)
         self.captured[key] = captured
         return captured

@@ -133,9 +133,11 @@ def key_bucket(keys: int, context: int) -> int:
 
 
 def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
-                 window: int | None) -> RoundIndex:
-    """The index of a decode round over consecutive slots [a, b), one row each, built from
-    device tensors only (no host values), so that it can be captured in a CUDA graph.
+                 window: int | None, offsets: torch.Tensor | None = None) -> RoundIndex:
+    """The index of a decode round over consecutive slots [a, b), row i in slot
+    a + offsets[i] (a verify entry's rows share one; None: one row a slot, in order),
+    built from device tensors only (no host values), so that it can be captured in a CUDA
+    graph.
 
     Its rows attend over keys [0, keys) (a `key_bucket` of the round's live length, or
     the whole context) under a mask, or through the decode kernel with their lengths as a
@@ -144,14 +146,17 @@ def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
     """
     a, b = run
     device = positions.device
-    slots = torch.arange(a, b, device=device)
+    if offsets is None:
+        offsets = torch.arange(b - a, device=device)
+    slots = offsets + a
     mask = lengths = None
     if decode_kernel_runs(device):
         lengths = (positions + 1).to(torch.int32)
     else:
         mask = _visible(positions[:, None], keys, window, device)[:, None, None, :]
-    return RoundIndex(positions, slots, torch.arange(b - a, device=device), slots, mask, [],
-                      run, keys, lengths, window)
+    one_row_a_slot = len(offsets) == b - a  # then the run's keys are read as a view
+    return RoundIndex(positions, slots, torch.arange(len(offsets), device=device), slots,
+                      mask, [], run if one_row_a_slot else None, keys, lengths, window)
 
 
 def decode_kernel_runs(device: torch.device) -> bool:

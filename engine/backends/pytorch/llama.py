@@ -83,15 +83,17 @@ def block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope, cac
 
 def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 positions: torch.Tensor, mask: torch.Tensor,
-                 kernel: bool = False) -> torch.Tensor:
-    """One layer of a decode round over consecutive slots, one row each: `block`'s math
-    with every input a tensor (no round index, no layer number), so that one compiled
-    graph serves every layer and every round of a shape (`compiled_step.py`).
+                 positions: torch.Tensor, mask: torch.Tensor, kernel: bool = False,
+                 offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer of a decode round over a run of consecutive slots: `block`'s math with
+    every input a tensor (no round index, no layer number), so that one compiled graph
+    serves every layer and every round of a shape (`compiled_step.py`).
 
-    x: [n, hidden]; k_cache, v_cache: [n, kv_heads, positions, head_dim], this layer's
+    x: [n, hidden]; k_cache, v_cache: [slots, kv_heads, positions, head_dim], this layer's
     run of slots (a view: written in place); positions: [n]; cos, sin: the RoPE tables
-    [context, head_dim]; mask: [n, 1, 1, keys] bool, the keys [0, keys) the rows read.
+    [context, head_dim]; mask: [n, 1, 1, keys] bool, the keys [0, keys) the rows read;
+    offsets: [n], each row's slot in the run (a verify entry's rows share one), None: one
+    row a slot, in order.
     kernel: attention through the Triton decode kernel (CUDA, `kv_cache.decode_kernel_runs`)
     instead of SDPA under the mask.
     """
@@ -106,13 +108,18 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    slots = torch.arange(rows, device=x.device)
-    k_cache[slots, :, positions] = k
-    v_cache[slots, :, positions] = v
+    if offsets is None:
+        offsets = torch.arange(rows, device=x.device)
+    k_cache[offsets, :, positions] = k  # every row's, before any row attends
+    v_cache[offsets, :, positions] = v
     keys = mask.shape[-1]
     if kernel:  # each row reads keys [0, its position]: its slot's, by strides, no copy
-        o = torch.ops.ringfleet.decode_attention(q, k_cache, v_cache, slots, positions + 1,
+        o = torch.ops.ringfleet.decode_attention(q, k_cache, v_cache, offsets, positions + 1,
                                                  keys, config.sliding_window)
+    elif rows != k_cache.shape[0]:  # verify rows share slots: each row's keys, gathered
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[offsets, :, :keys],
+                                           v_cache[offsets, :, :keys], attn_mask=mask,
+                                           enable_gqa=True)
     else:
         # SDPA's own grouped heads, not kv_cache.attend_one_row_each: Inductor compiles this
         # form without the math kernel's copies, and the rows form here made an 8B's step
@@ -152,18 +159,19 @@ class LlamaRange:
         return x
 
     def run_decode(self, x: torch.Tensor, positions: torch.Tensor, run: tuple[int, int],
-                   keys: int, window: int | None,
-                   step: DecodeBlock = decode_block) -> torch.Tensor:
-        """A decode round of the slots in `run` [a, b), one row each at `positions`, its
-        rows reading keys [0, keys), layer by layer through `step` (compiled or not).
-        Device tensors only, no host values: it can be captured in a CUDA graph."""
+                   keys: int, window: int | None, step: DecodeBlock = decode_block, *,
+                   offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode round of the slots in `run` [a, b), each row at `positions` in slot
+        a + `offsets` (None: one row a slot), its rows reading keys [0, keys), layer by
+        layer through `step` (compiled or not). Device tensors only, no host values: it
+        can be captured in a CUDA graph."""
         a, b = run
         mask = visible_keys(positions[:, None], keys, window)[:, None, None, :]
         kernel = decode_kernel_runs(x.device)  # True once the operator's module imported
         for layer_slot, w in enumerate(self.layers):
             x = step(x, w, self.config, self.rope.cos, self.rope.sin,
                      self.cache.k[layer_slot, a:b], self.cache.v[layer_slot, a:b], positions,
-                     mask, kernel)
+                     mask, kernel, offsets)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -94,19 +94,20 @@ class TorchStage(Stage):
                                                     device=self.device))
 
     def _run_layers(self, rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-        if self.graphs and layout.single_run and not layout.spans:
-            # Decode rows of consecutive slots: a shape the graphs have (or now capture).
+        run = layout.single_span
+        if run and not layout.spans and (self.graphs or self.decode_step):
+            # Decode rows (verify rows among them) through a run of consecutive slots.
             positions = torch.tensor(layout.single_positions, dtype=torch.int64,
                                      device=self.device)
-            return self.graphs.replay(layout.single_run, layout.single_keys, rows, positions)
-        if self.decode_step and layout.single_run and not layout.spans:
+            offsets = torch.tensor([s - run[0] for s in layout.single_slots],
+                                   dtype=torch.int64, device=self.device)
+            if self.graphs:  # a shape the graphs have (or now capture)
+                return self.graphs.replay(run, layout.single_keys, rows, positions, offsets)
             # Compiled without graphs (the CPU, or CUDA with FLEET_CUDA_GRAPHS=0): the live
             # keys, whose count the compiled layer takes as a symbolic size.
-            positions = torch.tensor(layout.single_positions, dtype=torch.int64,
-                                     device=self.device)
-            return self.model.run_decode(rows, positions, layout.single_run,
-                                         layout.single_keys, self.config.sliding_window,
-                                         self.decode_step)
+            return self.model.run_decode(rows, positions, run, layout.single_keys,
+                                         self.config.sliding_window, self.decode_step,
+                                         offsets=offsets)
         index = RoundIndex.build(layout, self.device, self.config.sliding_window)
         return self.model.run_layers(rows, index)
 
