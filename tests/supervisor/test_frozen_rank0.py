@@ -8,18 +8,16 @@ and a replacement serves a 200 through the front door.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from supervisor.local import LocalFleet
 from supervisor.relays import UpstreamSilence
 from tests.supervisor.test_end_to_end import engine_records
+from tests.supervisor.test_replicas_end_to_end import ask
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,22 +50,6 @@ def fleet(tmp_path_factory, checkpoint):
                                      checkpoint=checkpoint))
         fleet.fleetctl("apply", str(path))
         yield fleet
-
-
-def ask(fleet: LocalFleet) -> tuple[int, str]:
-    """One whole chat through the front door: (status, the replica that answered or why not)."""
-    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
-    request = urllib.request.Request(fleet.front_door_url + "/chat/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            json.loads(reply.read())
-            return reply.status, reply.headers.get("X-Ringfleet-Replica", "")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")[:300]
-    except (urllib.error.URLError, OSError) as exc:
-        return 0, str(exc)
 
 
 def gone(pid: int) -> bool:
