@@ -172,7 +172,7 @@ class ModelConfig:
 
     def recurrent_state_elements(self) -> int:
         """Values one DeltaNet layer keeps per slot: the conv window and the delta-rule state,
-        live and as the prompt cache saved them."""
+        live, as the prompt cache saved them, and after the rows of a verify entry."""
         return sum(math.prod(t.shape) for t in RECURRENT.tensors(self))
 
     @property

@@ -12,9 +12,14 @@ from engine.families.description import (
     StateTensor,
     Tensor,
 )
+from engine.rounds import VERIFY_ROWS
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
+
+# Recurrent states a hybrid keeps per slot for its last verify entry: the state after each
+# of its rows but the last, which is the live state (keeping every row restores nothing).
+VERIFY_STATES = VERIFY_ROWS - 1
 
 
 def _kv(config: ModelConfig) -> tuple[StateTensor, ...]:
@@ -27,14 +32,18 @@ def _recurrent(config: ModelConfig) -> tuple[StateTensor, ...]:
     # The conv window (the last kernel - 1 inputs, model dtype) and the delta-rule matrix
     # per value head (float32: it accumulates over the whole stream), as both backends keep
     # them (each in its own axis order).
-    # Each is held twice: live, and saved where a full prompt chunk last ended, the prompt
-    # cache's resume point (engine.slots), since a recurrent state cannot be cut back.
+    # Each is held live, saved where a full prompt chunk last ended (the prompt cache's
+    # resume point, engine.slots), and once after each row but the last of the slot's last
+    # verify entry (the next entry may keep any prefix of it), since a recurrent state
+    # cannot be cut back.
     kernel = config.linear_conv_kernel_dim
     conv = (config.linear_conv_width, max(kernel - 1, 0))
     delta = (config.linear_num_value_heads, config.linear_key_head_dim,
              config.linear_value_head_dim)
     return (StateTensor("conv", conv), StateTensor("delta", delta, float32=True),
-            StateTensor("saved_conv", conv), StateTensor("saved_delta", delta, float32=True))
+            StateTensor("saved_conv", conv), StateTensor("saved_delta", delta, float32=True),
+            StateTensor("verify_conv", (VERIFY_STATES, *conv)),
+            StateTensor("verify_delta", (VERIFY_STATES, *delta), float32=True))
 
 
 KV = StateKind("kv", "position", _kv)

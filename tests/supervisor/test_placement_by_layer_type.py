@@ -171,10 +171,11 @@ def test_hybrid_byte_counts_match_transformers(tie: bool, conditional: bool):
     full, linear = shape.layers[2], shape.layers[0]
     assert full.kv_bytes_per_position == 2 * 2 * 16 * 2 and full.state_bytes_per_slot == 0
     # conv window (kernel - 1) x (2 key + 1 value widths) in the weights' dtype, and the
-    # delta-rule state value heads x key dim x value dim, counted in float32; twice, since each
-    # slot also keeps the prompt cache's saved copy of both (docs/prompt-cache.md)
+    # delta-rule state value heads x key dim x value dim, counted in float32; nine times,
+    # since each slot also keeps the prompt cache's saved copy of both (docs/prompt-cache.md)
+    # and one after each row but the last of a verify entry, 8 rows (docs/exactness.md)
     assert linear.kv_bytes_per_position == 0
-    assert linear.state_bytes_per_slot == 2 * (3 * (2 * 16 + 48) * 2 + 4 * 8 * 12 * 4)
+    assert linear.state_bytes_per_slot == (2 + 7) * (3 * (2 * 16 + 48) * 2 + 4 * 8 * 12 * 4)
 
 
 def test_sixty_four_hybrid_layers_on_many_nodes_runs():

@@ -9,8 +9,11 @@ slots, like the KV cache.
 
 Unlike KV, a recurrent state cannot be rolled back by moving an offset: it is overwritten
 every token. So a row at position 0 (a stream's first) never reads the slot: it starts
-from zeros, whatever a previous stream left there; and a keep (rollback) is refused by
-the slot table (`engine.slots`) before anything runs.
+from zeros, whatever a previous stream left there. A verify entry (engine.rounds) keeps
+the state after each of its rows but the last (`VERIFY_STATES` per slot, preallocated
+too), and the next entry, if it keeps only `accepted` of those rows, starts from the state
+kept after its `accepted`-th row; a keep after any other entry is refused by the slot
+table (`engine.slots`) before anything runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.backends.mlx.kv_cache import KVCache, RoundIndex
+from engine.families.kinds import VERIFY_STATES
 from engine.rounds import RowLayout
 
 
@@ -29,12 +33,14 @@ class RecurrentIndex:
 
     single_fresh: mx.array | None  # [n] bool per single row (RoundIndex's order), or None
     span_fresh: list[bool]  # per span: its first position is 0
+    span_verifies: list[bool]  # per span: a verify entry's rows (RowSpan.verifies)
 
     @classmethod
     def build(cls, layout: RowLayout) -> RecurrentIndex:
         fresh = [pos == 0 for pos in layout.single_positions]
         return cls(mx.array(fresh) if any(fresh) else None,
-                   [span.first == 0 for span in layout.spans])
+                   [span.first == 0 for span in layout.spans],
+                   [span.verifies for span in layout.spans])
 
 
 @dataclass
@@ -62,14 +68,21 @@ class RecurrentState:
         # prompt cache's start for a RESUME: the recurrent state cannot be cut back.
         self.saved_conv = [mx.zeros_like(a) for a in self.conv]
         self.saved_delta = [mx.zeros_like(a) for a in self.delta]
-        mx.eval(self.conv, self.delta, self.saved_conv, self.saved_delta)
+        # Each slot's state after each row but the last of its last verify entry:
+        # [slots, VERIFY_STATES, ...] a layer, what `restore_row` puts back.
+        self.verify_conv = [mx.zeros((slots, VERIFY_STATES, *a.shape[1:]), dtype=a.dtype)
+                            for a in self.conv]
+        self.verify_delta = [mx.zeros((slots, VERIFY_STATES, *a.shape[1:]), dtype=a.dtype)
+                             for a in self.delta]
+        mx.eval(self.arrays())
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
-        return self.conv + self.delta + self.saved_conv + self.saved_delta
+        return (self.conv + self.delta + self.saved_conv + self.saved_delta
+                + self.verify_conv + self.verify_delta)
 
     def save(self, slot: int) -> None:
         for live, saved in ((self.conv, self.saved_conv), (self.delta, self.saved_delta)):
@@ -80,6 +93,20 @@ class RecurrentState:
         for live, saved in ((self.conv, self.saved_conv), (self.delta, self.saved_delta)):
             for layer, array in enumerate(saved):
                 live[layer][slot] = array[slot]
+
+    def keep_row(self, layer: int, slot: int, row: int, conv: mx.array,
+                 delta: mx.array) -> None:
+        """Keep one layer's state after row `row` of a verify entry: conv [1, k-1, c],
+        delta [1, h, dv, dk]."""
+        self.verify_conv[layer][slot, row] = conv[0].astype(self.conv[layer].dtype)
+        self.verify_delta[layer][slot, row] = delta[0]
+
+    def restore_row(self, slot: int, row: int) -> None:
+        """Every layer's state back to where row `row` of the slot's last verify entry left
+        it (the next entry keeps rows [0, row])."""
+        for live, kept in ((self.conv, self.verify_conv), (self.delta, self.verify_delta)):
+            for layer, array in enumerate(kept):
+                live[layer][slot] = array[slot, row]
 
     def read_singles(self, layer: int, slots: mx.array, fresh: mx.array | None,
                      ) -> tuple[mx.array, mx.array]:
@@ -124,3 +151,9 @@ class HybridState:
 
     def restore_recurrent(self, slot: int) -> None:
         self.recurrent.restore(slot)
+
+    def keep_verified(self, slot: int, accepted: int) -> None:
+        """The slot's recurrent state as if only the first `accepted` rows of its last verify
+        entry had run (fewer than all). Its KV needs nothing: the next rows overwrite the
+        dropped positions, and no row reads past its own."""
+        self.recurrent.restore_row(slot, accepted - 1)

@@ -8,9 +8,12 @@ bfloat16 model does not round it every token). Both are allocated once for
 `FLEET_PARALLEL` slots, so shapes never change.
 
 A recurrent state cannot be rolled back by moving an offset (it is overwritten every
-token), so the slot table refuses a keep for this family. A stream's first row (position
-0) never reads its slot: it starts from zeros, whatever a previous stream left there, so a
-reused slot starts clean without a separate clearing step. The choice is made on the
+token), so a verify entry (engine.rounds) keeps the state after each of its rows but the
+last (`VERIFY_STATES` per slot, preallocated too), and the next entry, if it keeps only
+`accepted` of those rows, starts from the state kept after its `accepted`-th row. The
+slot table refuses a keep after any other entry. A stream's first row (position 0) never
+reads its slot: it starts from zeros, whatever a previous stream left there, so a reused
+slot starts clean without a separate clearing step. The choice is made on the
 device (`torch.where`), with no host value, so a decode step can still be captured.
 """
 
@@ -20,6 +23,7 @@ import torch
 
 from engine.backends.pytorch.kv_cache import KVCache
 from engine.config import ModelConfig
+from engine.families.kinds import VERIFY_STATES
 
 
 class RecurrentState:
@@ -35,11 +39,18 @@ class RecurrentState:
         # prompt cache's start for a RESUME: the recurrent state cannot be cut back.
         self.saved_conv = torch.zeros_like(self.conv)
         self.saved_delta = torch.zeros_like(self.delta)
+        # Each slot's state after each row but the last of its last verify entry:
+        # [layers, slots, VERIFY_STATES, ...], what `restore_row` puts back.
+        self.verify_conv = torch.zeros((layers, slots, VERIFY_STATES, *self.conv.shape[2:]),
+                                       dtype=dtype, device=device)
+        self.verify_delta = torch.zeros((layers, slots, VERIFY_STATES, *self.delta.shape[2:]),
+                                        dtype=torch.float32, device=device)
         self.slots = slots
 
     @property
     def nbytes(self) -> int:
-        return 2 * (self.conv.nbytes + self.delta.nbytes)
+        return (2 * (self.conv.nbytes + self.delta.nbytes)
+                + self.verify_conv.nbytes + self.verify_delta.nbytes)
 
     def save(self, slot: int) -> None:
         self.saved_conv[:, slot] = self.conv[:, slot]
@@ -48,6 +59,19 @@ class RecurrentState:
     def restore(self, slot: int) -> None:
         self.conv[:, slot] = self.saved_conv[:, slot]
         self.delta[:, slot] = self.saved_delta[:, slot]
+
+    def keep_row(self, layer: int, slot: int, row: int, conv: torch.Tensor,
+                 delta: torch.Tensor) -> None:
+        """Keep one layer's state after row `row` of a verify entry: conv [1, width,
+        kernel - 1], delta [1, heads, k_dim, v_dim]."""
+        self.verify_conv[layer, slot, row] = conv[0].to(self.conv.dtype)
+        self.verify_delta[layer, slot, row] = delta[0]
+
+    def restore_row(self, slot: int, row: int) -> None:
+        """Every layer's state back to where row `row` of the slot's last verify entry left
+        it (the next entry keeps rows [0, row])."""
+        self.conv[:, slot] = self.verify_conv[:, slot, row]
+        self.delta[:, slot] = self.verify_delta[:, slot, row]
 
     def read(self, layer: int, slots: torch.Tensor, fresh: torch.Tensor,
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,3 +114,9 @@ class HybridState:
 
     def restore_recurrent(self, slot: int) -> None:
         self.recurrent.restore(slot)
+
+    def keep_verified(self, slot: int, accepted: int) -> None:
+        """The slot's recurrent state as if only the first `accepted` rows of its last verify
+        entry had run (fewer than all). Its KV needs nothing: the next rows overwrite the
+        dropped positions, and no row reads past its own."""
+        self.recurrent.restore_row(slot, accepted - 1)
