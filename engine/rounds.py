@@ -32,6 +32,12 @@ VERIFY_ROWS = 8
 MAX_DRAFT_TOKENS = VERIFY_ROWS - 1  # a verify entry is the newest token and its drafts
 
 
+def is_verify(op: Op, rows: int) -> bool:
+    """The rule that makes an entry a verify entry, for those who know its op and rows but
+    hold no entry (rank 0's prompt-cache record)."""
+    return op == Op.CONTINUE and 1 < rows <= VERIFY_ROWS
+
+
 @dataclass(frozen=True)
 class StreamEntry:
     """One stream's part of a round. The stream id is its slot (lane) index."""
@@ -51,7 +57,7 @@ class StreamEntry:
     @property
     def verifies(self) -> bool:
         """A verify entry (VERIFY_ROWS): all its rows return, any prefix of them may stay."""
-        return self.op == Op.CONTINUE and 1 < self.rows <= VERIFY_ROWS
+        return is_verify(self.op, self.rows)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,9 @@ class RowSpan:
     slot: int
     first: int
     end: int
+    # A verify entry's rows (StreamEntry.verifies): a hybrid runs its recurrence a row at a
+    # time and keeps the state after each row, so the next entry may keep any prefix.
+    verifies: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,8 @@ class RowLayout:
     entry's rows are batched with the decode rows, one single row each at its own position
     (every row's K and V are written before any row attends, so each sees its entry's
     earlier rows): the decode path's kernels and captured graphs then run them. A hybrid's
-    recurrent step cannot take two rows of one slot in one batch, so it keeps them a span.
+    recurrent step cannot take two rows of one slot in one batch, so it keeps them a span,
+    marked (`RowSpan.verifies`): it runs their recurrence a row at a time.
     """
 
     positions: list[int]  # per row
@@ -144,7 +154,7 @@ class RowLayout:
                 layout.single_positions.extend(range(entry.first, entry.end))
             else:
                 layout.spans.append(RowSpan(start, stop, entry.stream_id, entry.first,
-                                            entry.end))
+                                            entry.end, entry.verifies))
         return layout
 
     @property

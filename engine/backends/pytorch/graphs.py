@@ -21,7 +21,9 @@ replay's output is cloned at once, before another graph may reuse its memory.
 
 A hybrid's recurrent state, unlike KV, is changed by running a step again (each step
 decays and writes it), so the warm-up steps run on a copy's behalf: the run's slots are
-kept aside before them and put back after, and the round's own step is the replay.
+kept aside before them and put back after, and the round's own step is the replay. A
+hybrid's verify entry stays a span (`RowLayout.of`), so its rounds run eagerly and
+never replay a graph: its recurrence runs a row at a time, keeping each row's state.
 """
 
 from __future__ import annotations

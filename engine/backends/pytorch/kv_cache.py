@@ -47,6 +47,7 @@ class PromptSpan:
     # [rows, keys] bool, True = attend; None: plain causality, the rows being the last
     # `rows` of the keys (no sliding window cuts in), which needs no mask.
     mask: torch.Tensor | None
+    verifies: bool = False  # a verify entry's rows (RowSpan.verifies)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class RoundIndex:
                 q = torch.arange(span.first, span.end, device=device)[:, None]
                 mask = _visible(q, span.end, sliding_window, device)
             spans.append(PromptSpan(span.start, span.stop, span.slot, span.first, span.end,
-                                    mask))
+                                    mask, span.verifies))
         single_mask = single_lengths = None
         if layout.single_rows and decode_kernel_runs(device):
             single_lengths = torch.tensor(layout.single_positions, dtype=torch.int32,

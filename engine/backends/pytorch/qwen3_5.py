@@ -3,8 +3,10 @@
 Layers follow `config.layer_types`. A DeltaNet layer projects q, k and v together, runs
 them through a short causal depthwise convolution (its window kept per slot), and applies
 the gated delta rule (its matrix kept per slot): one step for decode rows, the chunked form
-for a prompt chunk; one round may hold both, across slots. Its output goes through an
-RMSNorm gated by a projection of the input. A full-attention layer is the Qwen3 one plus a
+for a prompt chunk; one round may hold both, across slots. A verify entry's rows run the
+one step a row at a time and keep the state after each (recurrent_state.py), so the next
+entry may keep any prefix of them; their projections and MLP stay batched. Its output
+goes through an RMSNorm gated by a projection of the input. A full-attention layer is the Qwen3 one plus a
 sigmoid gate per channel from q_proj, with RoPE on the first `rotary_dim` channels of
 a head. The family's RMSNorm scales by (1 + weight). Ops follow transformers' order and
 precision so that float32 logits match it closely.
@@ -74,6 +76,17 @@ def _conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(out)
 
 
+def split_qkv(m: torch.Tensor, config: ModelConfig,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output [n, width] as q, k [n, k_heads, k_dim] and v [n, v_heads, v_dim]."""
+    key_width = config.linear_key_width
+    q, k, v = m.split([key_width, key_width, config.linear_value_width], dim=-1)
+    n = m.shape[0]
+    return (q.reshape(n, config.linear_num_key_heads, config.linear_key_head_dim),
+            k.reshape(n, config.linear_num_key_heads, config.linear_key_head_dim),
+            v.reshape(n, config.linear_num_value_heads, config.linear_value_head_dim))
+
+
 def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
              recurrent: RecurrentState, layer: int, index: RoundIndex,
              kernels: DeltaKernels = OURS) -> torch.Tensor:
@@ -86,21 +99,13 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
     core = torch.empty(rows, config.linear_num_value_heads, config.linear_value_head_dim,
                        dtype=torch.float32, device=x.device)
 
-    def split(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key_width = config.linear_key_width
-        q, k, v = m.split([key_width, key_width, config.linear_value_width], dim=-1)
-        n = m.shape[0]
-        return (q.reshape(n, config.linear_num_key_heads, config.linear_key_head_dim),
-                k.reshape(n, config.linear_num_key_heads, config.linear_key_head_dim),
-                v.reshape(n, config.linear_num_value_heads, config.linear_value_head_dim))
-
     if index.single_rows.numel():
         singles, slots = index.single_rows, index.single_slots
         fresh = index.positions[singles] == 0  # a stream's first row reads no earlier state
         conv_state, delta_state = recurrent.read(layer, slots, fresh)
         window = torch.cat((conv_state, mixed[singles][:, :, None]), dim=-1)  # [n, width, k]
         conv_out = _conv(window.to(w.conv.dtype), w.conv)[:, :, -1]  # [n, width]
-        q, k, v = split(conv_out)
+        q, k, v = split_qkv(conv_out, config)
         q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
         out, delta_state = kernels.step(q, k, v, g[singles], beta[singles], delta_state)
         recurrent.write(layer, slots, window[:, :, 1:], delta_state)
@@ -111,8 +116,13 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
         conv_state, delta_state = recurrent.read(layer, slot, fresh)
         rows_in = mixed[span.start:span.stop].transpose(0, 1)[None]  # [1, width, L]
         window = torch.cat((conv_state, rows_in), dim=-1)  # [1, width, kernel - 1 + L]
+        if span.verifies:
+            sl = slice(span.start, span.stop)
+            core[sl] = _verify_rows(window, g[sl], beta[sl], delta_state, w, config,
+                                    recurrent, layer, span.slot, kernels)
+            continue
         conv_out = _conv(window.to(w.conv.dtype), w.conv)[0].transpose(0, 1)  # [L, width]
-        q, k, v = split(conv_out)
+        q, k, v = split_qkv(conv_out, config)
         q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
         out, final = kernels.chunked(q, k, v, g[span.start:span.stop],
                                      beta[span.start:span.stop], delta_state[0])
@@ -121,6 +131,36 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
         core[span.start:span.stop] = out
     out = gated_rms_norm(core.to(x.dtype), z, w.norm, config.rms_norm_eps)
     return F.linear(out.reshape(rows, config.linear_value_width), w.out)
+
+
+def _verify_rows(window: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 delta_state: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
+                 recurrent: RecurrentState, layer: int, slot: int,
+                 kernels: DeltaKernels) -> torch.Tensor:
+    """A verify entry's L rows through the decode step, a row at a time, keeping the state
+    after each row but the last: the next entry may keep any prefix of them. The chunked
+    form would give the last row's state alone, and other bits than decode rows give.
+
+    window [1, width, kernel - 1 + L]: the slot's conv state, then the rows' inputs;
+    g, beta [L, heads]; delta_state [1, heads, k_dim, v_dim]. Returns out [L, heads, v_dim].
+    """
+    kernel = config.linear_conv_kernel_dim
+    # Each row's own window, as a decode row sees it: [L, width, kernel], one conv batch.
+    windows = window[0].unfold(-1, kernel, 1).transpose(0, 1)
+    conv_out = _conv(windows.to(w.conv.dtype), w.conv)[:, :, -1]  # [L, width]
+    q, k, v = split_qkv(conv_out, config)
+    q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
+    rows = q.shape[0]
+    outs = []
+    for row in range(rows):  # the recurrence itself is sequential
+        at = slice(row, row + 1)
+        out, delta_state = kernels.step(q[at], k[at], v[at], g[at], beta[at], delta_state)
+        outs.append(out)
+        if row < rows - 1:
+            recurrent.keep_row(layer, slot, row, windows[at, :, 1:], delta_state)
+    recurrent.write(layer, torch.tensor([slot], device=window.device), windows[-1:, :, 1:],
+                    delta_state)
+    return torch.cat(outs)
 
 
 class Qwen35Range:

@@ -96,7 +96,8 @@ class TorchStage(Stage):
     def _run_layers(self, rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         run = layout.single_span
         if run and not layout.spans and (self.graphs or self.decode_step):
-            # Decode rows (verify rows among them) through a run of consecutive slots.
+            # Decode rows (verify rows among them) through a run of consecutive slots. A
+            # hybrid's verify entry stays a span (RowLayout.of), so its round runs eagerly.
             positions = torch.tensor(layout.single_positions, dtype=torch.int64,
                                      device=self.device)
             offsets = torch.tensor([s - run[0] for s in layout.single_slots],
