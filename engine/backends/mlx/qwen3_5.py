@@ -19,8 +19,10 @@ The MLX twin of the PyTorch backend's hybrid family: the same weight names and r
 
 Decode rows of unrelated slots run the one-step recurrence batched together; a prompt
 chunk runs the chunked (WY) form of the same rule from its slot's state, 16 tokens a block:
-a few matmuls and one triangular solve instead of a graph node per token. A stream's first
-row starts from zeros.
+a few matmuls and one triangular solve instead of a graph node per token. A verify entry's
+rows (engine.rounds) run the one step a row at a time and keep the state after each
+(recurrent_state.py), so the next entry may keep any prefix; their projections and MLP
+stay batched. A stream's first row starts from zeros.
 """
 
 from __future__ import annotations
@@ -143,9 +145,13 @@ class GatedDeltaNet:
                                        beta[rows_][:, None], w, conv, delta)
             state.write(layer_slot, att.single_slots, conv, delta)
             parts.append(y[:, 0])
-        for span, fresh in zip(att.spans, rec.span_fresh):
+        for span, fresh, verifies in zip(att.spans, rec.span_fresh, rec.span_verifies):
             sl = slice(span.start, span.stop)
             conv, delta = state.read_span(layer_slot, span.slot, fresh)
+            if verifies:
+                parts.append(self._verify(qkv[sl][None], g[sl][None], beta[sl][None], w,
+                                          conv, delta, state, layer_slot, span.slot))
+                continue
             y, conv, delta = self._mix(qkv[sl][None], g[sl][None], beta[sl][None], w,
                                        conv, delta)
             state.write(layer_slot, slice(span.slot, span.slot + 1), conv, delta)
@@ -164,19 +170,10 @@ class GatedDeltaNet:
 
         Returns (y [n, T, v_heads, v_dim] float32, conv state, delta state).
         """
-        n, steps, _ = qkv.shape
+        steps = qkv.shape[1]
         window = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [n, T+k-1, c]
         new_conv = window[:, window.shape[1] - (self.kernel - 1):]
-        mixed = silu(mx.conv1d(window, w.conv, groups=window.shape[-1]))  # [n, T, c]
-        kw = self.key_width
-        q = mixed[..., :kw].reshape(n, steps, self.k_heads, self.k_dim)
-        k = mixed[..., kw:2 * kw].reshape(n, steps, self.k_heads, self.k_dim)
-        v = mixed[..., 2 * kw:].reshape(n, steps, self.v_heads, self.v_dim).astype(mx.float32)
-        q = l2_normalize(q) * self.k_dim**-0.5
-        k = l2_normalize(k)
-        if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
-            q = mx.repeat(q, self.v_heads // self.k_heads, axis=2)
-            k = mx.repeat(k, self.v_heads // self.k_heads, axis=2)
+        q, k, v = self._conv_qkv(window, w)
         if steps == 1:  # decode rows: the one-step recurrence, batched over their slots
             y, delta_state = delta_step(delta_state, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                                         beta[:, 0])
@@ -188,6 +185,50 @@ class GatedDeltaNet:
                                          g[:, part], beta[:, part])
             ys.append(y)
         return (ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)), new_conv, delta_state
+
+    def _conv_qkv(self, window: mx.array, w: DeltaNetWeights,
+                  ) -> tuple[mx.array, mx.array, mx.array]:
+        """The short conv over window [n, T + k - 1, c], then q, k [n, T, v_heads, k_dim]
+        (normalised, one per value head) and v [n, T, v_heads, v_dim] float32."""
+        n, steps = window.shape[0], window.shape[1] - (self.kernel - 1)
+        mixed = silu(mx.conv1d(window, w.conv, groups=window.shape[-1]))  # [n, T, c]
+        kw = self.key_width
+        q = mixed[..., :kw].reshape(n, steps, self.k_heads, self.k_dim)
+        k = mixed[..., kw:2 * kw].reshape(n, steps, self.k_heads, self.k_dim)
+        v = mixed[..., 2 * kw:].reshape(n, steps, self.v_heads, self.v_dim).astype(mx.float32)
+        q = l2_normalize(q) * self.k_dim**-0.5
+        k = l2_normalize(k)
+        if self.v_heads != self.k_heads:  # each key head serves consecutive value heads
+            q = mx.repeat(q, self.v_heads // self.k_heads, axis=2)
+            k = mx.repeat(k, self.v_heads // self.k_heads, axis=2)
+        return q, k, v
+
+    def _verify(self, qkv: mx.array, g: mx.array, beta: mx.array, w: DeltaNetWeights,
+                conv_state: mx.array, delta_state: mx.array, state: RecurrentState,
+                layer_slot: int, slot: int) -> mx.array:
+        """A verify entry's L rows through the decode step, a row at a time, keeping the
+        state after each row but the last: the next entry may keep any prefix of them. The
+        chunked form would give the last row's state alone, and other bits than decode
+        rows give.
+
+        qkv [1, L, c], g and beta [1, L, v_heads], the slot's states. Returns y [L, v_heads,
+        v_dim] float32, and leaves the last row's state live.
+        """
+        steps = qkv.shape[1]
+        window = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [1, L+k-1, c]
+        # Each row's own window, as a decode row sees it: [L, k, c], one conv batch.
+        windows = mx.concatenate([window[:, row:row + self.kernel] for row in range(steps)])
+        q, k, v = self._conv_qkv(windows, w)  # [L, 1, heads, dim]
+        ys = []
+        for row in range(steps):  # the recurrence itself is sequential
+            at = slice(row, row + 1)
+            y, delta_state = delta_step(delta_state, q[at, 0], k[at, 0], v[at, 0],
+                                        g[:, row], beta[:, row])
+            ys.append(y)
+            if row < steps - 1:
+                state.keep_row(layer_slot, slot, row, windows[at, 1:], delta_state)
+        state.write(layer_slot, slice(slot, slot + 1), windows[-1:, 1:], delta_state)
+        return mx.concatenate(ys)
 
 
 def gated_attention(x: mx.array, w: LayerWeights, config: ModelConfig, rope: Rope,
