@@ -13,6 +13,12 @@ of its kept positions. KV rows stay valid for every position they hold. A recurr
 full prompt chunk ended (`snapshot`), and resumes there alone. Every stage keeps the same
 record from the same plans, so a resume that any stage could not serve is refused by name
 on every stage, never served from different positions.
+
+A verify entry (`StreamEntry.verifies`: a stream's newest token and its drafted tokens)
+may be kept in part: the next entry's `accepted` says how many of its rows stay. KV rows
+roll back by the offset alone. A hybrid's stages keep the recurrent state after each row
+of a slot's last verify entry, so a hybrid keeps any prefix of a verify entry too, and
+refuses a rollback only after any other entry, whose per-row states no stage kept.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ class Slot:
     last_rows: int = 0  # rows the previous round added, for `accepted`
     kept: int = 0  # closed: positions [0, kept) of KV rows a RESUME may restart from
     snapshot: int = 0  # recurrent state saved at this position (0: none), on a hybrid
+    # The previous round's entry was a verify entry: a hybrid's stages kept the recurrent
+    # state after each of its rows, so the next entry may keep fewer of them.
+    last_verified: bool = False
 
 
 class SlotTable:
@@ -41,13 +50,23 @@ class SlotTable:
         self.parallel = parallel
         self.context = context
         # False where the state has a recurrent part (a Gated DeltaNet layer's), which is
-        # overwritten every token: a keep cannot be undone by moving the offset back.
+        # overwritten every token: a keep cannot be undone by moving the offset back, only
+        # from the per-row states a verify entry kept (`restores_draft`).
         self.can_roll_back = can_roll_back
         # The prompt chunk: a hybrid saves its recurrent state where a multi-row entry ends
         # on a multiple of it (0: never). Rank 0 reuses only such full, aligned chunks, so
         # a resumed prompt runs the very chunks a fresh one would from there on.
         self.chunk = chunk
         self.slots = [Slot() for _ in range(parallel)]
+
+    @property
+    def keeps_drafts(self) -> bool:
+        """Whether a CONTINUE after a verify entry may keep any prefix of its rows (`accepted`
+        from 1 to all of them), what a speculative round needs: a dense state rolls back by
+        the offset, a hybrid's from the recurrent states its stages kept after each row of
+        the verify entry (engine/backends/*/recurrent_state.py). True on every table now;
+        the lane host reads it rather than the state's kind, so it need not know why."""
+        return True
 
     def in_use(self) -> int:
         return sum(s.open for s in self.slots)
@@ -93,9 +112,7 @@ class SlotTable:
                 )
             if e.op == Op.CONTINUE and e.accepted < slot.last_rows \
                     and not self.can_roll_back:
-                raise BadEntry(
-                    f"stream {e.stream_id}: rollback to {e.accepted} of {slot.last_rows} rows "
-                    f"refused: this model's recurrent (Gated DeltaNet) state cannot be trimmed")
+                self._check_hybrid_keep(e, slot)
         if e.op in (Op.OPEN, Op.CONTINUE, Op.RESUME):
             kept = {Op.OPEN: 0, Op.RESUME: e.resume}.get(
                 e.op, slot.offset - slot.last_rows + e.accepted)
@@ -105,6 +122,18 @@ class SlotTable:
                 raise BadEntry(
                     f"stream {e.stream_id}: rows up to position {e.end} exceed context {self.context}"
                 )
+
+    def _check_hybrid_keep(self, e: StreamEntry, slot: Slot) -> None:
+        """A hybrid keeps part of a round only where its stages kept the recurrent state
+        after each row (a verify entry), and at least that entry's first row: the state
+        before it was overwritten by it."""
+        where = f"stream {e.stream_id}: rollback to {e.accepted} of {slot.last_rows} rows"
+        if not slot.last_verified:
+            raise BadEntry(f"{where} refused: this model's recurrent (Gated DeltaNet) state "
+                           f"cannot be trimmed after an entry that is not a verify entry")
+        if e.accepted < 1:
+            raise BadEntry(f"{where} refused: a verify entry keeps at least its first row "
+                           f"on a model with recurrent (Gated DeltaNet) state")
 
     def _check_resume(self, e: StreamEntry, slot: Slot) -> None:
         where = f"stream {e.stream_id}: resume at {e.resume}"
@@ -139,10 +168,24 @@ class SlotTable:
             slot = replace(slot, generation=slot.generation + 1)
         if self.saves_snapshot(e):
             slot = replace(slot, snapshot=e.end)
-        self.slots[e.stream_id] = replace(slot, offset=e.end, last_rows=e.rows)
+        self.slots[e.stream_id] = replace(slot, offset=e.end, last_rows=e.rows,
+                                          last_verified=e.verifies)
 
     def saves_snapshot(self, e: StreamEntry) -> bool:
         """Whether a hybrid saves this entry's slot's recurrent state once its rows ran: a
-        prompt chunk (more than one row) that ends on a multiple of the chunk."""
+        prompt chunk (more than one row, not a verify entry) that ends on a multiple of the
+        chunk. A verify entry's rows may be dropped by the next entry, so its end is no
+        resume point. A prompt's CONTINUE chunk of 2 to VERIFY_ROWS rows reads as a verify
+        entry too (the plan carries no mark), so it saves none either; rank 0's record of
+        the snapshot (engine.lanes.prompt_cache.ChunkRecord) keeps the same rule."""
         return (not self.can_roll_back and self.chunk > 0 and e.rows > 1
-                and e.end % self.chunk == 0)
+                and not e.verifies and e.end % self.chunk == 0)
+
+    def restores_draft(self, e: StreamEntry) -> bool:
+        """Whether a hybrid must put this entry's slot's recurrent state back to where row
+        `e.accepted` of its last verify entry left it, before the entry runs. Read before
+        `apply` (it reads the slot as the previous round left it). Keeping every row needs
+        nothing: the live state is already the last row's."""
+        slot = self.slots[e.stream_id]
+        return (not self.can_roll_back and e.op == Op.CONTINUE and slot.last_verified
+                and e.accepted < slot.last_rows)

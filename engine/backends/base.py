@@ -159,7 +159,14 @@ class Stage(ABC):
             raise BackendError(f"round {plan.round_no}: the plan runs {plan.total_rows} rows, "
                                f"this stage was given {given}")
         saving = [e.stream_id for e in plan.entries if self.slots.saves_snapshot(e)]
+        # Read before the table moves: whether each slot's last entry was a verify entry.
+        keeping = [e for e in plan.entries if self.slots.restores_draft(e)]
         self.slots.apply(plan)
+        # A hybrid keeps part of a verify entry from the states kept after its rows; before
+        # the return below, since the table moved even for an entry of no rows.
+        with self._computing():
+            for entry in keeping:
+                self.model.cache.keep_verified(entry.stream_id, entry.accepted)
         if not plan.total_rows:  # only closes and cancels: nothing to compute
             return self._empty_rows()
         with self._computing():

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.rounds import Op, is_verify
+
 
 @dataclass(frozen=True)
 class KeptPrompt:
@@ -39,10 +41,17 @@ class ChunkRecord:
     exact_until: int = 0  # positions [0, exact_until) ran as full aligned chunks
     snapshot: int = 0  # where a hybrid stage last saved the recurrent state (SlotTable's rule)
     broken: bool = False  # a chunk ran short or off the grid: nothing past it is exact
+    entries: int = 0  # prompt entries run: the first is the OPEN or RESUME, the rest CONTINUEs
 
     def ran(self, first: int, rows: int) -> None:
         """A prompt entry of the stream ran `rows` rows from position `first`."""
-        if rows > 1 and (first + rows) % self.chunk == 0:
+        # SlotTable.saves_snapshot's rule: no snapshot where a verify entry ends, and a
+        # CONTINUE chunk of 2 to VERIFY_ROWS rows reads as one on every stage (the plan
+        # carries no mark). Such a prompt tail only returns more rows than it needs and, on
+        # a hybrid, saves no resume point there.
+        verifies = is_verify(Op.CONTINUE if self.entries else Op.OPEN, rows)
+        self.entries += 1
+        if rows > 1 and not verifies and (first + rows) % self.chunk == 0:
             self.snapshot = first + rows
         if not self.broken and first == self.exact_until and rows == self.chunk:
             self.exact_until += rows

@@ -89,14 +89,98 @@ def test_a_cancel_or_a_fresh_open_keeps_nothing():
 
 
 def test_a_recurrent_state_resumes_only_where_a_full_chunk_saved_it():
-    table = SlotTable(parallel=1, context=64, can_roll_back=False, chunk=8)
-    table.apply(plan(StreamEntry(0, Op.OPEN, 0, 8, 0, 0, 0)))
-    table.apply(plan(StreamEntry(0, Op.CONTINUE, 8, 8, 8, 0, 0)))
-    table.apply(plan(StreamEntry(0, Op.CONTINUE, 16, 5, 8, 0, 0)))  # 21: not on the grid
-    table.apply(plan(StreamEntry(0, Op.CONTINUE, 21, 1, 5, 0, 0)))  # a decode row
+    # A chunk of 16: its CONTINUE chunks are longer than a verify entry (VERIFY_ROWS).
+    table = SlotTable(parallel=1, context=64, can_roll_back=False, chunk=16)
+    table.apply(plan(StreamEntry(0, Op.OPEN, 0, 16, 0, 0, 0)))
+    table.apply(plan(StreamEntry(0, Op.CONTINUE, 16, 16, 16, 0, 0)))
+    table.apply(plan(StreamEntry(0, Op.CONTINUE, 32, 11, 16, 0, 0)))  # 43: not on the grid
+    table.apply(plan(StreamEntry(0, Op.CONTINUE, 43, 1, 11, 0, 0)))  # a decode row
     table.apply(plan(StreamEntry(0, Op.CLOSE, 0, 0, 0, 0, 0)))
-    assert (table.slots[0].kept, table.slots[0].snapshot) == (22, 16)
-    with pytest.raises(BadEntry, match="saved that slot's recurrent .* state at 16"):
-        table.apply(plan(StreamEntry(0, Op.RESUME, 8, 2, 0, 8, 1)))
-    table.apply(plan(StreamEntry(0, Op.RESUME, 16, 2, 0, 16, 1)))
-    assert table.slots[0].snapshot == 16
+    assert (table.slots[0].kept, table.slots[0].snapshot) == (44, 32)
+    with pytest.raises(BadEntry, match="saved that slot's recurrent .* state at 32"):
+        table.apply(plan(StreamEntry(0, Op.RESUME, 16, 2, 0, 16, 1)))
+    table.apply(plan(StreamEntry(0, Op.RESUME, 32, 2, 0, 32, 1)))
+    assert table.slots[0].snapshot == 32
+
+
+def test_a_verify_entry_saves_no_snapshot_even_on_the_chunk_grid():
+    """A CONTINUE of 2 to VERIFY_ROWS rows is a verify entry, a prompt chunk of that size
+    too (the plan carries no mark): the next entry may drop some of its rows, so its end is
+    no resume point."""
+    table = SlotTable(parallel=1, context=64, can_roll_back=False, chunk=8)
+    table.apply(plan(StreamEntry(0, Op.OPEN, 0, 8, 0, 0, 0)))  # an OPEN is no verify entry
+    assert table.slots[0].snapshot == 8
+    verify = StreamEntry(0, Op.CONTINUE, 8, 8, 8, 0, 0)  # ends on 16, on the grid
+    assert verify.verifies and not table.saves_snapshot(verify)
+    table.apply(plan(verify))
+    assert table.slots[0].snapshot == 8
+
+
+def hybrid_after(*entries: StreamEntry) -> SlotTable:
+    table = SlotTable(parallel=1, context=64, can_roll_back=False, chunk=16)
+    for round_no, entry in enumerate(entries, start=1):
+        table.apply(plan(entry, round_no=round_no))
+    return table
+
+
+def test_a_hybrid_keeps_any_prefix_of_a_verify_entry():
+    for accepted in range(1, 6):
+        table = hybrid_after(StreamEntry(0, Op.OPEN, 0, 10, 0, 0, 0),
+                             StreamEntry(0, Op.CONTINUE, 10, 5, 10, 0, 0))  # a verify entry
+        keep = StreamEntry(0, Op.CONTINUE, 10 + accepted, 1, accepted, 0, 0)
+        assert table.restores_draft(keep) == (accepted < 5)
+        table.apply(plan(keep, round_no=3))
+        slot = table.slots[0]
+        # A keep of fewer rows advances the generation, as a dense keep does.
+        assert (slot.offset, slot.generation) == (11 + accepted, int(accepted < 5))
+    assert table.keeps_drafts and SlotTable(1, 64).keeps_drafts
+
+
+@pytest.mark.parametrize("before, keep, words", [
+    # After a prompt chunk longer than a verify entry: no per-row states were kept.
+    (StreamEntry(0, Op.CONTINUE, 10, 12, 10, 0, 0), StreamEntry(0, Op.CONTINUE, 15, 1, 5, 0, 0),
+     "cannot be trimmed after an entry that is not a verify entry"),
+    # After a decode row (one row: no verify entry), a keep of none of it.
+    (StreamEntry(0, Op.CONTINUE, 10, 1, 10, 0, 0), StreamEntry(0, Op.CONTINUE, 10, 1, 0, 0, 0),
+     "cannot be trimmed after an entry that is not a verify entry"),
+    # After a verify entry, a keep of none of it: the state before it was overwritten.
+    (StreamEntry(0, Op.CONTINUE, 10, 4, 10, 0, 0), StreamEntry(0, Op.CONTINUE, 10, 1, 0, 0, 0),
+     "keeps at least its first row"),
+])
+def test_a_hybrid_refuses_a_keep_no_stage_can_serve_by_name(before, keep, words):
+    table = hybrid_after(StreamEntry(0, Op.OPEN, 0, 10, 0, 0, 0), before)
+    state = table.snapshot()
+    with pytest.raises(BadEntry, match=words):
+        table.apply(plan(keep, round_no=3))
+    assert table.snapshot() == state
+
+
+def test_a_dense_table_keeps_a_prefix_of_any_entry():
+    table = SlotTable(parallel=1, context=64)
+    table.apply(plan(StreamEntry(0, Op.OPEN, 0, 10, 0, 0, 0)))
+    table.apply(plan(StreamEntry(0, Op.CONTINUE, 10, 12, 10, 0, 0)))  # no verify entry
+    table.apply(plan(StreamEntry(0, Op.CONTINUE, 15, 1, 5, 0, 0)))
+    assert not table.restores_draft(StreamEntry(0, Op.CONTINUE, 16, 1, 0, 0, 1))
+    assert (table.slots[0].offset, table.slots[0].generation) == (16, 1)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 16])
+def test_rank_0s_record_saves_the_snapshot_where_the_stages_do(chunk):
+    """engine.lanes.prompt_cache.ChunkRecord follows a prompt's entries as rank 0 feeds
+    them; every stage's table follows the plans. Both must name the same resume point, for
+    every way of cutting a prompt into entries (verify-sized CONTINUEs among them)."""
+    import itertools
+
+    from engine.lanes.prompt_cache import ChunkRecord
+
+    sizes = (1, 2, chunk // 2, chunk, 8, 9, chunk + 8)
+    for cut in itertools.product(sizes, repeat=3):
+        table = SlotTable(parallel=1, context=256, can_roll_back=False, chunk=chunk)
+        record = ChunkRecord(chunk)
+        first, last_rows = 0, 0
+        for at, rows in enumerate(cut):
+            op = Op.OPEN if at == 0 else Op.CONTINUE
+            table.apply(plan(StreamEntry(0, op, first, rows, last_rows, 0, 0), round_no=at + 1))
+            record.ran(first, rows)
+            first, last_rows = first + rows, rows
+        assert record.snapshot == table.slots[0].snapshot, cut
