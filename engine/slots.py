@@ -59,15 +59,6 @@ class SlotTable:
         self.chunk = chunk
         self.slots = [Slot() for _ in range(parallel)]
 
-    @property
-    def keeps_drafts(self) -> bool:
-        """Whether a CONTINUE after a verify entry may keep any prefix of its rows (`accepted`
-        from 1 to all of them), what a speculative round needs: a dense state rolls back by
-        the offset, a hybrid's from the recurrent states its stages kept after each row of
-        the verify entry (engine/backends/*/recurrent_state.py). True on every table now;
-        the lane host reads it rather than the state's kind, so it need not know why."""
-        return True
-
     def in_use(self) -> int:
         return sum(s.open for s in self.slots)
 

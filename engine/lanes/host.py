@@ -226,12 +226,9 @@ class LaneHost:
         # recurrent (hybrid) state resumes only where it was saved.
         self.kept: list[KeptPrompt | None] = [None] * runner.slots.parallel
         self.recurrent = not runner.slots.can_roll_back
-        # Drafting needs every stage to keep any prefix of a verify entry; a hybrid's
-        # recurrent state cannot yet, so it decodes a row a round.
-        self.drafts = drafts if runner.slots.can_roll_back else None
-        if drafts is not None and self.drafts is None:
-            log.warning("drafting is off: this model's recurrent state cannot keep a "
-                        "verify round's accepted rows")
+        # Every stage keeps any prefix of a verify entry: a dense state by its offset, a
+        # hybrid's from the recurrent states kept after each of its rows (engine.slots).
+        self.drafts = drafts
         self.waiting: deque[Stream] = deque()
         self.failure: str | None = None
         self.draining = False

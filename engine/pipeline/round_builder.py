@@ -4,7 +4,9 @@ Rank 0's lane host and the harness's round driver both decide rounds here and th
 what comes back; nothing here changes a stream, a queue or a slot. Every live lane rides
 every round: a decode row each (at most `decode_rows` of them, in slot order, when rounds
 are grouped to keep several stages busy), and prompt rows up to the round's chunk budget,
-shared in slot order. A busy lane (its stream waits for a round in flight) rides nothing. A lane whose stream has ended closes (or cancels) its open slot, or, if the
+shared in slot order; a decode row's drafts (a verify entry) share that budget too, so no
+round carries more than `parallel + chunk` rows, what every stage's buffers and the link's
+bound are sized for. A busy lane (its stream waits for a round in flight) rides nothing. A lane whose stream has ended closes (or cancels) its open slot, or, if the
 slot never opened, is simply emptied. Waiters take the lanes that are empty at the start
 of the round, in arrival order, and ride the same round.
 """
@@ -88,6 +90,10 @@ def build_round(inputs: RoundInputs) -> BuiltRound:
         if lane.chunked and budget is not None:
             rows = min(rows, budget)
             budget -= rows
+        elif rows > 1 and budget is not None:  # a decode row and its drafts
+            drafts = min(rows - 1, budget)
+            budget -= drafts
+            rows = 1 + drafts
         if rows == 0:
             continue  # the budget is spent (this prompt waits for the next round), or busy
         if not lane.chunked and decode_budget is not None:

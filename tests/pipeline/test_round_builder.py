@@ -36,6 +36,25 @@ def test_prompt_rows_share_the_chunk_budget_in_slot_order_and_decode_rows_ride_f
     assert (built.taken, built.admitted, built.released) == (0, (), ())
 
 
+def test_drafts_share_the_chunk_budget_and_a_keep_names_the_rows_that_stay():
+    """A decode row always rides; its drafts take what the chunk budget leaves, so a round
+    never carries more than parallel + chunk rows; `accepted` is the lane's keep."""
+    inputs = RoundInputs(
+        round_no=4, chunk=4,
+        lanes=(Lane((10, 11, 12), 20, accepted=2),  # a decode row, 2 drafts; kept 2 of 4
+               Lane((30, 31, 32, 33, 34), 0, chunked=True),  # a prompt: the 2 rows left
+               Lane((40, 41, 42), 7)),  # its drafts find the budget spent
+        slots=(opened(22, last_rows=4), CLOSED, opened(7)))
+    built = build_round(inputs)
+    assert built.plan.entries == (
+        StreamEntry(0, Op.CONTINUE, 20, 3, 2, 0, 0),
+        StreamEntry(1, Op.OPEN, 0, 2, 0, 0, 0),
+        StreamEntry(2, Op.CONTINUE, 7, 1, 1, 0, 0))
+    assert built.token_ids == (10, 11, 12, 30, 31, 40)
+    assert built.plan.entries[0].verifies and not built.plan.entries[2].verifies
+    assert built.plan.returned_rows() == [0, 1, 2, 4, 5]
+
+
 def test_a_prompts_next_chunk_continues_where_its_slot_stands():
     inputs = RoundInputs(round_no=2, chunk=3, lanes=(Lane((5, 6, 7, 8), 3, chunked=True),),
                          slots=(opened(3, last_rows=3),))
