@@ -64,6 +64,13 @@ for what in "$@"; do
         tests/pipeline/test_drafting.py -k cuda
       step verify-8b 240 python3 bench/verify_rounds.py --device cuda --preset 8b
       ;;
+    gpu-checks)  # this session's changes on CUDA: hybrids, drafting, the kernels' checks
+      step test_qwen3_5_cuda 120 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_qwen3_5_cuda.py
+      step test_drafting 100 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/pipeline/test_drafting.py -k cuda
+      step test_kernels_cuda 130 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_kernels_cuda.py ;;
     verify-hybrid) step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda \
         --hybrid --layers 8 ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
