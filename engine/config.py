@@ -170,10 +170,12 @@ class ModelConfig:
         """Channels of a DeltaNet layer's short convolution: q, k and v side by side."""
         return 2 * self.linear_key_width + self.linear_value_width
 
-    def recurrent_state_elements(self) -> int:
+    def recurrent_state_elements(self, drafting: bool = False) -> int:
         """Values one DeltaNet layer keeps per slot: the conv window and the delta-rule state,
-        live, as the prompt cache saved them, and after the rows of a verify entry."""
-        return sum(math.prod(t.shape) for t in RECURRENT.tensors(self))
+        live and as the prompt cache saved them, and where the model drafts, after the rows
+        of a verify entry too."""
+        return sum(math.prod(t.shape) for t in RECURRENT.tensors(self)
+                   if drafting or not t.drafting)
 
     @property
     def q_width(self) -> int:

@@ -46,13 +46,16 @@ class Slot:
 
 class SlotTable:
     def __init__(self, parallel: int, context: int, *, can_roll_back: bool = True,
-                 chunk: int = 0) -> None:
+                 chunk: int = 0, keeps_verify_rows: bool = True) -> None:
         self.parallel = parallel
         self.context = context
         # False where the state has a recurrent part (a Gated DeltaNet layer's), which is
         # overwritten every token: a keep cannot be undone by moving the offset back, only
         # from the per-row states a verify entry kept (`restores_draft`).
         self.can_roll_back = can_roll_back
+        # Whether a hybrid's stages keep those per-row states: only where the model drafts
+        # (FLEET_DRAFTER), since for a 27B they take as much again as the live state 7 times.
+        self.keeps_verify_rows = keeps_verify_rows
         # The prompt chunk: a hybrid saves its recurrent state where a multi-row entry ends
         # on a multiple of it (0: never). Rank 0 reuses only such full, aligned chunks, so
         # a resumed prompt runs the very chunks a fresh one would from there on.
@@ -122,6 +125,9 @@ class SlotTable:
         if not slot.last_verified:
             raise BadEntry(f"{where} refused: this model's recurrent (Gated DeltaNet) state "
                            f"cannot be trimmed after an entry that is not a verify entry")
+        if not self.keeps_verify_rows:
+            raise BadEntry(f"{where} refused: this stage keeps no recurrent (Gated DeltaNet) "
+                           f"state per verify row (its model does not draft)")
         if e.accepted < 1:
             raise BadEntry(f"{where} refused: a verify entry keeps at least its first row "
                            f"on a model with recurrent (Gated DeltaNet) state")

@@ -33,7 +33,9 @@ def read_config(spec: ModelSpec) -> tuple[dict[str, Any], ModelShape] | str:
             # `torch_dtype`), by the engine's own rule, so a float32 checkpoint counts 4 bytes;
             # a quantized one's packed weights as the model's backends will hold them.
             dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
-            return raw, model_shape_from_config(raw, dtype_bytes, spec.backends)
+            # A drafting hybrid's stages keep a recurrent state per verify row too.
+            return raw, model_shape_from_config(raw, dtype_bytes, spec.backends,
+                                                drafting=spec.drafter != "off")
         except (ShapeError, ConfigError, TypeError) as exc:
             return f"{config_path}: {exc}"
     return (f"no checkpoint path of {spec.id} has a readable config.json on the supervisor's "

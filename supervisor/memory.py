@@ -239,7 +239,7 @@ def format_bytes(count: float) -> str:
 
 
 def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
-                            backends: Sequence[str] = ()) -> ModelShape:
+                            backends: Sequence[str] = (), drafting: bool = False) -> ModelShape:
     """Byte counts of a decoder from its Hugging Face `config.json`, per layer type.
 
     Every count is the family's description's (`engine.families`): each layer kind's tensors
@@ -257,7 +257,7 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
         raise ShapeError(str(exc)) from exc
     types = {kind.name: LayerType(kind.name, kind.weight_elements(config) * dtype_bytes,
                                   kind.state_bytes(config, dtype_bytes, "position"),
-                                  kind.state_bytes(config, dtype_bytes, "slot"))
+                                  kind.state_bytes(config, dtype_bytes, "slot", drafting))
              for kind in config.family.layer_kinds if kind.name in config.layer_types}
     ends = {t.field: t.elements * dtype_bytes for t in config.family.end_tensors(config)}
     embedding, head = ends["embed"], ends.get("head", 0)

@@ -59,7 +59,9 @@ def cache_stages(env: EngineEnv, config: ModelConfig) -> tuple[CacheStage, ...]:
     the description says)."""
     layout = env.layout or (env.layer_range or (0, config.num_hidden_layers),)
     itemsize = RowFormat.of(config).itemsize
-    return tuple(CacheStage(rank, layers, slot_state_bytes(config, layers, env.context, itemsize))
+    drafting = env.drafter != "off"
+    return tuple(CacheStage(rank, layers, slot_state_bytes(config, layers, env.context, itemsize,
+                                                           drafting))
                  for rank, layers in enumerate(layout))
 
 

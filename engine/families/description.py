@@ -57,6 +57,7 @@ class StateTensor:
     name: str
     shape: tuple[int, ...]
     float32: bool = False
+    drafting: bool = False  # held only by a stage whose model drafts (verify rounds)
 
     def nbytes(self, itemsize: int) -> int:
         return math.prod(self.shape) * (FLOAT32_BYTES if self.float32 else itemsize)
@@ -75,8 +76,9 @@ class StateKind:
         if self.per not in ("position", "slot"):
             raise ValueError(f"StateKind {self.name!r}: per must be 'position' or 'slot'")
 
-    def nbytes(self, config: ModelConfig, itemsize: int) -> int:
-        return sum(t.nbytes(itemsize) for t in self.tensors(config))
+    def nbytes(self, config: ModelConfig, itemsize: int, drafting: bool = False) -> int:
+        return sum(t.nbytes(itemsize) for t in self.tensors(config)
+                   if drafting or not t.drafting)
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,11 @@ class LayerKind:
     def weight_elements(self, config: ModelConfig) -> int:
         return sum(t.elements for t in self.tensors(config))
 
-    def state_bytes(self, config: ModelConfig, itemsize: int, per: str) -> int:
-        """Bytes of this kind's state per position or per slot."""
-        return sum(s.nbytes(config, itemsize) for s in self.states if s.per == per)
+    def state_bytes(self, config: ModelConfig, itemsize: int, per: str,
+                    drafting: bool = False) -> int:
+        """Bytes of this kind's state per position or per slot (`drafting`: a stage whose
+        model drafts, which keeps more)."""
+        return sum(s.nbytes(config, itemsize, drafting) for s in self.states if s.per == per)
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ def tensor_name(config: ModelConfig, tensor: Tensor, layer: int | None = None) -
 
 
 def slot_state_bytes(config: ModelConfig, layer_range: tuple[int, int], context: int,
-                     itemsize: int) -> int:
+                     itemsize: int, drafting: bool = False) -> int:
     """What one slot's state takes on a stage of `layer_range`: each layer's KV for `context`
     positions and its recurrent state (both copies), as the stage preallocates it and
     `supervisor.memory` charges it (tests/supervisor/test_memory_families.py holds the
@@ -171,5 +175,5 @@ def slot_state_bytes(config: ModelConfig, layer_range: tuple[int, int], context:
     for layer in range(*layer_range):
         kind = config.family.layer_kind(config, layer)
         total += (kind.state_bytes(config, itemsize, "position") * context
-                  + kind.state_bytes(config, itemsize, "slot"))
+                  + kind.state_bytes(config, itemsize, "slot", drafting))
     return total

@@ -42,8 +42,8 @@ def _recurrent(config: ModelConfig) -> tuple[StateTensor, ...]:
              config.linear_value_head_dim)
     return (StateTensor("conv", conv), StateTensor("delta", delta, float32=True),
             StateTensor("saved_conv", conv), StateTensor("saved_delta", delta, float32=True),
-            StateTensor("verify_conv", (VERIFY_STATES, *conv)),
-            StateTensor("verify_delta", (VERIFY_STATES, *delta), float32=True))
+            StateTensor("verify_conv", (VERIFY_STATES, *conv), drafting=True),
+            StateTensor("verify_delta", (VERIFY_STATES, *delta), float32=True, drafting=True))
 
 
 KV = StateKind("kv", "position", _kv)

@@ -61,12 +61,14 @@ def local_pipeline(model_dir: Path, stages: list[tuple[int, int]], run_dir: Path
 
 def whole_runner(model_dir: Path, *, backend: str = "torch-cpu", parallel: int = 4,
                  context: int = 512, chunk: int = 64, cuda_graphs: bool = True,
-                 depth: int = 1) -> LocalRunner:
+                 depth: int = 1, drafter: str = "off") -> LocalRunner:
     """The whole model in this process; `depth` groups rounds as a pipeline of that many
-    stages would (the same row batches, so a pipeline can be held to it byte for byte)."""
+    stages would (the same row batches, so a pipeline can be held to it byte for byte);
+    `drafter` as FLEET_DRAFTER (a hybrid keeps per-verify-row states only where it drafts)."""
     env = EngineEnv.from_environ({"FLEET_MODEL": str(model_dir), "FLEET_BACKEND": backend,
                                   "FLEET_PARALLEL": str(parallel), "FLEET_CONTEXT": str(context),
                                   "FLEET_CHUNK": str(chunk),
-                                  "FLEET_CUDA_GRAPHS": "1" if cuda_graphs else "0"})
+                                  "FLEET_CUDA_GRAPHS": "1" if cuda_graphs else "0",
+                                  "FLEET_DRAFTER": drafter})
     return LocalRunner(load_stage(StageSpec.of(env, model_config(model_dir).num_hidden_layers)),
                        depth=depth)

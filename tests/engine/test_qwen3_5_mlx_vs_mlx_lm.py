@@ -128,9 +128,10 @@ def mlx_lm_model(model_dir: Path):
     return model
 
 
-def mlx_stage(model_dir: Path, layers: tuple[int, int] | None = None, *, parallel: int = 4):
+def mlx_stage(model_dir: Path, layers: tuple[int, int] | None = None, *, parallel: int = 4,
+              drafting: bool = False):
     return load_stage(StageSpec(model_dir, layers or (0, LAYERS), "mlx-cpu",
-                                parallel, 256, 64))
+                                parallel, 256, 64, drafting=drafting))
 
 
 def prompt_batch(seed: int) -> list[list[int]]:
@@ -215,6 +216,12 @@ def test_state_counts_both_layer_types(hybrid_model):
     kv = 3 * 256 * 2 * c.kv_width * 4  # one attention layer (3) in 2:5, float32
     recurrent = 2 * 3 * c.recurrent_state_elements() * 4  # two DeltaNet layers (2, 4)
     assert stage.state_nbytes == kv + recurrent
+    # A stage of a model that drafts keeps each verify row's state too: 7 copies more.
+    drafting = mlx_stage(hybrid_model(), (2, 5), parallel=3, drafting=True)
+    per_copy = 2 * 3 * (c.linear_conv_width * (c.linear_conv_kernel_dim - 1)
+                        + c.linear_num_value_heads * c.linear_key_head_dim
+                        * c.linear_value_head_dim) * 4
+    assert drafting.state_nbytes - stage.state_nbytes == 7 * per_copy
 
 
 @pytest.mark.parametrize("layers", [(0, 2), (2, 5), (4, 8)])

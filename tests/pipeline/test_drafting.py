@@ -242,11 +242,11 @@ def test_a_hybrids_replies_are_the_same_with_a_drafter_whole_and_split(make_mode
     plain = serve(whole_runner(model_dir, backend=backend, chunk=CHUNK), model_dir, requests,
                   drafts=None)
     drafts = DraftPolicy(KnownReplies(requests, plain), VERIFY_ROWS - 1)
-    whole = serve(whole_runner(model_dir, backend=backend, chunk=CHUNK), model_dir, requests,
-                  drafts=drafts)
+    whole = serve(whole_runner(model_dir, backend=backend, chunk=CHUNK, drafter="ngram"),
+                  model_dir, requests, drafts=drafts)
     check_same_up_to_ties(plain, whole, 1e-4)
     with pipeline(model_dir, [(0, 1), (1, 4)], tmp_path, backends=[backend] * 2,
-                  chunk=CHUNK) as runner:
+                  chunk=CHUNK, extra_env={"FLEET_DRAFTER": "ngram"}) as runner:
         split = serve(runner, model_dir, requests, drafts=drafts)
     check_same_up_to_ties(plain, split, 1e-4)
     accepted = sum(r.done.accepted_tokens for r in whole)

@@ -171,11 +171,16 @@ def test_hybrid_byte_counts_match_transformers(tie: bool, conditional: bool):
     full, linear = shape.layers[2], shape.layers[0]
     assert full.kv_bytes_per_position == 2 * 2 * 16 * 2 and full.state_bytes_per_slot == 0
     # conv window (kernel - 1) x (2 key + 1 value widths) in the weights' dtype, and the
-    # delta-rule state value heads x key dim x value dim, counted in float32; nine times,
-    # since each slot also keeps the prompt cache's saved copy of both (docs/prompt-cache.md)
-    # and one after each row but the last of a verify entry, 8 rows (docs/exactness.md)
+    # delta-rule state value heads x key dim x value dim, counted in float32; twice, since
+    # each slot also keeps the prompt cache's saved copy of both (docs/prompt-cache.md); and
+    # where the model drafts, once more after each row but the last of a verify entry, 8
+    # rows (docs/exactness.md)
+    one = 3 * (2 * 16 + 48) * 2 + 4 * 8 * 12 * 4
     assert linear.kv_bytes_per_position == 0
-    assert linear.state_bytes_per_slot == (2 + 7) * (3 * (2 * 16 + 48) * 2 + 4 * 8 * 12 * 4)
+    assert linear.state_bytes_per_slot == 2 * one
+    drafting = model_shape_from_config(config, 2, drafting=True)
+    assert drafting.layers[0].state_bytes_per_slot == (2 + 7) * one
+    assert drafting.layers[2].kv_bytes_per_position == full.kv_bytes_per_position
 
 
 def test_sixty_four_hybrid_layers_on_many_nodes_runs():

@@ -37,6 +37,7 @@ from engine.backends.mlx.llama import Rope, linear, mlp
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.backends.mlx.recurrent_state import HybridIndex, HybridState, RecurrentState
 from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.families.kinds import VERIFY_STATES
 from engine.family import DeltaNetWeights, LayerWeights, load_range
 from engine.rounds import RowLayout
 
@@ -278,7 +279,7 @@ class Qwen35Range:
 
     @staticmethod
     def state_for(config: ModelConfig, layer_range: tuple[int, int], slots: int, context: int,
-                  dtype: mx.Dtype) -> HybridState:
+                  dtype: mx.Dtype, verify_states: int) -> HybridState:
         """Preallocated KV for the range's attention layers, recurrent state for the rest."""
         types = [config.layer_type(i) for i in range(*layer_range)]
         deltanet = types.count(LINEAR_ATTENTION)
@@ -287,7 +288,7 @@ class Qwen35Range:
         recurrent = RecurrentState(deltanet, slots, config.linear_conv_kernel_dim,
                                    config.linear_conv_width, config.linear_num_value_heads,
                                    config.linear_value_head_dim, config.linear_key_head_dim,
-                                   dtype)
+                                   dtype, verify_states)
         return HybridState(kv, recurrent)
 
     def round_index(self, layout: RowLayout) -> HybridIndex:
@@ -333,5 +334,6 @@ def build_range(config: ModelConfig, spec: StageSpec,
                 dtype: mx.Dtype, on_layer: Callable[[int], None] | None = None) -> Qwen35Range:
     """The stage's range, KV for its attention layers and recurrent state for its DeltaNet
     layers: this family's entry for the MLX stage."""
-    state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel, spec.context, dtype)
+    state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel, spec.context, dtype,
+                                  VERIFY_STATES if spec.drafting else 0)
     return Qwen35Range(config, spec.layer_range, load, state, Rope(config), on_layer)

@@ -59,7 +59,8 @@ class RecurrentState:
     """Conv and delta-rule state of `layers` DeltaNet layers for `slots` slots."""
 
     def __init__(self, layers: int, slots: int, conv_kernel: int, conv_dim: int,
-                 v_heads: int, v_dim: int, k_dim: int, dtype: mx.Dtype) -> None:
+                 v_heads: int, v_dim: int, k_dim: int, dtype: mx.Dtype,
+                 verify_states: int = VERIFY_STATES) -> None:
         self.conv = [mx.zeros((slots, conv_kernel - 1, conv_dim), dtype=dtype)
                      for _ in range(layers)]
         self.delta = [mx.zeros((slots, v_heads, v_dim, k_dim), dtype=mx.float32)
@@ -69,10 +70,12 @@ class RecurrentState:
         self.saved_conv = [mx.zeros_like(a) for a in self.conv]
         self.saved_delta = [mx.zeros_like(a) for a in self.delta]
         # Each slot's state after each row but the last of its last verify entry:
-        # [slots, VERIFY_STATES, ...] a layer, what `restore_row` puts back.
-        self.verify_conv = [mx.zeros((slots, VERIFY_STATES, *a.shape[1:]), dtype=a.dtype)
+        # [slots, verify_states, ...] a layer, what `restore_row` puts back. None kept
+        # (verify_states 0) where the model does not draft: nothing rolls a verify entry back.
+        self.verify_states = verify_states
+        self.verify_conv = [mx.zeros((slots, verify_states, *a.shape[1:]), dtype=a.dtype)
                             for a in self.conv]
-        self.verify_delta = [mx.zeros((slots, VERIFY_STATES, *a.shape[1:]), dtype=a.dtype)
+        self.verify_delta = [mx.zeros((slots, verify_states, *a.shape[1:]), dtype=a.dtype)
                              for a in self.delta]
         mx.eval(self.arrays())
 
@@ -98,6 +101,8 @@ class RecurrentState:
                  delta: mx.array) -> None:
         """Keep one layer's state after row `row` of a verify entry: conv [1, k-1, c],
         delta [1, h, dv, dk]."""
+        if row >= self.verify_states:
+            return  # this stage keeps no per-row state (its model does not draft)
         self.verify_conv[layer][slot, row] = conv[0].astype(self.conv[layer].dtype)
         self.verify_delta[layer][slot, row] = delta[0]
 
