@@ -7,7 +7,8 @@
 # a packed stage's round kernel by kernel),
 # anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py),
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
-# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape).
+# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
+# hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -73,6 +74,17 @@ for what in "$@"; do
         tests/engine/test_kernels_cuda.py ;;
     verify-hybrid) step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda \
         --hybrid --layers 8 ;;
+    hybrid-verify-checks)  # a hybrid's verify rows as decode rows, in captured graphs
+      step test_qwen3_5_verify 150 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_qwen3_5_verify.py -k cuda
+      step test_qwen3_5_cuda 120 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_qwen3_5_cuda.py ;;
+    graph-checks)  # the graphs' keys and the dense paths after a change to them
+      for f in tests/engine/test_cuda.py tests/engine/test_compiled_cuda.py; do
+        step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+      done
+      step test_drafting 100 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/pipeline/test_drafting.py -k cuda ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac
 done

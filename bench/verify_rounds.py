@@ -79,7 +79,8 @@ def main() -> int:
     streams = [int(s) for s in args.streams.split(",")]
     backend = "torch-cuda" if args.device == "cuda" else "torch-cpu"
     stage = load_stage(StageSpec(model_dir, (0, n_layers(model_dir)), backend, max(streams),
-                                 args.context, 512, cuda_graphs=not args.no_graphs))
+                                 args.context, 512, cuda_graphs=not args.no_graphs,
+                                 drafting=True))  # a hybrid keeps each verify row's state
     driver = RoundDriver(LocalRunner(stage))
     vocab = stage.config.vocab_size
     if args.device == "cuda":
@@ -97,6 +98,9 @@ def main() -> int:
             ms = round_ms(driver, n, k + 1, args.rounds, args.prompt, vocab, sync)
             rows.append([n, k, f"{ms:.2f}", f"{ms / plain:.2f}"])
             print(rows[-1], flush=True)
+    if getattr(stage, "graphs", None) is not None:
+        print(f"graphs captured: {len(stage.graphs.captured)} "
+              f"{sorted(stage.graphs.captured)}", flush=True)
     shape = f"hybrid, 27B layer shape, {args.layers} layers" if args.hybrid else args.preset
     table(f"Verify rounds against a decode round ({shape}, {backend}, "
           f"{'eager' if args.no_graphs else 'decode as CUDA graphs where there are'}, "

@@ -7,6 +7,7 @@ them on the wire (engine.link.messages).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
 from itertools import pairwise
@@ -128,9 +129,10 @@ class RowLayout:
     entry (a prompt chunk) attends over its own slot. With `verify_single`, a verify
     entry's rows are batched with the decode rows, one single row each at its own position
     (every row's K and V are written before any row attends, so each sees its entry's
-    earlier rows): the decode path's kernels and captured graphs then run them. A hybrid's
-    recurrent step cannot take two rows of one slot in one batch, so it keeps them a span,
-    marked (`RowSpan.verifies`): it runs their recurrence a row at a time.
+    earlier rows): the decode path's kernels and captured graphs then run them, and a
+    recurrent layer runs them in steps, row j of every slot at once (`rows_a_slot` steps).
+    Without it (a backend whose hybrid runs them so) a verify entry stays a span, marked
+    (`RowSpan.verifies`), whose recurrence runs a row at a time.
     """
 
     positions: list[int]  # per row
@@ -161,6 +163,11 @@ class RowLayout:
     def single_keys(self) -> int:
         """Keys the batched single rows need: [0, single_keys)."""
         return max(self.single_positions) + 1 if self.single_positions else 0
+
+    @property
+    def rows_a_slot(self) -> int:
+        """The most single rows one slot holds (1: decode rows only; 0: none)."""
+        return max(Counter(self.single_slots).values(), default=0)
 
     @property
     def single_run(self) -> tuple[int, int] | None:

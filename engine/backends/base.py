@@ -54,13 +54,15 @@ class StageSpec:
     delta_kernel: str = "auto"  # the gated delta rule's kernels: one of DELTA_KERNELS
     quant: str = "auto"  # FLEET_QUANT: how mlx-lm's packed weights are held (quant_policy)
     compile: str = "auto"  # FLEET_COMPILE: one of COMPILE_MODES
+    # Rank 0 drafts (FLEET_DRAFTER): a hybrid's stages keep a recurrent state per verify row.
+    drafting: bool = False
 
     @classmethod
     def of(cls, env: EngineEnv, n_layers: int) -> StageSpec:
         """The stage an engine's environment contract asks for, of a model of `n_layers`."""
         return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.slots,
                    env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
-                   quant=env.quant, compile=env.compile)
+                   quant=env.quant, compile=env.compile, drafting=env.drafter != "off")
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class Stage(ABC):
         self.hidden_size = config.hidden_size
         self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
         self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid,
-                               chunk=spec.chunk)
+                               chunk=spec.chunk, keeps_verify_rows=spec.drafting)
 
     @classmethod
     def load(cls, spec: StageSpec, checkpoint: Checkpoint | None = None,
@@ -175,7 +177,7 @@ class Stage(ABC):
                     if entry.op == Op.RESUME:
                         self.model.cache.restore_recurrent(entry.stream_id)
             x = self._embed(token_ids) if self.is_first else rows  # [rows, hidden]
-            layout = RowLayout.of(plan, verify_single=not self.config.is_hybrid)
+            layout = RowLayout.of(plan, verify_single=self.verify_rows_as_decode_rows)
             x = self._run_layers(x, layout)
             for slot in saving:  # where a full prompt chunk ended: a later RESUME's start
                 self.model.cache.save_recurrent(slot)
@@ -183,6 +185,13 @@ class Stage(ABC):
             if self.is_last and len(returned) < plan.total_rows:
                 x = self._take_rows(x, returned)  # [streams, hidden]
             return self._settle(x)
+
+    @property
+    def verify_rows_as_decode_rows(self) -> bool:
+        """Whether a verify entry's rows join the decode rows (`RowLayout.of`): on every
+        dense stage, and on a hybrid whose recurrent layers run them in steps; else they
+        stay a span, their recurrence a row at a time."""
+        return not self.config.is_hybrid
 
     def run_layers_again(self, rows: Any, layout: RowLayout) -> Any:
         """This range's layers over `rows` as a round of `layout` runs them, finished, with

@@ -34,7 +34,7 @@ def test_compiled_graphs_decode_the_eager_tokens(make_model, family, dtype, tole
     drivers = (stage_driver(eager), stage_driver(compiled))
     # 300 rounds: past 256 keys, a second key bucket, so a second graph shape.
     decided = teacher_forced_agreement(drivers, prompts, 300, tolerance)
-    assert {keys for (_run, _rows, keys) in compiled.graphs.captured} == {256, 320}
+    assert {keys for (_run, _rows, keys, _steps) in compiled.graphs.captured} == {256, 320}
     # Not vacuous: most rounds' top two are far enough apart to decide the token (587 of
     # 900 on an H200 at bfloat16's tolerance, with the Triton decode attention).
     assert decided >= 3 * 300 // 2

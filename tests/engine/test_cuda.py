@@ -76,7 +76,7 @@ def test_graphs_of_several_runs_share_one_pool_and_replay_in_any_order(make_mode
     eager_rows, _ = run(False)
     # (0, 4), (0, 2), (2, 4), (1, 3), (1, 4), one row a slot, each reading keys up to the
     # context, 128
-    assert sorted(stage.graphs.captured) == [((0, 2), 2, 128), ((0, 4), 4, 128),
+    assert sorted(stage.graphs.captured) == [((0, 2), 2, 128, 1), ((0, 4), 4, 128, 1),
                                              ((1, 3), 2, 128), ((1, 4), 3, 128),
                                              ((2, 4), 2, 128)]
     assert {c.graph.pool() for c in stage.graphs.captured.values()} == {stage.graphs.pool}
@@ -100,7 +100,7 @@ def test_a_first_range_embeds_eagerly_then_replays_its_layers(make_model):
                                      StreamEntry(1, Op.CONTINUE, pos, 1, 1 if r else 2, 0, 0)))
             out.append(stage.forward(plan, None, [11 + r, 21 + r]).cpu())
         assert (stage.graphs is not None) == cuda_graphs and (
-            not cuda_graphs or list(stage.graphs.captured) == [((0, 2), 2, 64)])
+            not cuda_graphs or list(stage.graphs.captured) == [((0, 2), 2, 64, 1)])
         return out
 
     for got, want in zip(run(True), run(False), strict=True):
@@ -132,7 +132,7 @@ def test_graphs_read_the_live_bucket_so_any_context_gives_the_same_bytes(make_mo
     small_tokens, small_logits, small = graph_conversation(model_dir, 256, 20)
     large_tokens, large_logits, large = graph_conversation(model_dir, 32768, 20,
                                                            poison_from=256)
-    assert {keys for _, _, keys in large.graphs.captured} == {256}
+    assert {keys for _, _, keys, _ in large.graphs.captured} == {256}
     assert set(large.graphs.captured) == set(small.graphs.captured)
     assert large_tokens == small_tokens
     for slot, row in small_logits.items():
@@ -147,7 +147,7 @@ def test_the_whole_context_path_reads_what_nobody_wrote(make_model, monkeypatch)
     model_dir = make_model("qwen3", num_hidden_layers=3, seed=43)
     _, logits, stage = graph_conversation(model_dir, 4096, 4, live_keys=False,
                                           poison_from=256)
-    assert {keys for _, _, keys in stage.graphs.captured} == {4096}
+    assert {keys for _, _, keys, _ in stage.graphs.captured} == {4096}
     assert all(np.isnan(row).all() for row in logits.values())
 
 
@@ -158,7 +158,7 @@ def test_graphs_move_to_the_next_bucket_as_the_conversation_grows(make_model):
     steps = 300 - 16  # the longest prompt (16) then decode past 256 and 288
     graph_tokens, graph_logits, stage = graph_conversation(model_dir, 4096, steps,
                                                            poison_from=320)
-    assert {keys for _, _, keys in stage.graphs.captured} == {256, 320}
+    assert {keys for _, _, keys, _ in stage.graphs.captured} == {256, 320}
     eager = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 3, 4096, 64, False))
     prompts = {s: np.random.default_rng(20 + s).integers(0, 300, 6 + 5 * s).tolist()
                for s in range(3)}
@@ -195,6 +195,6 @@ def test_captured_graphs_are_bounded_least_recently_replayed_first(make_model):
 
     graph_rows, stage = run(True)
     eager_rows, _ = run(False)
-    assert list(stage.graphs.captured) == [((0, 4), 4, 128), ((0, 2), 2, 128)]
+    assert list(stage.graphs.captured) == [((0, 4), 4, 128, 1), ((0, 2), 2, 128, 1)]
     for got, want in zip(graph_rows, eager_rows, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

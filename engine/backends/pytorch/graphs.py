@@ -22,8 +22,8 @@ replay's output is cloned at once, before another graph may reuse its memory.
 A hybrid's recurrent state, unlike KV, is changed by running a step again (each step
 decays and writes it), so the warm-up steps run on a copy's behalf: the run's slots are
 kept aside before them and put back after, and the round's own step is the replay. A
-hybrid's verify entry stays a span (`RowLayout.of`), so its rounds run eagerly and
-never replay a graph: its recurrence runs a row at a time, keeping each row's state.
+hybrid's verify rows are decode rows too; its recurrence runs them in as many steps as
+the most rows a slot holds, so that count is part of a hybrid's key (a dense model's is 1).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ WARMUP_STEPS = 2  # cuBLAS and the caching allocator settle before capture
 # few warm-up steps, and a long-lived stage meets many (run, bucket) pairs.
 MAX_GRAPHS = 64
 
-GraphKey = tuple[tuple[int, int], int, int]  # (run of slots [a, b), rows, keys read)
+# (run of slots [a, b), rows, keys read, the recurrence's steps: the most rows of a slot)
+GraphKey = tuple[tuple[int, int], int, int, int]
 
 
 @dataclass
@@ -84,10 +85,12 @@ class DecodeGraphs:
         return key_bucket(keys_needed, self.positions)
 
     def replay(self, run: tuple[int, int], keys_needed: int, inputs: torch.Tensor,
-               positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """One decode round of the slots in `run`, row i in slot a + offsets[i]; its rows
-        need keys [0, keys_needed)."""
-        key = (run, len(offsets), self.keys_read(keys_needed))
+               positions: torch.Tensor, offsets: torch.Tensor,
+               rows_a_slot: int = 1) -> torch.Tensor:
+        """One decode round of the slots in `run`, row i in slot a + offsets[i], at most
+        `rows_a_slot` rows in one slot; its rows need keys [0, keys_needed)."""
+        steps = rows_a_slot if self.recurrent is not None else 1  # attention needs none
+        key = (run, len(offsets), self.keys_read(keys_needed), steps)
         captured = self.captured.get(key)
         if captured is None:
             captured = self._capture(key, inputs, positions, offsets)
@@ -100,12 +103,12 @@ class DecodeGraphs:
 
     def _step(self, key: GraphKey, rows: torch.Tensor, positions: torch.Tensor,
               offsets: torch.Tensor) -> torch.Tensor:
-        run, _rows, keys = key
+        run, _rows, keys, steps = key
         if self.step is not None:
             return self.model.run_decode(rows, positions, run, keys, self.window, self.step,
                                          offsets=offsets)
         return self.model.run_layers(rows, decode_index(positions, run, keys, self.window,
-                                                        offsets))
+                                                        offsets, steps))
 
     def _capture(self, key: GraphKey, inputs: torch.Tensor, positions: torch.Tensor,
                  offsets: torch.Tensor) -> Captured:

@@ -25,6 +25,7 @@ imports torch._dynamo, about 74 MB resident in a process that never compiles.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,29 @@ class PromptSpan:
     # [rows, keys] bool, True = attend; None: plain causality, the rows being the last
     # `rows` of the keys (no sliding window cuts in), which needs no mask.
     mask: torch.Tensor | None
-    verifies: bool = False  # a verify entry's rows (RowSpan.verifies)
+
+
+@dataclass
+class VerifySteps:
+    """Single rows of which some slots hold several (a verify entry's, in order), as a
+    recurrence must run them: step j takes row j of every slot at once, and a slot with
+    fewer rows repeats its last, its result dropped (`valid`). Device tensors of fixed
+    shapes, so a CUDA graph can capture a round of them."""
+
+    rows: torch.Tensor  # [steps, slots]: which single row (its index among them) each slot runs
+    valid: torch.Tensor  # [steps, slots] bool: the slot has a row at that step
+    first: torch.Tensor  # [slots]: each slot's first single row
+
+
+def verify_steps(groups: torch.Tensor, slots: int, steps: int) -> VerifySteps:
+    """groups [n]: each single row's slot numbered 0..slots - 1 in order of appearance
+    (nondecreasing, every number at least once); `steps`: the most rows a slot holds."""
+    numbers = torch.arange(slots, device=groups.device)
+    first = torch.searchsorted(groups, numbers)
+    count = torch.searchsorted(groups, numbers, right=True) - first
+    step = torch.arange(steps, device=groups.device)[:, None]
+    return VerifySteps(first[None] + torch.minimum(step, count[None] - 1), step < count[None],
+                       first)
 
 
 @dataclass
@@ -68,6 +91,9 @@ class RoundIndex:
     # them on the device instead of a mask; None: SDPA under single_mask.
     single_lengths: torch.Tensor | None = None
     window: int | None = None  # the sliding window the decode kernel applies
+    # Where a slot holds several single rows (a verify entry on the decode path): the
+    # steps a recurrent layer runs them in. None: one single row a slot.
+    verify_steps: VerifySteps | None = None
 
     @classmethod
     def build(cls, layout: RowLayout, device: torch.device,
@@ -79,7 +105,7 @@ class RoundIndex:
                 q = torch.arange(span.first, span.end, device=device)[:, None]
                 mask = _visible(q, span.end, sliding_window, device)
             spans.append(PromptSpan(span.start, span.stop, span.slot, span.first, span.end,
-                                    mask, span.verifies))
+                                    mask))
         single_mask = single_lengths = None
         if layout.single_rows and decode_kernel_runs(device):
             single_lengths = torch.tensor(layout.single_positions, dtype=torch.int32,
@@ -92,10 +118,15 @@ class RoundIndex:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        steps = None
+        if layout.rows_a_slot > 1:
+            groups = list(itertools.accumulate(
+                (int(b != a) for a, b in itertools.pairwise(layout.single_slots)), initial=0))
+            steps = verify_steps(as_tensor(groups), groups[-1] + 1, layout.rows_a_slot)
         return cls(as_tensor(layout.positions), as_tensor(layout.slots),
                    as_tensor(layout.single_rows), as_tensor(layout.single_slots), single_mask,
                    spans, layout.single_run, layout.single_keys, single_lengths,
-                   sliding_window)
+                   sliding_window, steps)
 
 
 # Positions a slot's cache holds are the context rounded up to this, so every slot's and
@@ -134,11 +165,13 @@ def key_bucket(keys: int, context: int) -> int:
 
 
 def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
-                 window: int | None, offsets: torch.Tensor | None = None) -> RoundIndex:
+                 window: int | None, offsets: torch.Tensor | None = None,
+                 steps: int = 1) -> RoundIndex:
     """The index of a decode round over consecutive slots [a, b), row i in slot
     a + offsets[i] (a verify entry's rows share one; None: one row a slot, in order),
     built from device tensors only (no host values), so that it can be captured in a CUDA
-    graph.
+    graph. `steps` > 1: the most rows a slot holds, for a recurrent layer's `VerifySteps`
+    (a dense model needs none).
 
     Its rows attend over keys [0, keys) (a `key_bucket` of the round's live length, or
     the whole context) under a mask, or through the decode kernel with their lengths as a
@@ -156,8 +189,10 @@ def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
     else:
         mask = _visible(positions[:, None], keys, window, device)[:, None, None, :]
     one_row_a_slot = len(offsets) == b - a  # then the run's keys are read as a view
+    rows_by_step = verify_steps(offsets, b - a, steps) if steps > 1 else None
     return RoundIndex(positions, slots, torch.arange(len(offsets), device=device), slots,
-                      mask, [], run if one_row_a_slot else None, keys, lengths, window)
+                      mask, [], run if one_row_a_slot else None, keys, lengths, window,
+                      rows_by_step)
 
 
 def decode_kernel_runs(device: torch.device) -> bool:

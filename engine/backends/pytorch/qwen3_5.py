@@ -3,9 +3,11 @@
 Layers follow `config.layer_types`. A DeltaNet layer projects q, k and v together, runs
 them through a short causal depthwise convolution (its window kept per slot), and applies
 the gated delta rule (its matrix kept per slot): one step for decode rows, the chunked form
-for a prompt chunk; one round may hold both, across slots. A verify entry's rows run the
-one step a row at a time and keep the state after each (recurrent_state.py), so the next
-entry may keep any prefix of them; their projections and MLP stay batched. Its output
+for a prompt chunk; one round may hold both, across slots. A verify entry's rows come as
+decode rows, several of one slot; the recurrence runs them in steps, row j of every slot
+at once, and keeps the state after each (recurrent_state.py), so the next entry may keep
+any prefix of them. Their projections, attention and MLP stay batched with the decode
+rows', and the round can replay a CUDA graph as a decode round does. Its output
 goes through an RMSNorm gated by a projection of the input. A full-attention layer is the Qwen3 one plus a
 sigmoid gate per channel from q_proj, with RoPE on the first `rotary_dim` channels of
 a head. The family's RMSNorm scales by (1 + weight). Ops follow transformers' order and
@@ -22,10 +24,11 @@ import torch.nn.functional as F
 
 from engine.backends.pytorch import delta_kernels, gated_delta
 from engine.backends.pytorch.delta_kernels import OURS, DeltaKernels
-from engine.backends.pytorch.kv_cache import KVCache, RoundIndex
+from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, VerifySteps
 from engine.backends.pytorch.llama import Rope, mlp, rotate_half
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
 from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.families.kinds import VERIFY_STATES
 from engine.family import DeltaNetWeights, LayerWeights, load_range
 
 if TYPE_CHECKING:
@@ -100,27 +103,27 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
                        dtype=torch.float32, device=x.device)
 
     if index.single_rows.numel():
-        singles, slots = index.single_rows, index.single_slots
-        fresh = index.positions[singles] == 0  # a stream's first row reads no earlier state
-        conv_state, delta_state = recurrent.read(layer, slots, fresh)
-        window = torch.cat((conv_state, mixed[singles][:, :, None]), dim=-1)  # [n, width, k]
-        conv_out = _conv(window.to(w.conv.dtype), w.conv)[:, :, -1]  # [n, width]
-        q, k, v = split_qkv(conv_out, config)
-        q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
-        out, delta_state = kernels.step(q, k, v, g[singles], beta[singles], delta_state)
-        recurrent.write(layer, slots, window[:, :, 1:], delta_state)
-        core[singles] = out
+        singles = index.single_rows
+        if index.verify_steps is None:  # one row a slot: one decode step
+            slots = index.single_slots
+            fresh = index.positions[singles] == 0  # a stream's first row reads no state
+            conv_state, delta_state = recurrent.read(layer, slots, fresh)
+            out, conv_state, delta_state = _decode_step(mixed[singles], g[singles],
+                                                        beta[singles], conv_state,
+                                                        delta_state, w, config, kernels)
+            recurrent.write(layer, slots, conv_state, delta_state)
+            core[singles] = out
+        else:
+            core[singles] = _verify_steps(mixed[singles], g[singles], beta[singles],
+                                          index.positions[singles], index.single_slots,
+                                          index.verify_steps, w, config, recurrent, layer,
+                                          kernels)
     for span in index.spans:
         slot = torch.tensor([span.slot], device=x.device)
         fresh = torch.tensor([span.first == 0], device=x.device)
         conv_state, delta_state = recurrent.read(layer, slot, fresh)
         rows_in = mixed[span.start:span.stop].transpose(0, 1)[None]  # [1, width, L]
         window = torch.cat((conv_state, rows_in), dim=-1)  # [1, width, kernel - 1 + L]
-        if span.verifies:
-            sl = slice(span.start, span.stop)
-            core[sl] = _verify_rows(window, g[sl], beta[sl], delta_state, w, config,
-                                    recurrent, layer, span.slot, kernels)
-            continue
         conv_out = _conv(window.to(w.conv.dtype), w.conv)[0].transpose(0, 1)  # [L, width]
         q, k, v = split_qkv(conv_out, config)
         q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
@@ -133,34 +136,46 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
     return F.linear(out.reshape(rows, config.linear_value_width), w.out)
 
 
-def _verify_rows(window: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 delta_state: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
-                 recurrent: RecurrentState, layer: int, slot: int,
-                 kernels: DeltaKernels) -> torch.Tensor:
-    """A verify entry's L rows through the decode step, a row at a time, keeping the state
-    after each row but the last: the next entry may keep any prefix of them. The chunked
-    form would give the last row's state alone, and other bits than decode rows give.
-
-    window [1, width, kernel - 1 + L]: the slot's conv state, then the rows' inputs;
-    g, beta [L, heads]; delta_state [1, heads, k_dim, v_dim]. Returns out [L, heads, v_dim].
-    """
-    kernel = config.linear_conv_kernel_dim
-    # Each row's own window, as a decode row sees it: [L, width, kernel], one conv batch.
-    windows = window[0].unfold(-1, kernel, 1).transpose(0, 1)
-    conv_out = _conv(windows.to(w.conv.dtype), w.conv)[:, :, -1]  # [L, width]
+def _decode_step(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 conv_state: torch.Tensor, delta_state: torch.Tensor, w: DeltaNetWeights,
+                 config: ModelConfig, kernels: DeltaKernels,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token of n slots: mixed [n, width] (the rows' q, k, v before the conv), g, beta
+    [n, heads], their slots' conv [n, width, kernel - 1] and delta [n, heads, k_dim, v_dim]
+    states. Returns (out [n, heads, v_dim], the conv and delta states after it)."""
+    window = torch.cat((conv_state, mixed[:, :, None]), dim=-1)  # [n, width, kernel]
+    conv_out = _conv(window.to(w.conv.dtype), w.conv)[:, :, -1]  # [n, width]
     q, k, v = split_qkv(conv_out, config)
     q, k = gated_delta.prepare(q, k, config.linear_num_value_heads)
-    rows = q.shape[0]
-    outs = []
-    for row in range(rows):  # the recurrence itself is sequential
-        at = slice(row, row + 1)
-        out, delta_state = kernels.step(q[at], k[at], v[at], g[at], beta[at], delta_state)
-        outs.append(out)
-        if row < rows - 1:
-            recurrent.keep_row(layer, slot, row, windows[at, :, 1:], delta_state)
-    recurrent.write(layer, torch.tensor([slot], device=window.device), windows[-1:, :, 1:],
-                    delta_state)
-    return torch.cat(outs)
+    out, delta_state = kernels.step(q, k, v, g, beta, delta_state)
+    return out, window[:, :, 1:], delta_state
+
+
+def _verify_steps(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  positions: torch.Tensor, slots_of_rows: torch.Tensor, steps: VerifySteps,
+                  w: DeltaNetWeights, config: ModelConfig, recurrent: RecurrentState,
+                  layer: int, kernels: DeltaKernels) -> torch.Tensor:
+    """Single rows of which some slots hold several (verify entries'), all given in the
+    singles' order: row j of every slot runs as one decode step, and the state after it
+    is kept (`keep_rows`), so the next entry may keep any prefix of a verify entry. A slot
+    with fewer rows repeats its last, its state and output left as they were. The
+    recurrence is a decode row's, step by step: the chunked form would give the last row's
+    state alone, and other bits than decode rows give. Device tensors only: capturable.
+    Returns out [n, heads, v_dim]."""
+    slots = slots_of_rows[steps.first]  # [m], each slot once
+    out = torch.empty(mixed.shape[0], config.linear_num_value_heads,
+                      config.linear_value_head_dim, dtype=torch.float32, device=mixed.device)
+    for step, (rows, valid) in enumerate(zip(steps.rows, steps.valid, strict=True)):
+        fresh = (positions[rows] == 0) & valid  # a stream's first row reads no state
+        conv_before, delta_before = recurrent.read(layer, slots, fresh)
+        step_out, conv_after, delta_after = _decode_step(mixed[rows], g[rows], beta[rows],
+                                                         conv_before, delta_before, w, config,
+                                                         kernels)
+        recurrent.write(layer, slots, torch.where(valid[:, None, None], conv_after, conv_before),
+                        torch.where(valid[:, None, None, None], delta_after, delta_before))
+        recurrent.keep_rows(layer, slots, step, conv_after, delta_after)
+        out[rows] = torch.where(valid[:, None, None], step_out, out[rows])
+    return out
 
 
 class Qwen35Range:
@@ -238,7 +253,8 @@ def build_range(config: ModelConfig, spec: StageSpec,
                     spec.context, config.head_dim, dtype, device)
     rope = Rope(config, spec.context, device, dtype)
     with torch.inference_mode():
+        verify_states = VERIFY_STATES if spec.drafting else 0
         state = HybridState(cache, RecurrentState(config, deltanet_layers, spec.parallel,
-                                                  dtype, device))
+                                                  dtype, device, verify_states))
         kernels = delta_kernels.choose(device, spec.delta_kernel)
         return Qwen35Range(config, spec.layer_range, load, state, rope, on_layer, kernels)

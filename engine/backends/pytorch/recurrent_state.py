@@ -28,7 +28,7 @@ from engine.families.kinds import VERIFY_STATES
 
 class RecurrentState:
     def __init__(self, config: ModelConfig, layers: int, slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, verify_states: int = VERIFY_STATES) -> None:
         kernel = config.linear_conv_kernel_dim
         self.conv = torch.zeros((layers, slots, config.linear_conv_width, max(kernel - 1, 0)),
                                 dtype=dtype, device=device)
@@ -40,10 +40,11 @@ class RecurrentState:
         self.saved_conv = torch.zeros_like(self.conv)
         self.saved_delta = torch.zeros_like(self.delta)
         # Each slot's state after each row but the last of its last verify entry:
-        # [layers, slots, VERIFY_STATES, ...], what `restore_row` puts back.
-        self.verify_conv = torch.zeros((layers, slots, VERIFY_STATES, *self.conv.shape[2:]),
+        # [layers, slots, verify_states, ...], what `restore_row` puts back. None kept
+        # (verify_states 0) where the model does not draft: nothing rolls a verify entry back.
+        self.verify_conv = torch.zeros((layers, slots, verify_states, *self.conv.shape[2:]),
                                        dtype=dtype, device=device)
-        self.verify_delta = torch.zeros((layers, slots, VERIFY_STATES, *self.delta.shape[2:]),
+        self.verify_delta = torch.zeros((layers, slots, verify_states, *self.delta.shape[2:]),
                                         dtype=torch.float32, device=device)
         self.slots = slots
 
@@ -60,12 +61,16 @@ class RecurrentState:
         self.conv[:, slot] = self.saved_conv[:, slot]
         self.delta[:, slot] = self.saved_delta[:, slot]
 
-    def keep_row(self, layer: int, slot: int, row: int, conv: torch.Tensor,
-                 delta: torch.Tensor) -> None:
-        """Keep one layer's state after row `row` of a verify entry: conv [1, width,
-        kernel - 1], delta [1, heads, k_dim, v_dim]."""
-        self.verify_conv[layer, slot, row] = conv[0].to(self.conv.dtype)
-        self.verify_delta[layer, slot, row] = delta[0]
+    def keep_rows(self, layer: int, slots: torch.Tensor, row: int, conv: torch.Tensor,
+                  delta: torch.Tensor) -> None:
+        """Keep one layer's state after row `row` of each of `slots`' verify entries: conv
+        [n, width, kernel - 1], delta [n, heads, k_dim, v_dim]. A slot whose entry has no
+        such row (or ends there) keeps one too, never read: `restore_row` asks only for a
+        row its entry ran, before its last."""
+        if row >= self.verify_conv.shape[2]:
+            return  # the last of 8 rows, or a stage whose model does not draft
+        self.verify_conv[layer, slots, row] = conv.to(self.conv.dtype)
+        self.verify_delta[layer, slots, row] = delta
 
     def restore_row(self, slot: int, row: int) -> None:
         """Every layer's state back to where row `row` of the slot's last verify entry left

@@ -93,17 +93,21 @@ class TorchStage(Stage):
         return self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.int64,
                                                     device=self.device))
 
+    @property
+    def verify_rows_as_decode_rows(self) -> bool:
+        return True  # a hybrid's DeltaNet layers run them in steps (qwen3_5.py)
+
     def _run_layers(self, rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         run = layout.single_span
         if run and not layout.spans and (self.graphs or self.decode_step):
-            # Decode rows (verify rows among them) through a run of consecutive slots. A
-            # hybrid's verify entry stays a span (RowLayout.of), so its round runs eagerly.
+            # Decode rows (verify rows among them) through a run of consecutive slots.
             positions = torch.tensor(layout.single_positions, dtype=torch.int64,
                                      device=self.device)
             offsets = torch.tensor([s - run[0] for s in layout.single_slots],
                                    dtype=torch.int64, device=self.device)
             if self.graphs:  # a shape the graphs have (or now capture)
-                return self.graphs.replay(run, layout.single_keys, rows, positions, offsets)
+                return self.graphs.replay(run, layout.single_keys, rows, positions, offsets,
+                                          layout.rows_a_slot)
             # Compiled without graphs (the CPU, or CUDA with FLEET_CUDA_GRAPHS=0): the live
             # keys, whose count the compiled layer takes as a symbolic size.
             return self.model.run_decode(rows, positions, run, layout.single_keys,
