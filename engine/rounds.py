@@ -116,9 +116,6 @@ class RowSpan:
     slot: int
     first: int
     end: int
-    # A verify entry's rows (StreamEntry.verifies): a hybrid runs its recurrence a row at a
-    # time and keeps the state after each row, so the next entry may keep any prefix.
-    verifies: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,13 +123,12 @@ class RowLayout:
     """Where each row of a round sits, as plain lists every backend turns into tensors.
 
     One-row entries (decode rows) are batched into one attention call; each multi-row
-    entry (a prompt chunk) attends over its own slot. With `verify_single`, a verify
-    entry's rows are batched with the decode rows, one single row each at its own position
-    (every row's K and V are written before any row attends, so each sees its entry's
-    earlier rows): the decode path's kernels and captured graphs then run them, and a
-    recurrent layer runs them in steps, row j of every slot at once (`rows_a_slot` steps).
-    Without it (a backend whose hybrid runs them so) a verify entry stays a span, marked
-    (`RowSpan.verifies`), whose recurrence runs a row at a time.
+    entry (a prompt chunk) attends over its own slot. A verify entry's rows are batched
+    with the decode rows, one single row each at its own position (every row's K and V are
+    written before any row attends, so each sees its entry's earlier rows): the decode
+    path's kernels and captured graphs run them, and a recurrent layer runs them in steps,
+    row j of every slot at once (`rows_a_slot` steps), since its step cannot take two rows
+    of one slot in one batch.
     """
 
     positions: list[int]  # per row
@@ -143,20 +139,20 @@ class RowLayout:
     spans: list[RowSpan]
 
     @classmethod
-    def of(cls, plan: RoundPlan, *, verify_single: bool = False) -> RowLayout:
+    def of(cls, plan: RoundPlan) -> RowLayout:
         layout = cls([], [], [], [], [], [])
         for entry, start, stop in plan.row_spans():
             if not entry.rows:
                 continue
             layout.positions.extend(range(entry.first, entry.end))
             layout.slots.extend([entry.stream_id] * entry.rows)
-            if entry.rows == 1 or (verify_single and entry.verifies):
+            if entry.rows == 1 or entry.verifies:
                 layout.single_rows.extend(range(start, stop))
                 layout.single_slots.extend([entry.stream_id] * entry.rows)
                 layout.single_positions.extend(range(entry.first, entry.end))
             else:
                 layout.spans.append(RowSpan(start, stop, entry.stream_id, entry.first,
-                                            entry.end, entry.verifies))
+                                            entry.end))
         return layout
 
     @property

@@ -177,7 +177,7 @@ class Stage(ABC):
                     if entry.op == Op.RESUME:
                         self.model.cache.restore_recurrent(entry.stream_id)
             x = self._embed(token_ids) if self.is_first else rows  # [rows, hidden]
-            layout = RowLayout.of(plan, verify_single=self.verify_rows_as_decode_rows)
+            layout = RowLayout.of(plan)
             x = self._run_layers(x, layout)
             for slot in saving:  # where a full prompt chunk ended: a later RESUME's start
                 self.model.cache.save_recurrent(slot)
@@ -185,13 +185,6 @@ class Stage(ABC):
             if self.is_last and len(returned) < plan.total_rows:
                 x = self._take_rows(x, returned)  # [streams, hidden]
             return self._settle(x)
-
-    @property
-    def verify_rows_as_decode_rows(self) -> bool:
-        """Whether a verify entry's rows join the decode rows (`RowLayout.of`): on every
-        dense stage, and on a hybrid whose recurrent layers run them in steps; else they
-        stay a span, their recurrence a row at a time."""
-        return not self.config.is_hybrid
 
     def run_layers_again(self, rows: Any, layout: RowLayout) -> Any:
         """This range's layers over `rows` as a round of `layout` runs them, finished, with

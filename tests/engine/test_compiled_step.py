@@ -16,7 +16,7 @@ from engine.backends.pytorch.compiled_step import compiles, inductor_cache_dir
 from engine.backends.pytorch.kv_cache import decode_index
 from engine.config import ModelConfig
 from engine.harness.local_pipeline import model_config
-from tests.engine.conftest import stage_driver, teacher_forced_agreement
+from tests.engine.conftest import layout_of, stage_driver, teacher_forced_agreement
 
 PROMPTS = {0: [5, 17, 9, 250, 3, 77, 41], 1: [8, 8, 120, 64], 2: [33] * 13}
 STEPS = 12
@@ -103,7 +103,7 @@ def test_compiled_stage_decodes_the_eager_stages_tokens(make_model, family, dtyp
 
 
 def test_verify_rows_take_the_decode_path_with_each_rows_own_slot(make_model):
-    """A verify entry's rows as decode rows (RowLayout's `verify_single`): several rows of
+    """A verify entry's rows as decode rows (RowLayout.of): several rows of
     one slot, each reading keys up to its own position, the layer given each row's slot.
     The plain layer gives the captured path's bytes, and both agree with the prompt-chunk
     path those rows took before."""
@@ -116,7 +116,7 @@ def test_verify_rows_take_the_decode_path_with_each_rows_own_slot(make_model):
     plan = RoundPlan(1, (StreamEntry(0, Op.CONTINUE, at[0], 3, 1, 0, 0),
                          StreamEntry(1, Op.CONTINUE, at[1], 1, 1, 0, 0),
                          StreamEntry(2, Op.CONTINUE, at[2], 4, 1, 0, 0)))
-    layout = RowLayout.of(plan, verify_single=True)
+    layout = RowLayout.of(plan)
     assert layout.single_span == (0, 3) and not layout.spans
     positions = torch.tensor(layout.single_positions)
     offsets = torch.tensor(layout.single_slots)
@@ -128,8 +128,12 @@ def test_verify_rows_take_the_decode_path_with_each_rows_own_slot(make_model):
                                                              offsets))
         decoded = stage.model.run_decode(rows, positions, (0, 3), keys, window,
                                          offsets=offsets)
-        as_spans = stage.model.run_layers(rows, RoundIndex.build(RowLayout.of(plan),
-                                                                 stage.device, window))
+        # The same rows as prompt chunks (slot 1's decode row first, then the two spans).
+        spans = layout_of([(1, at[1])], [(0, at[0], at[0] + 3), (2, at[2], at[2] + 4)])
+        order = torch.tensor([3, 0, 1, 2, 4, 5, 6, 7])
+        as_spans = torch.empty_like(rows)
+        as_spans[order] = stage.model.run_layers(rows[order],
+                                                 RoundIndex.build(spans, stage.device, window))
     assert torch.equal(decoded, captured)
     torch.testing.assert_close(decoded, as_spans, atol=1e-5, rtol=1e-5)
     assert not torch.equal(stage.model.cache.k, cache[0])  # the rounds wrote their K

@@ -20,9 +20,9 @@ The MLX twin of the PyTorch backend's hybrid family: the same weight names and r
 Decode rows of unrelated slots run the one-step recurrence batched together; a prompt
 chunk runs the chunked (WY) form of the same rule from its slot's state, 16 tokens a block:
 a few matmuls and one triangular solve instead of a graph node per token. A verify entry's
-rows (engine.rounds) run the one step a row at a time and keep the state after each
-(recurrent_state.py), so the next entry may keep any prefix; their projections and MLP
-stay batched. A stream's first row starts from zeros.
+rows (engine.rounds) are decode rows, several of one slot: the one step runs them in
+steps, row j of every slot at once, and keeps the state after each (recurrent_state.py),
+so the next entry may keep any prefix; their projections and MLP stay batched. A stream's first row starts from zeros.
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ import mlx.core as mx
 from engine.backends.mlx.kv_cache import KVCache
 from engine.backends.mlx.llama import Rope, linear, mlp
 from engine.backends.mlx.quant import QuantizedWeight, Weight
-from engine.backends.mlx.recurrent_state import HybridIndex, HybridState, RecurrentState
+from engine.backends.mlx.recurrent_state import (
+    HybridIndex,
+    HybridState,
+    RecurrentIndex,
+    RecurrentState,
+)
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.families.kinds import VERIFY_STATES
 from engine.family import DeltaNetWeights, LayerWeights, load_range
@@ -139,20 +144,20 @@ class GatedDeltaNet:
                    * mx.logaddexp(a + w.dt_bias.astype(mx.float32), 0.0))  # softplus
         att, rec = index.attention, index.recurrent
         parts = []
-        if att.single_rows is not None:
+        if att.single_rows is not None and rec.verify_steps is None:  # one row a slot
             rows_ = att.single_rows
             conv, delta = state.read_singles(layer_slot, att.single_slots, rec.single_fresh)
             y, conv, delta = self._mix(qkv[rows_][:, None], g[rows_][:, None],
                                        beta[rows_][:, None], w, conv, delta)
             state.write(layer_slot, att.single_slots, conv, delta)
             parts.append(y[:, 0])
-        for span, fresh, verifies in zip(att.spans, rec.span_fresh, rec.span_verifies):
+        elif att.single_rows is not None:
+            rows_ = att.single_rows
+            parts.append(self._verify_steps(qkv[rows_], g[rows_], beta[rows_], w, state,
+                                            layer_slot, rec))
+        for span, fresh in zip(att.spans, rec.span_fresh, strict=True):
             sl = slice(span.start, span.stop)
             conv, delta = state.read_span(layer_slot, span.slot, fresh)
-            if verifies:
-                parts.append(self._verify(qkv[sl][None], g[sl][None], beta[sl][None], w,
-                                          conv, delta, state, layer_slot, span.slot))
-                continue
             y, conv, delta = self._mix(qkv[sl][None], g[sl][None], beta[sl][None], w,
                                        conv, delta)
             state.write(layer_slot, slice(span.slot, span.slot + 1), conv, delta)
@@ -204,32 +209,25 @@ class GatedDeltaNet:
             k = mx.repeat(k, self.v_heads // self.k_heads, axis=2)
         return q, k, v
 
-    def _verify(self, qkv: mx.array, g: mx.array, beta: mx.array, w: DeltaNetWeights,
-                conv_state: mx.array, delta_state: mx.array, state: RecurrentState,
-                layer_slot: int, slot: int) -> mx.array:
-        """A verify entry's L rows through the decode step, a row at a time, keeping the
-        state after each row but the last: the next entry may keep any prefix of them. The
-        chunked form would give the last row's state alone, and other bits than decode
-        rows give.
+    def _verify_steps(self, qkv: mx.array, g: mx.array, beta: mx.array, w: DeltaNetWeights,
+                      state: RecurrentState, layer_slot: int, rec: RecurrentIndex) -> mx.array:
+        """Single rows of which some slots hold several (verify entries'), in the singles'
+        order: row j of every slot that has one runs as one batch of decode rows, and the
+        state after it is kept (`keep_rows`), so the next entry may keep any prefix of a
+        verify entry. The recurrence is a decode row's, step by step: the chunked form
+        would give the last row's state alone, and other bits than decode rows give.
 
-        qkv [1, L, c], g and beta [1, L, v_heads], the slot's states. Returns y [L, v_heads,
-        v_dim] float32, and leaves the last row's state live.
+        qkv [n, c], g and beta [n, v_heads]. Returns y [n, v_heads, v_dim] float32.
         """
-        steps = qkv.shape[1]
-        window = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [1, L+k-1, c]
-        # Each row's own window, as a decode row sees it: [L, k, c], one conv batch.
-        windows = mx.concatenate([window[:, row:row + self.kernel] for row in range(steps)])
-        q, k, v = self._conv_qkv(windows, w)  # [L, 1, heads, dim]
         ys = []
-        for row in range(steps):  # the recurrence itself is sequential
-            at = slice(row, row + 1)
-            y, delta_state = delta_step(delta_state, q[at, 0], k[at, 0], v[at, 0],
-                                        g[:, row], beta[:, row])
-            ys.append(y)
-            if row < steps - 1:
-                state.keep_row(layer_slot, slot, row, windows[at, 1:], delta_state)
-        state.write(layer_slot, slice(slot, slot + 1), windows[-1:, 1:], delta_state)
-        return mx.concatenate(ys)
+        for at, step in enumerate(rec.verify_steps):
+            conv, delta = state.read_singles(layer_slot, step.slots, step.fresh)
+            y, conv, delta = self._mix(qkv[step.rows][:, None], g[step.rows][:, None],
+                                       beta[step.rows][:, None], w, conv, delta)
+            state.write(layer_slot, step.slots, conv, delta)
+            state.keep_rows(layer_slot, step.slots, at, conv, delta)
+            ys.append(y[:, 0])
+        return mx.concatenate(ys, axis=0)[rec.step_order]
 
 
 def gated_attention(x: mx.array, w: LayerWeights, config: ModelConfig, rope: Rope,

@@ -9,8 +9,9 @@ slots, like the KV cache.
 
 Unlike KV, a recurrent state cannot be rolled back by moving an offset: it is overwritten
 every token. So a row at position 0 (a stream's first) never reads the slot: it starts
-from zeros, whatever a previous stream left there. A verify entry (engine.rounds) keeps
-the state after each of its rows but the last (`VERIFY_STATES` per slot, preallocated
+from zeros, whatever a previous stream left there. A verify entry (engine.rounds) comes as
+single rows, several of one slot, which the recurrence runs in steps (row j of every slot
+at once, `RecurrentIndex.verify_steps`); it keeps the state after each of its rows but the last (`VERIFY_STATES` per slot, preallocated
 too), and the next entry, if it keeps only `accepted` of those rows, starts from the state
 kept after its `accepted`-th row; a keep after any other entry is refused by the slot
 table (`engine.slots`) before anything runs.
@@ -28,19 +29,48 @@ from engine.rounds import RowLayout
 
 
 @dataclass
+class VerifyStep:
+    """One step of single rows where some slots hold several (a verify entry's): row j of
+    every slot that has one, run as one batch of decode rows."""
+
+    rows: mx.array  # [m] which single rows (their index among them)
+    slots: mx.array  # [m] their slots, each once
+    fresh: mx.array | None  # [m] bool: a stream's first row (reads zeros), or None
+
+
+@dataclass
 class RecurrentIndex:
-    """Which rows of a round start a stream (read zeros, not the slot), built once a round."""
+    """Which rows of a round start a stream (read zeros, not the slot), and in what steps
+    the recurrence runs single rows that share a slot; built once a round."""
 
     single_fresh: mx.array | None  # [n] bool per single row (RoundIndex's order), or None
     span_fresh: list[bool]  # per span: its first position is 0
-    span_verifies: list[bool]  # per span: a verify entry's rows (RowSpan.verifies)
+    # None: one single row a slot. Else the steps, and the single rows' order as the steps
+    # give them back (`step_order`: where each single row's output lands among them).
+    verify_steps: list[VerifyStep] | None = None
+    step_order: mx.array | None = None
 
     @classmethod
     def build(cls, layout: RowLayout) -> RecurrentIndex:
         fresh = [pos == 0 for pos in layout.single_positions]
-        return cls(mx.array(fresh) if any(fresh) else None,
-                   [span.first == 0 for span in layout.spans],
-                   [span.verifies for span in layout.spans])
+        span_fresh = [span.first == 0 for span in layout.spans]
+        if layout.rows_a_slot <= 1:
+            return cls(mx.array(fresh) if any(fresh) else None, span_fresh)
+        by_slot: dict[int, list[int]] = {}  # each slot's single rows, in order
+        for at, slot in enumerate(layout.single_slots):
+            by_slot.setdefault(slot, []).append(at)
+        steps, produced = [], []
+        for step in range(layout.rows_a_slot):
+            taken = [(rows[step], slot) for slot, rows in by_slot.items() if step < len(rows)]
+            step_fresh = [fresh[at] for at, _ in taken]
+            steps.append(VerifyStep(mx.array([at for at, _ in taken]),
+                                    mx.array([slot for _, slot in taken]),
+                                    mx.array(step_fresh) if any(step_fresh) else None))
+            produced.extend(at for at, _ in taken)
+        inverse = [0] * len(produced)
+        for at, row in enumerate(produced):
+            inverse[row] = at
+        return cls(None, span_fresh, steps, mx.array(inverse))
 
 
 @dataclass
@@ -97,14 +127,15 @@ class RecurrentState:
             for layer, array in enumerate(saved):
                 live[layer][slot] = array[slot]
 
-    def keep_row(self, layer: int, slot: int, row: int, conv: mx.array,
-                 delta: mx.array) -> None:
-        """Keep one layer's state after row `row` of a verify entry: conv [1, k-1, c],
-        delta [1, h, dv, dk]."""
+    def keep_rows(self, layer: int, slots: mx.array, row: int, conv: mx.array,
+                  delta: mx.array) -> None:
+        """Keep one layer's state after row `row` of each of `slots`' verify entries: conv
+        [m, k-1, c], delta [m, h, dv, dk]. A slot whose entry ends at that row keeps one
+        too, never read: `restore_row` asks only for a row before an entry's last."""
         if row >= self.verify_states:
-            return  # this stage keeps no per-row state (its model does not draft)
-        self.verify_conv[layer][slot, row] = conv[0].astype(self.conv[layer].dtype)
-        self.verify_delta[layer][slot, row] = delta[0]
+            return  # the last of 8 rows, or a stage whose model does not draft
+        self.verify_conv[layer][slots, row] = conv.astype(self.conv[layer].dtype)
+        self.verify_delta[layer][slots, row] = delta
 
     def restore_row(self, slot: int, row: int) -> None:
         """Every layer's state back to where row `row` of the slot's last verify entry left

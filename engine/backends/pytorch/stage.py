@@ -93,10 +93,6 @@ class TorchStage(Stage):
         return self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.int64,
                                                     device=self.device))
 
-    @property
-    def verify_rows_as_decode_rows(self) -> bool:
-        return True  # a hybrid's DeltaNet layers run them in steps (qwen3_5.py)
-
     def _run_layers(self, rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         run = layout.single_span
         if run and not layout.spans and (self.graphs or self.decode_step):
