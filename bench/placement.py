@@ -1,11 +1,15 @@
 """How far the placement's prediction is from what a fleet measures, across placements.
 
-    python bench/placement.py                      # the `small` checkpoint, five placements
+    python bench/placement.py                      # the `small` checkpoint, six placements
     python bench/placement.py --preset demo --requests 2 --tokens 32
+    python bench/placement.py --preset small-hybrid --node-b torch-cpu   # a hybrid, torch x2
+
+The first placement, `plan`, is the supervisor's own choice (no placement in fleet.yaml):
+its measured row is what the plan's cut gives, beside the cuts the others force.
 
 Starts a local fleet as real processes (a supervisor and two agents on loopback, node-a on
-torch-cpu and node-b on mlx-cpu, each calibrated and their link probed as in any fleet),
-then for each placement applies a fleet.yaml with that explicit placement, waits for it to
+torch-cpu and node-b on mlx-cpu or torch-cpu (`--node-b`), each calibrated and their link
+probed as in any fleet), then for each placement applies a fleet.yaml with that explicit placement, waits for it to
 serve, sends `--requests` single-stream chats and as many pairs of concurrent ones (the
 model's `parallel` is 2) through the front door, and reads `fleetctl status --json`: the
 predicted decode ms/token for that layout (supervisor/speed.py over supervisor/ring_cost.py)
@@ -48,36 +52,45 @@ from supervisor.local import LocalFleet
 SMALL = CheckpointSpec(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                        num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                        vocab_size=2048, dtype="float32", shards=2)
+# The same size as a Qwen3.5 hybrid: 6 Gated DeltaNet layers and 2 attention layers.
+SMALL_HYBRID = CheckpointSpec(family="qwen3_5", hidden_size=1024, intermediate_size=2816,
+                              num_hidden_layers=8, num_attention_heads=8,
+                              num_key_value_heads=2, head_dim=128, vocab_size=2048,
+                              linear_num_key_heads=4, linear_num_value_heads=8,
+                              linear_key_head_dim=64, linear_value_head_dim=64,
+                              dtype="float32", shards=2)
+GENERATED = {"small": SMALL, "small-hybrid": SMALL_HYBRID}
 NODES = {"a": "node-a", "b": "node-b"}
 # Placements as "a:0-4,b:4-8": node-a holds 0:4 (rank 0), node-b 4:8; {n} is the last layer.
-DEFAULT_PLACEMENTS = ("a:0-{n}", "b:0-{n}", "a:0-{h},b:{h}-{n}", "b:0-{h},a:{h}-{n}",
+DEFAULT_PLACEMENTS = ("plan", "a:0-{n}", "b:0-{n}", "a:0-{h},b:{h}-{n}", "b:0-{h},a:{h}-{n}",
                       "a:0-{q},b:{q}-{n}")
 FLEET = """version: 1
 supervisor: {{address: "{address}", state_dir: "{state_dir}"}}
 nodes:
   - {{name: node-a, labels: {{backend: torch-cpu}}}}
-  - {{name: node-b, labels: {{backend: mlx-cpu}}}}
+  - {{name: node-b, labels: {{backend: {backend_b}}}}}
 models:
   - id: bench
     checkpoint: {checkpoint}
-    backends: [torch-cpu, mlx-cpu]
+    backends: [{backends}]
     context: {context}
     parallel: 2
     chunk: 64
-    placement:
-{stages}
-"""
+{placement}"""
 
 
 def checkpoint(preset: str) -> Path:
     out = ROOT / "build" / f"bench-{preset}"
     if not (out / "config.json").exists():
         print(f"# making the {preset!r} checkpoint in {out}", flush=True)
-        make_checkpoint(out, SMALL if preset == "small" else PRESETS[preset], overwrite=True)
+        make_checkpoint(out, GENERATED.get(preset) or PRESETS[preset], overwrite=True)
     return out
 
 
 def parse_layout(text: str, n_layers: int) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """'a:0-4,b:4-8' as ((node, (start, end)), ...); 'plan': () (the supervisor's choice)."""
+    if text == "plan":
+        return ()
     text = text.format(n=n_layers, h=n_layers // 2, q=n_layers // 4)
     out = []
     for part in text.split(","):
@@ -102,7 +115,7 @@ def chat(fleet: LocalFleet, tokens: int) -> None:
 
 def measure(fleet: LocalFleet, layout, requests: int, tokens: int) -> dict:
     wanted = [(node, list(rng)) for node, rng in layout]
-    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: [
+    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: not wanted or [
         (s["node"], s["layer_range"]) for s in r["stages"]] == wanted)
     chat(fleet, 4)  # warm: the first rounds pay for lazy initialisation
     for _ in range(requests):
@@ -118,9 +131,12 @@ def measure(fleet: LocalFleet, layout, requests: int, tokens: int) -> dict:
     deadline = time.monotonic() + 30
     while True:
         speed = next(r for r in fleet.status()["replicas"] if r["id"] == replica["id"])["speed"]
+        if speed is None:  # not read from rank 0 yet
+            time.sleep(0.5)
+            continue
         if speed["measured"].get("1", {}).get("rounds", 0) >= expected or \
                 time.monotonic() > deadline:
-            return speed
+            return speed, [(s["node"], tuple(s["layer_range"])) for s in replica["stages"]]
 
 
 def search_fleet(count: int, kind: str, seed: int = 64):
@@ -194,10 +210,12 @@ def search_times(repeats: int) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="small", choices=["small", *PRESETS])
+    p.add_argument("--preset", default="small", choices=[*GENERATED, *PRESETS])
+    p.add_argument("--node-b", default="mlx-cpu", choices=["mlx-cpu", "torch-cpu"],
+                   help="node-b's backend (node-a runs torch-cpu)")
     p.add_argument("--placements", default=";".join(DEFAULT_PLACEMENTS),
                    help="';'-separated, each 'a:0-4,b:4-8' ({n}: layers, {h}: half, {q}: a "
-                        "quarter)")
+                        "quarter), or first 'plan': no placement, the supervisor's own")
     p.add_argument("--requests", type=int, default=3, help="of each kind, per placement")
     p.add_argument("--tokens", type=int, default=48, help="generated per request")
     p.add_argument("--calibration-budget-s", type=float, default=40.0,
@@ -221,6 +239,9 @@ def main() -> int:
 
     n = n_layers(model)
     layouts = [parse_layout(text, n) for text in args.placements.split(";")]
+    if () in layouts[1:]:
+        p.error("'plan' must come first: later, the replica of the placement before it "
+                "would be taken for it")
     rows, errors = [], []
     calibrations: dict = {}
     flags = ("--tick-s", "0.2", "--drain-s", "5",
@@ -231,13 +252,18 @@ def main() -> int:
         for i, layout in enumerate(layouts):
             stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
                                for node, (a, b) in layout)
+            placement = f"    placement:\n{stages}\n" if layout else ""
             path = fleet.root / f"fleet-{i}.yaml"
             path.write_text(FLEET.format(address=fleet.address, state_dir=fleet.state_dir,
-                                         checkpoint=model, stages=stages,
-                                         context=args.context))
+                                         checkpoint=model, placement=placement,
+                                         context=args.context, backend_b=args.node_b,
+                                         backends=", ".join(dict.fromkeys(
+                                             ["torch-cpu", args.node_b]))))
             fleet.fleetctl("apply", str(path), "--wait-s", "600")
-            speed = measure(fleet, layout, args.requests, args.tokens)
-            name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in layout)
+            speed, chosen = measure(fleet, layout, args.requests, args.tokens)
+            name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in chosen)
+            if not layout:
+                name = f"the plan's: {name}"
             row: list[object] = [name]
             for rows_in_round in ("1", "2"):
                 seen = speed["measured"].get(rows_in_round, {})
@@ -256,7 +282,7 @@ def main() -> int:
             print(f"# calibrated {node} ({backend}): decode {timing['decode_ms_per_layer']:.3g}"
                   f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows")
     table(f"Predicted against measured decode ms/token ({args.preset}, torch-cpu node-a, "
-          "mlx-cpu node-b)",
+          f"{args.node_b} node-b)",
           ["placement", "predicted 1 stream", "measured", "rounds", "error %",
            "predicted 2 streams", "measured", "rounds", "error %"], rows)
     print(f"# load average at the end: {load_average()}; threads: "
