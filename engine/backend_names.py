@@ -66,3 +66,9 @@ PACKED_KERNELS = ("triton", "int4")
 # What rank 0 drafts a decoding stream's next tokens with (engine.lanes.drafting): nothing,
 # or prompt lookup (n-grams of the stream's own tokens).
 DRAFTERS = ("off", "ngram")
+
+
+def drafts(drafter: str) -> bool:
+    """Whether a model with this drafter runs verify rounds (whose hybrid stages keep a
+    recurrent state per verify row: engine.families.kinds)."""
+    return drafter != "off"

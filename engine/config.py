@@ -174,8 +174,7 @@ class ModelConfig:
         """Values one DeltaNet layer keeps per slot: the conv window and the delta-rule state,
         live and as the prompt cache saved them, and where the model drafts, after the rows
         of a verify entry too."""
-        return sum(math.prod(t.shape) for t in RECURRENT.tensors(self)
-                   if drafting or not t.drafting)
+        return sum(math.prod(t.shape) for t in RECURRENT.held(self, drafting))
 
     @property
     def q_width(self) -> int:

@@ -28,6 +28,7 @@ from engine.api.server import (
     DrainClock,
     make_app,
 )
+from engine.backend_names import drafts
 from engine.config import ModelConfig
 from engine.env import EngineEnv
 from engine.families.description import slot_state_bytes
@@ -59,9 +60,8 @@ def cache_stages(env: EngineEnv, config: ModelConfig) -> tuple[CacheStage, ...]:
     the description says)."""
     layout = env.layout or (env.layer_range or (0, config.num_hidden_layers),)
     itemsize = RowFormat.of(config).itemsize
-    drafting = env.drafter != "off"
     return tuple(CacheStage(rank, layers, slot_state_bytes(config, layers, env.context, itemsize,
-                                                           drafting))
+                                                           drafts(env.drafter)))
                  for rank, layers in enumerate(layout))
 
 

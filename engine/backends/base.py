@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.backend_names import BACKENDS
+from engine.backend_names import BACKENDS, drafts
 from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
+from engine.families.kinds import VERIFY_STATES
 from engine.rounds import Op, RoundPlan, RowLayout
 from engine.row_format import RowFormat
 from engine.sampling import SampledRows, SamplingBatch
@@ -57,12 +58,18 @@ class StageSpec:
     # Rank 0 drafts (FLEET_DRAFTER): a hybrid's stages keep a recurrent state per verify row.
     drafting: bool = False
 
+    @property
+    def verify_states(self) -> int:
+        """Recurrent states a hybrid's stage keeps per slot for verify rows: one after each
+        row but the last where the model drafts, else none."""
+        return VERIFY_STATES if self.drafting else 0
+
     @classmethod
     def of(cls, env: EngineEnv, n_layers: int) -> StageSpec:
         """The stage an engine's environment contract asks for, of a model of `n_layers`."""
         return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.slots,
                    env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
-                   quant=env.quant, compile=env.compile, drafting=env.drafter != "off")
+                   quant=env.quant, compile=env.compile, drafting=drafts(env.drafter))
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,12 @@ class StateKind:
         if self.per not in ("position", "slot"):
             raise ValueError(f"StateKind {self.name!r}: per must be 'position' or 'slot'")
 
+    def held(self, config: ModelConfig, drafting: bool = False) -> tuple[StateTensor, ...]:
+        """The tensors a stage preallocates: the drafting ones only where its model drafts."""
+        return tuple(t for t in self.tensors(config) if drafting or not t.drafting)
+
     def nbytes(self, config: ModelConfig, itemsize: int, drafting: bool = False) -> int:
-        return sum(t.nbytes(itemsize) for t in self.tensors(config)
-                   if drafting or not t.drafting)
+        return sum(t.nbytes(itemsize) for t in self.held(config, drafting))
 
 
 @dataclass(frozen=True)

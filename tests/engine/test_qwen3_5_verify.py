@@ -31,6 +31,7 @@ from engine.backends.base import StageSpec, load_stage
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from engine.link.errors import BadEntry
 from engine.rounds import Op, RoundPlan, StreamEntry
+from tests.requirements import require
 
 BACKENDS = ("torch-cpu", "mlx-cpu", "torch-cuda")  # CUDA: verify rows in captured graphs
 LAYERS = 4  # the session's qwen3_5 checkpoint: DeltaNet, attention, DeltaNet, attention
@@ -48,7 +49,7 @@ def model_dir(make_model) -> Path:
 
 
 def needs(backend: str) -> None:
-    pytest.importorskip("mlx.core" if backend.startswith("mlx-") else "torch")
+    require("mlx.core" if backend.startswith("mlx-") else "torch")  # CI fails without it
     if backend == "torch-cuda":
         import torch
 

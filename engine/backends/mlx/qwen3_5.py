@@ -22,7 +22,8 @@ chunk runs the chunked (WY) form of the same rule from its slot's state, 16 toke
 a few matmuls and one triangular solve instead of a graph node per token. A verify entry's
 rows (engine.rounds) are decode rows, several of one slot: the one step runs them in
 steps, row j of every slot at once, and keeps the state after each (recurrent_state.py),
-so the next entry may keep any prefix; their projections and MLP stay batched. A stream's first row starts from zeros.
+so the next entry may keep any prefix; their projections and MLP stay batched. A
+stream's first row starts from zeros.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from engine.backends.mlx.recurrent_state import (
     RecurrentState,
 )
 from engine.config import LINEAR_ATTENTION, ModelConfig
-from engine.families.kinds import VERIFY_STATES
 from engine.family import DeltaNetWeights, LayerWeights, load_range
 from engine.rounds import RowLayout
 
@@ -144,17 +144,17 @@ class GatedDeltaNet:
                    * mx.logaddexp(a + w.dt_bias.astype(mx.float32), 0.0))  # softplus
         att, rec = index.attention, index.recurrent
         parts = []
-        if att.single_rows is not None and rec.verify_steps is None:  # one row a slot
+        if rec.verify_steps is not None:  # several rows of a slot: in steps
+            rows_ = att.single_rows
+            parts.append(self._verify_steps(qkv[rows_], g[rows_], beta[rows_], w, state,
+                                            layer_slot, rec))
+        elif att.single_rows is not None:  # one row a slot
             rows_ = att.single_rows
             conv, delta = state.read_singles(layer_slot, att.single_slots, rec.single_fresh)
             y, conv, delta = self._mix(qkv[rows_][:, None], g[rows_][:, None],
                                        beta[rows_][:, None], w, conv, delta)
             state.write(layer_slot, att.single_slots, conv, delta)
             parts.append(y[:, 0])
-        elif att.single_rows is not None:
-            rows_ = att.single_rows
-            parts.append(self._verify_steps(qkv[rows_], g[rows_], beta[rows_], w, state,
-                                            layer_slot, rec))
         for span, fresh in zip(att.spans, rec.span_fresh, strict=True):
             sl = slice(span.start, span.stop)
             conv, delta = state.read_span(layer_slot, span.slot, fresh)
@@ -333,5 +333,5 @@ def build_range(config: ModelConfig, spec: StageSpec,
     """The stage's range, KV for its attention layers and recurrent state for its DeltaNet
     layers: this family's entry for the MLX stage."""
     state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel, spec.context, dtype,
-                                  VERIFY_STATES if spec.drafting else 0)
+                                  spec.verify_states)
     return Qwen35Range(config, spec.layer_range, load, state, Rope(config), on_layer)

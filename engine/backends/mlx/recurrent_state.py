@@ -11,8 +11,8 @@ Unlike KV, a recurrent state cannot be rolled back by moving an offset: it is ov
 every token. So a row at position 0 (a stream's first) never reads the slot: it starts
 from zeros, whatever a previous stream left there. A verify entry (engine.rounds) comes as
 single rows, several of one slot, which the recurrence runs in steps (row j of every slot
-at once, `RecurrentIndex.verify_steps`); it keeps the state after each of its rows but the last (`VERIFY_STATES` per slot, preallocated
-too), and the next entry, if it keeps only `accepted` of those rows, starts from the state
+at once, `RecurrentIndex.verify_steps`); it keeps the state after each of its rows but
+the last (`VERIFY_STATES` per slot where the model drafts, preallocated too), and the next entry, if it keeps only `accepted` of those rows, starts from the state
 kept after its `accepted`-th row; a keep after any other entry is refused by the slot
 table (`engine.slots`) before anything runs.
 """

@@ -96,8 +96,10 @@ class RoundIndex:
     verify_steps: VerifySteps | None = None
 
     @classmethod
-    def build(cls, layout: RowLayout, device: torch.device,
-              sliding_window: int | None) -> RoundIndex:
+    def build(cls, layout: RowLayout, device: torch.device, sliding_window: int | None, *,
+              recurrent: bool = False) -> RoundIndex:
+        """`recurrent`: the range has recurrent layers, which run a slot's several single rows
+        in steps (`verify_steps`); attention alone needs none."""
         spans = []
         for span in layout.spans:
             mask = None
@@ -119,7 +121,7 @@ class RoundIndex:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         steps = None
-        if layout.rows_a_slot > 1:
+        if recurrent and layout.rows_a_slot > 1:
             groups = list(itertools.accumulate(
                 (int(b != a) for a, b in itertools.pairwise(layout.single_slots)), initial=0))
             steps = verify_steps(as_tensor(groups), groups[-1] + 1, layout.rows_a_slot)

@@ -28,7 +28,6 @@ from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, VerifySteps
 from engine.backends.pytorch.llama import Rope, mlp, rotate_half
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
 from engine.config import LINEAR_ATTENTION, ModelConfig
-from engine.families.kinds import VERIFY_STATES
 from engine.family import DeltaNetWeights, LayerWeights, load_range
 
 if TYPE_CHECKING:
@@ -253,8 +252,7 @@ def build_range(config: ModelConfig, spec: StageSpec,
                     spec.context, config.head_dim, dtype, device)
     rope = Rope(config, spec.context, device, dtype)
     with torch.inference_mode():
-        verify_states = VERIFY_STATES if spec.drafting else 0
         state = HybridState(cache, RecurrentState(config, deltanet_layers, spec.parallel,
-                                                  dtype, device, verify_states))
+                                                  dtype, device, spec.verify_states))
         kernels = delta_kernels.choose(device, spec.delta_kernel)
         return Qwen35Range(config, spec.layer_range, load, state, rope, on_layer, kernels)

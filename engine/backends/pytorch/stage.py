@@ -109,7 +109,8 @@ class TorchStage(Stage):
             return self.model.run_decode(rows, positions, run, layout.single_keys,
                                          self.config.sliding_window, self.decode_step,
                                          offsets=offsets)
-        index = RoundIndex.build(layout, self.device, self.config.sliding_window)
+        index = RoundIndex.build(layout, self.device, self.config.sliding_window,
+                                 recurrent=self.model.recurrent is not None)
         return self.model.run_layers(rows, index)
 
     def _finish(self) -> None:
