@@ -8,7 +8,8 @@
 # anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py),
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
 # round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
-# hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs).
+# hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
+# packed-checks (the packed kernels' and 4-bit stages' CUDA tests).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -51,6 +52,10 @@ for what in "$@"; do
     profile)
       step profile-graphs 250 python3 bench/stage_profile.py --rows 1 --top 14
       step profile-eager 300 python3 bench/stage_profile.py --rows 8 --no-graphs --top 12 ;;
+    packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
+      for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
+        step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+      done ;;
     packed) step packed 330 python3 bench/quantized.py --device cuda --shape 8b --triton \
         --layers 16 --stage-layers 32 ;;
     anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \

@@ -119,3 +119,44 @@ def test_a_packed_weight_runs_the_stored_words_and_holds_their_bytes_once(kernel
     got = torch.nn.functional.linear(x, weight)
     assert got.shape == (2, 1, 72)
     assert_is_the_dense_product(got.view(2, 72), x.view(2, 128), dense)
+
+
+def test_the_compiled_decode_step_takes_packed_weights(kernels, make_model):
+    """torch.compile traces the decode layer over packed weights whole (fullgraph): their
+    matmul is an operator Inductor keeps, and the compiled layer computes what the eager
+    one does, over a cache of three slots with keys written at unequal positions."""
+    from engine.backends.pytorch.compiled_step import compiled_decode_block
+    from engine.backends.pytorch.kv_cache import visible_keys
+    from engine.backends.pytorch.llama import Rope, decode_block
+    from engine.family import LayerWeights
+    from engine.harness.local_pipeline import model_config
+
+    config = model_config(make_model("qwen3", hidden_size=64, intermediate_size=128,
+                                     head_dim=32, num_attention_heads=4, num_key_value_heads=2))
+    params = QuantParams(32, 4)
+    generator = torch.Generator().manual_seed(8)
+
+    def packed(out_features: int, in_features: int) -> PackedWeight:
+        words, scales, biases, _ = stored(out_features, in_features, params, torch.float32,
+                                          out_features + in_features)
+        return PackedWeight(out_features, in_features, params, torch.float32,
+                            words=(words, scales, biases))
+
+    def norm(width: int) -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(width, generator=generator)
+
+    h, q_width, kv_width, inter = 64, 128, 64, 128
+    w = LayerWeights(norm(h), packed(q_width, h), packed(kv_width, h), packed(kv_width, h),
+                     packed(h, q_width), norm(h), packed(inter, h), packed(inter, h),
+                     packed(h, inter), q_norm=norm(32), k_norm=norm(32))
+    rope = Rope(config, 64, torch.device("cpu"), torch.float32)
+    positions = torch.tensor([5, 17, 0])
+    keys = 18
+    mask = visible_keys(positions[:, None], keys, None)[:, None, None, :]
+    x = torch.randn(3, h, generator=generator)
+    cache = torch.randn(2, 3, 2, 64, 32, generator=generator)  # k, v: [slots, kv, pos, dim]
+    step = compiled_decode_block()
+    with torch.inference_mode():
+        want = decode_block(x, w, config, rope.cos, rope.sin, *cache.clone(), positions, mask)
+        got = step(x, w, config, rope.cos, rope.sin, *cache.clone(), positions, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -10,7 +10,8 @@ decode round: the first shape is compiled as it is, and a second run of slots or
 count recompiles it once with those sizes symbolic (Dynamo's automatic dynamic shapes),
 so a stage compiles two or three times in its life, not once per (run, bucket). On CUDA
 the compiled step is then captured in the stage's own CUDA graphs (graphs.py) exactly as
-the eager one was: compile, then capture.
+the eager one was: compile, then capture. Packed weights on our Triton kernels compile too:
+their matmul is an operator Inductor keeps whole (`packed_matmul_triton.packed_matmul_op`).
 
 A cold compile costs seconds to tens of seconds per shape (docs/benchmarks.md has the
 figures); Inductor's caches make a restart cheap, so they live in a directory that
@@ -18,8 +19,8 @@ survives reboots (`inductor_cache_dir`), not the default under /tmp.
 
 FLEET_COMPILE decides (`compiles`): `off` never, `on` wherever the stage's layers can be
 compiled (the CPU included, which is how the tests exercise it), `auto` only where the
-fused kernels pay: CUDA with decode graphs. Hybrids and packed weights run eagerly
-(their kernels are not traceable), and `on` refuses them by name.
+fused kernels pay: CUDA with decode graphs. Hybrids and packed weights on PyTorch's int4
+kernel run eagerly (their kernels are not traceable), and `on` refuses them by name.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ COMPILE_ENV = "FLEET_COMPILE"
 RECOMPILE_LIMIT = 64
 
 
-def compiles(mode: str, device: torch.device, config: ModelConfig, packed: bool,
+def compiles(mode: str, device: torch.device, config: ModelConfig, int4_packed: bool,
              cuda_graphs: bool) -> bool:
-    """Whether a stage runs its decode layers compiled: FLEET_COMPILE's decision."""
+    """Whether a stage runs its decode layers compiled: FLEET_COMPILE's decision.
+    `int4_packed`: packed weights on PyTorch's int4 kernel (our Triton kernels' operator
+    compiles; those passes do not)."""
     unsupported = ("a hybrid's layers" if config.is_hybrid
-                   else "packed weights" if packed else None)
+                   else "packed weights on PyTorch's int4 kernel" if int4_packed else None)
     if mode == "on" and unsupported:
         raise BackendError(f"{COMPILE_ENV}=on: {unsupported} cannot be compiled; set "
                            f"{COMPILE_ENV}=auto or off")

@@ -26,13 +26,16 @@ fails its check at load) keeps the int4 kernel there; the CPU always runs it.
 
 `PackedWeight` stands where a dense tensor stood in the family code: `F.linear(x, w, b)`
 and `F.embedding(ids, w)` reach it through `__torch_function__` (the protocol torchao's
-quantized tensors use), so the Llama and Qwen3.5 files keep one code path for both.
+quantized tensors use), so the Llama and Qwen3.5 files keep one code path for both. Dynamo
+follows that protocol into `matmul`, so the compiled decode step takes a packed stage whose
+matmul is the Triton kernels' operator (it cannot trace their launches, nor the int4 passes).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,9 +131,9 @@ class PackedWeight:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] == 0:  # CUDA's kernel refuses an empty grid
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if self.words is not None:
-            out = _triton_kernels().packed_matmul(flat, *self.words, self.params.bits,
-                                                  self.params.group_size)
+        if self.words is not None:  # the operator, which the compiled step keeps whole
+            out = torch.ops.ringfleet.packed_matmul(flat, *self.words, self.params.bits,
+                                                    self.params.group_size)
             return out.view(*x.shape[:-1], self.out_features)
         out = None
         for one in self.passes:
@@ -139,6 +142,12 @@ class PackedWeight:
         if out.shape[-1] != self.out_features:  # padded rows cut back
             out = out[:, :self.out_features].contiguous()
         return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether torch.compile can take this weight's matmul: the Triton kernels' operator,
+        not PyTorch's int4 passes."""
+        return self.words is not None or not self.passes
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` [n] -> [n, in]: only those rows are ever unpacked."""
@@ -165,6 +174,12 @@ class PackedWeight:
             ids, weight = args[:2]
             return weight.lookup(ids.reshape(-1)).view(*ids.shape, weight.in_features)
         raise TypeError(f"a packed weight supports F.linear and F.embedding, not {func}")
+
+
+def traceable(layers: Iterable[Any]) -> bool:
+    """Whether torch.compile can take every packed weight of these layers' weights."""
+    return all(w.traceable for layer in layers for w in vars(layer).values()
+               if isinstance(w, PackedWeight))
 
 
 def _int4_mm(x: torch.Tensor, one: Int4Pass, group_size: int) -> torch.Tensor:
@@ -239,6 +254,7 @@ def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: 
     passes: tuple[Int4Pass, ...] = ()
     held_words = None
     if matmul and (kernel or matmul_kernel(device, params.bits)) == "triton":
+        _triton_kernels()  # registers the operator `matmul` calls
         # The stored bytes as they are (a view: no copy); scales and biases contiguous.
         held_words = (stored.view(torch.int32), scales.contiguous(), biases.contiguous())
     elif matmul:

@@ -298,6 +298,23 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+
+@torch.library.custom_op("ringfleet::packed_matmul", mutates_args=())
+def packed_matmul_op(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                     biases: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """`packed_matmul` (with `plan`'s launch) as an operator torch.compile keeps whole, so
+    the compiled decode step takes packed stages too: Dynamo cannot trace the launches (their
+    grids are host values), and the layer's norms, rotary and residual adds around them are
+    what compiling fuses (about 2 ms of an 8B round at one stream, docs/benchmarks.md).
+    PackedWeight.matmul calls it, eager or compiled."""
+    return packed_matmul(x, words, scales, biases, bits, group_size)
+
+
+@packed_matmul_op.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+      bits: int, group_size: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], words.shape[0])
+
 def dequantize(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
                group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight [out, in] in `dtype` (each weight rounded once from float32)."""

@@ -29,7 +29,7 @@ def torch_dtype(row_format: RowFormat) -> torch.dtype:
 
 class TorchStage(Stage):
     def __init__(self, spec: StageSpec, config: ModelConfig, model: Any,
-                 device: torch.device, *, packed: bool = False) -> None:
+                 device: torch.device, *, int4_packed: bool = False) -> None:
         # `model`: the family module's range (engine.backends.family_modules).
         super().__init__(spec, config, model)
         self.device = device
@@ -37,7 +37,7 @@ class TorchStage(Stage):
         self.graphs = None
         # FLEET_COMPILE: decode rounds of consecutive slots run their layers compiled.
         self.decode_step = None
-        if compiles(spec.compile, device, config, packed, spec.cuda_graphs):
+        if compiles(spec.compile, device, config, int4_packed, spec.cuda_graphs):
             self.decode_step = compiled_decode_block()
         if device.type == "cuda":
             # cuDNN's attention built an execution plan on every masked call here (0.3 s of
@@ -79,7 +79,8 @@ class TorchStage(Stage):
 
         family = family_module("engine.backends.pytorch", config)
         model = family.build_range(config, spec, load, device, dtype, on_layer)
-        return cls(spec, config, model, device, packed=packed)
+        int4_packed = packed and not packed_linear.traceable(model.layers)
+        return cls(spec, config, model, device, int4_packed=int4_packed)
 
     def recurrent_states(self) -> int:
         if self.model.recurrent is not None:  # what was preallocated, not what was asked for
