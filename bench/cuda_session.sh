@@ -9,7 +9,8 @@
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
 # round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
-# packed-checks (the packed kernels' and 4-bit stages' CUDA tests).
+# packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
+# prompt's rate by chunk size, and its profile).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -52,6 +53,13 @@ for what in "$@"; do
     profile)
       step profile-graphs 250 python3 bench/stage_profile.py --rows 1 --top 14
       step profile-eager 300 python3 bench/stage_profile.py --rows 8 --no-graphs --top 12 ;;
+    prompt)  # one stream's 8,192-token prompt by chunk size, and where a chunk's time goes
+      for chunk in 512 2048 8192; do
+        step "prompt-$chunk" 150 python3 bench/decode.py --preset 8b --device cuda \
+          --prompt-rate 8192 --chunk "$chunk" --repeats 3 --no-reference
+      done
+      step prompt-profile 150 python3 bench/decode_profile.py --preset 8b --prompt-only \
+        --prompt 8192 --prompt-chunk 2048 --top 30 ;;
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
