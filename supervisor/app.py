@@ -20,10 +20,11 @@ from aiohttp import web
 from agent.mtls_api import authorize_and_explain, error_body, roles
 from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
 from agent.tls import client_context
-from supervisor import issuing
+from supervisor import intake, issuing
 from supervisor.agents import AgentClient
-from supervisor.control_loop import RequestError, Supervisor
+from supervisor.control_loop import Supervisor
 from supervisor.front_door import FrontDoorConfig, open_front_door
+from supervisor.request_error import RequestError
 from supervisor.settings import SupervisorSettings, split_address
 
 log = structlog.get_logger()
@@ -42,7 +43,7 @@ def refuse_agent_peer(request: web.Request, who: Identity, allowed: frozenset[st
     node = request.match_info.get("node")
     if node != who.node:
         return f"certificate {who.node!r} may not report for node {node!r}"
-    return request.app[SUPERVISOR].refuse_agent(who)
+    return intake.refuse_agent(request.app[SUPERVISOR], who)
 
 
 def explain(exc: Exception) -> web.Response | None:
@@ -102,21 +103,22 @@ async def heartbeat(request: web.Request) -> web.Response:
     if not isinstance(body.get("url"), str) or not body["url"].startswith("https://"):
         raise RequestError(400, "a heartbeat needs the agent's url (https://HOST:PORT)",
                            field="url")
-    reply = request.app[SUPERVISOR].heartbeat(request.match_info["node"], body)
+    reply = intake.heartbeat(request.app[SUPERVISOR], request.match_info["node"], body)
     return web.json_response(reply)
 
 
 @roles("agent")
 async def events(request: web.Request) -> web.Response:
     body = await body_of(request)
-    request.app[SUPERVISOR].engine_events(request.match_info["node"], list(body.get("events", [])))
+    intake.engine_events(request.app[SUPERVISOR], request.match_info["node"],
+                         list(body.get("events", [])))
     return web.json_response({"ok": True})
 
 
 @roles("agent")
 async def goodbye(request: web.Request) -> web.Response:
     body = await body_of(request)
-    request.app[SUPERVISOR].goodbye(request.match_info["node"], str(body.get("reason", "")))
+    intake.goodbye(request.app[SUPERVISOR], request.match_info["node"], str(body.get("reason", "")))
     return web.json_response({"ok": True})
 
 

@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import aiohttp
 import structlog
 
-from agent.pki import Identity
 from agent.spawn import SpawnRequest, port_in_use
 from engine.env import EngineEnv
 from supervisor import lifecycle as lc
@@ -23,7 +22,6 @@ from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
 from supervisor.front_door import Route
 from supervisor.hops import planned_hops, reported_hops
-from supervisor.issuing import check_pin
 from supervisor.measuring import Measurer
 from supervisor.membership import (
     ALIVE,
@@ -32,9 +30,6 @@ from supervisor.membership import (
     SUSPECT,
     Member,
     engine_states,
-    on_events,
-    on_goodbye,
-    on_heartbeat,
     on_unreachable,
     shown_state,
     tick,
@@ -44,6 +39,7 @@ from supervisor.orphans import DrainOrphan, orphaned_engines
 from supervisor.planning import plan_replicas, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
+from supervisor.request_error import RequestError
 from supervisor.route_table import ModelRoutes, ReplicaRoute, RouteTable
 from supervisor.settings import SupervisorSettings
 from supervisor.speed import SpeedWatch, predict, speed_report
@@ -63,14 +59,6 @@ class HealthAnswer(NamedTuple):
     answered: bool
     healthy: bool
     body: dict[str, Any] | None
-
-
-class RequestError(Exception):
-    """A fleetctl request the supervisor refuses: HTTP status, message, and the field/line."""
-
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
 
 
 class Supervisor:
@@ -117,53 +105,8 @@ class Supervisor:
         self.state.log_event(kind, message, node=node, replica=replica)
         log.info(message, kind=kind, node=node or None, replica=replica or None)
 
-    # --- agents' reports ------------------------------------------------------------------
-    def refuse_agent(self, who: Identity) -> str | None:
-        """Why an agent certificate may not speak for its node (None: it may)."""
-        verdict = check_pin(who.node, who.fingerprint, self.state.pin(who.node),
-                            self.state.is_revoked(who.fingerprint), who.node in self.members)
-        if verdict.pin_now:
-            self.state.put_pin(who.node, who.fingerprint)
-            self.event("pin", f"{who.node}: certificate {who.fingerprint[:16]}… pinned at its "
-                       "first call (it joined before certificates were pinned)", node=who.node)
-        return None if verdict.allowed else verdict.reason
-
-    def _refuse_foreign(self, node: str, engine_ids: list[str]) -> None:
-        """An agent reports the engines it runs, never another node's (a forged "rank 0
-        exited" would fail a serving replica)."""
-        foreign = lc.foreign_engines(node, engine_ids, self.replicas)
-        if foreign:
-            engine_id, owner = next(iter(foreign.items()))
-            raise RequestError(403, f"node {node!r} may not report engine {engine_id!r}: it "
-                               f"runs on node {owner!r}", field="engine_id")
-
-    def heartbeat(self, node: str, beat: dict[str, Any]) -> dict[str, Any]:
-        self._refuse_foreign(node, [str(v.get("engine_id")) for v in beat.get("engines", ())
-                                    if isinstance(v, dict)])
-        result = on_heartbeat(self.members.get(node), dict(beat, node=node), time.time())
-        if result.changed:
-            self.event("member", f"{node} {result.changed} ({result.member.url})", node=node)
-        self._put_member(result.member)
-        return {"want_facts": result.want_facts}
-
-    def engine_events(self, node: str, events: list[dict[str, Any]]) -> None:
-        self._refuse_foreign(node, [str(e.get("engine_id")) for e in events
-                                    if isinstance(e, dict)])
-        member = self.members.get(node)
-        if member is None:
-            return
-        for e in events:
-            log.info("engine event", node=node, engine=e.get("engine_id"), state=e.get("state"))
-        self._put_member(on_events(member, events))
-        self.step()  # a lost stage fails its replica now, not at the next tick
-
-    def goodbye(self, node: str, reason: str) -> None:
-        member = self.members.get(node)
-        if member is not None:
-            self._put_member(on_goodbye(member, reason))
-            self.event("member", f"{node} left: {reason}", node=node)
-
-    def _put_member(self, member: Member) -> None:
+    def put_member(self, member: Member) -> None:
+        """Keep a member's new state in memory and on disk."""
         self.members[member.node] = member
         self.state.put_member(member)
 
@@ -189,7 +132,7 @@ class Supervisor:
         for member in tick(self.members, now, self.settings.membership).values():
             self.event("member", f"{member.node} is {member.state}: {member.reason}",
                        node=member.node)
-            self._put_member(member)
+            self.put_member(member)
         for spec in self.desired.models if self.desired else ():
             if not isinstance(self.shapes.get(spec.id), ModelShape):
                 self.shapes[spec.id] = read_shape(spec)
@@ -371,7 +314,7 @@ class Supervisor:
         errors = [r for r in results if isinstance(r, BaseException)]
         for exc in errors:
             if isinstance(exc, AgentError) and exc.status == 0 and exc.node in self.members:
-                self._put_member(on_unreachable(self.members[exc.node], exc.message))
+                self.put_member(on_unreachable(self.members[exc.node], exc.message))
         if errors:
             current = self.replicas.get(replica.id, replica)
             if current.state in (lc.STARTING, lc.WARMING):
@@ -410,7 +353,7 @@ class Supervisor:
             if member is not None:
                 await self.agents.forget(action.node, member.url, action.engine_id)
                 engines = {k: v for k, v in member.engines.items() if k != action.engine_id}
-                self._put_member(replace(self.members[action.node], engines=engines))
+                self.put_member(replace(self.members[action.node], engines=engines))
         except AgentError as exc:
             log.info("engine record not forgotten", node=action.node, error=str(exc))
         finally:
@@ -493,7 +436,7 @@ class Supervisor:
             raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
         members = dict(self.members, **{node: replace(member, cordoned=not undo)})
         outages = self.outages(replace(self.snapshot(), members=members))
-        self._put_member(replace(member, cordoned=not undo))
+        self.put_member(replace(member, cordoned=not undo))
         self.event("drain", f"{node} {'uncordoned' if undo else 'cordoned: its replicas move'}",
                    node=node)
         self.step()

@@ -1,0 +1,14 @@
+"""A request the supervisor refuses, apart from the loop: agent intake and operator commands
+raise it, and the app (`supervisor.app.explain`) answers it with its status and field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestError(Exception):
+    """A request the supervisor refuses: HTTP status, message, and the field/line."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
