@@ -20,7 +20,7 @@ from aiohttp import web
 from agent.mtls_api import authorize_and_explain, error_body, roles
 from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
 from agent.tls import client_context
-from supervisor import intake, issuing
+from supervisor import intake, issuing, operator_commands
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
 from supervisor.front_door import FrontDoorConfig, open_front_door
@@ -138,31 +138,32 @@ async def status(request: web.Request) -> web.Response:
 
 async def apply(request: web.Request) -> web.Response:
     body = await body_of(request)
-    result = request.app[SUPERVISOR].apply_desired(
-        str(body.get("text", "")), str(body.get("source", "fleet.yaml")),
+    result = operator_commands.apply_desired(
+        request.app[SUPERVISOR], str(body.get("text", "")), str(body.get("source", "fleet.yaml")),
         dry_run=bool(body.get("dry_run")), force=bool(body.get("force")))
     return web.json_response(result)
 
 
 async def plan(request: web.Request) -> web.Response:
     body = await body_of(request)
-    supervisor = request.app[SUPERVISOR]
-    config = supervisor.parse(str(body.get("text", "")), str(body.get("source", "fleet.yaml")))
-    return web.json_response({"plans": supervisor.plans(config)})
+    config = operator_commands.parse(str(body.get("text", "")),
+                                     str(body.get("source", "fleet.yaml")))
+    return web.json_response({"plans": operator_commands.plans(request.app[SUPERVISOR], config)})
 
 
 async def revoke_node(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].revoke(request.match_info["node"]))
+    return web.json_response(operator_commands.revoke(request.app[SUPERVISOR],
+                                                      request.match_info["node"]))
 
 
 async def drain_node(request: web.Request) -> web.Response:
     body = await body_of(request)
-    return web.json_response(request.app[SUPERVISOR].drain_node(
-        request.match_info["node"], undo=bool(body.get("undo"))))
+    return web.json_response(operator_commands.drain_node(
+        request.app[SUPERVISOR], request.match_info["node"], undo=bool(body.get("undo"))))
 
 
 async def rebalance(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].rebalance())
+    return web.json_response(operator_commands.rebalance(request.app[SUPERVISOR]))
 
 
 async def event_log(request: web.Request) -> web.Response:

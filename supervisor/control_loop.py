@@ -19,9 +19,9 @@ from engine.env import EngineEnv
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
-from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
+from supervisor.fleet_config import FleetConfig, parse_fleet_config
 from supervisor.front_door import Route
-from supervisor.hops import planned_hops, reported_hops
+from supervisor.hops import reported_hops
 from supervisor.measuring import Measurer
 from supervisor.membership import (
     ALIVE,
@@ -36,10 +36,8 @@ from supervisor.membership import (
 )
 from supervisor.memory import ModelShape
 from supervisor.orphans import DrainOrphan, orphaned_engines
-from supervisor.planning import plan_replicas, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
-from supervisor.request_error import RequestError
 from supervisor.route_table import ModelRoutes, ReplicaRoute, RouteTable
 from supervisor.settings import SupervisorSettings
 from supervisor.speed import SpeedWatch, predict, speed_report
@@ -358,103 +356,6 @@ class Supervisor:
             log.info("engine record not forgotten", node=action.node, error=str(exc))
         finally:
             self.forgetting.discard(action)
-
-    # --- fleetctl -------------------------------------------------------------------------
-    def parse(self, text: str, source: str) -> FleetConfig:
-        from supervisor.fleet_config import FleetConfigError
-
-        try:
-            return parse_fleet_config(text, source)
-        except FleetConfigError as exc:
-            raise RequestError(422, str(exc), field=exc.field, line=exc.line,
-                               source=exc.source) from exc
-
-    def plans(self, config: FleetConfig, only: set[str] | None = None) -> list[dict[str, Any]]:
-        out = []
-        for spec in config.models:
-            if only is not None and spec.id not in only:
-                continue
-            shape = read_shape(spec)
-            if not isinstance(shape, ModelShape):
-                out.append({"model": spec.id, "error": shape})
-                continue
-            plan = plan_replicas(spec, shape, config, self.members, self.measurer.snapshot(),
-                                 spec.replicas)
-            if not plan.placements:
-                out.append({"model": spec.id, "error": plan.error})
-                continue
-            first = plan.placements[0]
-            out.append({"model": spec.id, "ring": list(first.ring), "note": plan.note,
-                        "placement": planned_hops(first.to_dict(), spec.hop_transport)})
-            if len(plan.placements) > 1:  # placed together: every replica's placement
-                out[-1]["replicas"] = [planned_hops(p.to_dict(), spec.hop_transport)
-                                       for p in plan.placements]
-        return out
-
-    def apply_desired(self, text: str, source: str, *, dry_run: bool = False,
-                      force: bool = False) -> dict[str, Any]:
-        new = self.parse(text, source)
-        old = self.desired
-        changes = diff(old, new) if old else [(f"first apply: {len(new.models)} model(s), "
-                                               f"{len(new.nodes)} node(s)")]
-        before = {m.id: spec_digest(m) for m in old.models} if old else {}
-        changed = {m.id for m in new.models if before.get(m.id) != spec_digest(m)}
-        plans = self.plans(new, changed)
-        outages = self.outages(replace(self.snapshot(), desired=new))
-        errors = [p for p in plans if "error" in p]
-        if errors and not force and not dry_run:
-            raise RequestError(422, "; ".join(p["error"] for p in errors) +
-                               " (nothing was changed; --force applies it anyway)",
-                               changes=changes)
-        if not dry_run and changes:
-            self.state.set_desired(text, source)
-            self.desired = new
-            self.shapes = {}
-            self.event("apply", f"applied {source}: " + ("; ".join(changes) or "no change"))
-            self.step()
-        return {"changes": changes, "plans": plans, "applied": not dry_run and bool(changes),
-                "outages": outages}
-
-    def revoke(self, node: str) -> dict[str, Any]:
-        """Forget a member and refuse its certificate from now on, so that the name can be
-        joined again (a new machine, a lost key). Its replicas fail over as for a lost node."""
-        if node not in self.members and self.state.pin(node) is None:
-            known = ", ".join(sorted(self.members)) or "none yet"
-            raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
-        fingerprint = self.state.revoke(node)
-        self.members.pop(node, None)
-        self.event("revoke", f"{node} revoked" + (f" (certificate {fingerprint[:16]}… refused "
-                                                  "from now on)" if fingerprint else ""),
-                   node=node)
-        self.step()
-        return {"node": node, "revoked_certificate": fingerprint or ""}
-
-    def drain_node(self, node: str, undo: bool = False) -> dict[str, Any]:
-        member = self.members.get(node)
-        if member is None:
-            known = ", ".join(sorted(self.members)) or "none yet"
-            raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
-        members = dict(self.members, **{node: replace(member, cordoned=not undo)})
-        outages = self.outages(replace(self.snapshot(), members=members))
-        self.put_member(replace(member, cordoned=not undo))
-        self.event("drain", f"{node} {'uncordoned' if undo else 'cordoned: its replicas move'}",
-                   node=node)
-        self.step()
-        return {"node": node, "cordoned": not undo, "outages": outages}
-
-    def rebalance(self) -> dict[str, Any]:
-        self.measurer.forget_failures()  # tried again: a rebalance is when they matter
-        snapshot = self.snapshot()
-        outages = self.outages(replace(snapshot, rebalance_epoch=snapshot.rebalance_epoch + 1))
-        epoch = self.state.bump_rebalance_epoch()
-        self.event("rebalance", f"rebalance {epoch} asked")
-        self.step()
-        return {"rebalance_epoch": epoch, "outages": outages}
-
-    def outages(self, changed: lc.Snapshot) -> list[dict[str, Any]]:
-        """What a change would stop serving (no room to make before break), for fleetctl to
-        say before it is made; each with its reason and how long at most."""
-        return [dict(vars(o), max_s=o.max_s, text=o.text()) for o in lc.outages(changed)]
 
     def status(self) -> dict[str, Any]:
         now = time.time()
