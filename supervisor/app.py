@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import structlog
@@ -20,7 +21,7 @@ from aiohttp import web
 from agent.mtls_api import authorize_and_explain, error_body, roles
 from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
 from agent.tls import client_context
-from supervisor import intake, issuing, operator_commands
+from supervisor import intake, issuing, operator_commands, views
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
 from supervisor.front_door import FrontDoorConfig, open_front_door
@@ -126,14 +127,14 @@ async def goodbye(request: web.Request) -> web.Response:
 @roles("front-door")
 async def routes(request: web.Request) -> web.Response:
     """The route table (supervisor/route_table.py) that `fleet-front-door` polls."""
-    table = request.app[SUPERVISOR].route_table()
+    table = views.route_table(request.app[SUPERVISOR])
     return web.Response(body=table.to_json(), content_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
 
 # --- fleetctl -----------------------------------------------------------------------------
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].status())
+    return web.json_response(views.status(request.app[SUPERVISOR]))
 
 
 async def apply(request: web.Request) -> web.Response:
@@ -187,7 +188,7 @@ async def loops_ctx(app: web.Application) -> AsyncIterator[None]:
     supervisor = app[SUPERVISOR]
     loop = asyncio.get_running_loop()
     app[LOOPS] = [loop.create_task(supervisor.run()), loop.create_task(supervisor.health_loop()),
-                  loop.create_task(supervisor.speeds.run(supervisor.speed_targets))]
+                  loop.create_task(supervisor.speeds.run(partial(views.speed_targets, supervisor)))]
     yield
     for task in app[LOOPS]:
         task.cancel()
@@ -201,8 +202,8 @@ async def front_door_ctx(app: web.Application) -> AsyncIterator[None]:
     if not settings.front_door:
         yield
         return
-    config = FrontDoorConfig(supervisor.route, supervisor.models, frozenset(settings.api_keys),
-                             relays=supervisor.relays)
+    config = FrontDoorConfig(partial(views.route, supervisor), partial(views.models, supervisor),
+                             frozenset(settings.api_keys), relays=supervisor.relays)
     host, port = split_address(settings.front_door, "front_door")
     runner = await open_front_door(config, host, port)
     log.info("front door open", url=settings.front_door_url)

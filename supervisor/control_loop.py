@@ -1,6 +1,12 @@
-"""The supervisor's loop: keep members and replicas in memory and on disk, call the pure
-decisions (membership.tick, lifecycle.decide) on a timer, and apply the actions they return
-(spawn and drain engines through the agents, probe rank 0's health, record every change).
+"""The supervisor's loop over its shared state: tick → decide (pure) → apply, and no more.
+
+Members and replicas are kept in memory and on disk; each step calls the pure decisions
+(membership.tick, lifecycle.decide, orphans.orphaned_engines) on a snapshot and applies the
+actions they return (spawn and drain engines through the agents, record every change); the
+health loop probes rank 0. What agents report (`supervisor.intake`), what fleetctl asks
+(`supervisor.operator_commands`) and what is shown (`supervisor.views`) are functions over
+the `Supervisor` beside it, kept out so that this file reads as the loop; they call `step`
+when they change what it decides over.
 """
 
 from __future__ import annotations
@@ -20,8 +26,6 @@ from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
 from supervisor.fleet_config import FleetConfig, parse_fleet_config
-from supervisor.front_door import Route
-from supervisor.hops import reported_hops
 from supervisor.measuring import Measurer
 from supervisor.membership import (
     ALIVE,
@@ -29,24 +33,20 @@ from supervisor.membership import (
     LEFT,
     SUSPECT,
     Member,
-    engine_states,
     on_unreachable,
-    shown_state,
     tick,
 )
 from supervisor.memory import ModelShape
 from supervisor.orphans import DrainOrphan, orphaned_engines
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
-from supervisor.route_table import ModelRoutes, ReplicaRoute, RouteTable
 from supervisor.settings import SupervisorSettings
-from supervisor.speed import SpeedWatch, predict, speed_report
+from supervisor.speed import SpeedWatch
 from supervisor.state import State
 
 log = structlog.get_logger()
 
 HEALTH_TIMEOUT_S = 2.0
-STATUS_HISTORY = 3  # generations per model that `status` shows
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # where a port can be checked from here
 
 
@@ -60,7 +60,8 @@ class HealthAnswer(NamedTuple):
 
 
 class Supervisor:
-    """Everything the API handlers and the loop share; one per process."""
+    """The in-memory state the loop, intake, operator commands and views share, and the
+    loop over it; one per process."""
 
     def __init__(self, settings: SupervisorSettings, agents: AgentClient) -> None:
         self.settings = settings
@@ -85,7 +86,7 @@ class Supervisor:
         self.busy_ports: set[tuple[str, int]] = set()  # found taken when a start checked
         self.forgetting: set[lc.ForgetEngine] = set()
         self.relays = Relays()  # the front door's open relays, ended when a replica fails
-        self.route_turn = 0  # round-robin among replicas with as many free slots
+        self.route_turn = 0  # round-robin among replicas with as many free slots (views.route)
         self.secrets = ReplicaSecrets(settings.keys_dir)
         self.secrets.keep_only(r.id for r in self.replicas.values()
                                if r.state in lc.RUNNING_STATES)
@@ -242,11 +243,6 @@ class Supervisor:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return HealthAnswer(False, False, None)
 
-    def rank0_draining(self, replica_id: str) -> dict[str, Any] | None:
-        """Rank 0's drain as its /health last told it (in flight, seconds left), or None."""
-        body = self.rank0_health.get(replica_id)
-        return body if body is not None and body.get("status") == "draining" else None
-
     # --- starting and stopping stages -----------------------------------------------------
     def start_stages(self, action: lc.StartStages) -> None:
         """Spawn the stages on the ports the lifecycle chose, unless one of them is taken
@@ -357,106 +353,9 @@ class Supervisor:
         finally:
             self.forgetting.discard(action)
 
-    def status(self) -> dict[str, Any]:
-        now = time.time()
-        members = []
-        holding = {s.node for r in self.replicas.values() if r.state in lc.LIVE_STATES
-                   for s in r.stages}
-        for m in sorted(self.members.values(), key=lambda m: m.node):
-            host = (m.facts or {}).get("host", {})
-            members.append({
-                "node": m.node, "state": shown_state(m, m.node in holding),
-                "membership_state": m.state, "cordoned": m.cordoned, "url": m.url,
-                "seen_s_ago": round(now - m.last_heartbeat_at, 1), "reason": m.reason,
-                "platform": host.get("platform"), "arch": host.get("arch"),
-                "ram_total_bytes": host.get("ram_total_bytes"),
-                "backends": list(m.present_backends()),
-                "engines": engine_states(m)})
-        latest = lc.latest_by_model(self.replicas)
-        # Every live replica, and the last few ended ones: how the current one came to be.
-        shown = sorted((r for r in self.replicas.values() if r.state in lc.LIVE_STATES
-                        or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
-                       key=lambda r: (r.model_id, r.generation))
-        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r),
-                         hops=reported_hops(self.rank0_health.get(r.id)),
-                         prompt_cache=reported_prompt_cache(self.rank0_health.get(r.id)))
-                    | self.drain_view(r) for r in shown]
-        stored = self.state.desired()
-        return {"members": members, "replicas": replicas,
-                "models": [m.id for m in self.desired.models] if self.desired else [],
-                "desired": {"source": stored.source, "applied_at": stored.applied_at}
-                if stored else None,
-                "front_door": self.settings.front_door_url,
-                "measured": self.measurer.to_dict(),
-                "events": self.state.events(limit=15)}
-
-    def speed(self, replica: lc.Replica) -> dict[str, Any] | None:
-        """A live replica's predicted and measured decode ms per token (supervisor/speed.py)."""
-        if replica.state not in lc.LIVE_STATES or not replica.stages or self.desired is None:
-            return None
-        spec, shape = self.desired.model(replica.model_id), self.shapes.get(replica.model_id)
-        predicted = (predict(spec, shape, self.desired, self.members, self.measurer.snapshot(),
-                             replica.layout())
-                     if spec is not None and isinstance(shape, ModelShape) else None)
-        return speed_report(predicted, self.speeds.rounds.get(replica.id, {}))
-
-    def speed_targets(self) -> list[tuple[str, str, str]]:
-        """Replicas whose rank 0 metrics `SpeedWatch` reads: (id, URL, API secret)."""
-        return [(r.id, r.url, self.secrets.read(r.id, API_SECRET) or "")
-                for r in self.replicas.values() if r.state in (lc.WARMING, lc.SERVING)]
-
-    def drain_view(self, replica: lc.Replica) -> dict[str, Any]:
-        """A replica whose rank 0 says it drains (a SIGTERM from outside the supervisor, or
-        the drain the supervisor asked) is shown draining, with its numbers."""
-        body = self.rank0_draining(replica.id) if replica.state in lc.LIVE_STATES else None
-        if body is None:
-            return {}
-        return {"state": lc.DRAINING, "lifecycle_state": replica.state,
-                "drain": {"in_flight": body.get("in_flight"),
-                          "seconds_left": body.get("drain_seconds_left")}}
-
-    # --- the front door's view ------------------------------------------------------------
-    def route_table(self) -> RouteTable:
-        """What a front door routes by (supervisor/route_table.py), from this moment's
-        replicas, rank 0 health and secrets: the in-process front door reads it per request,
-        a front door of its own process polls it (`GET /v1/routes`)."""
-        models = []
-        for spec in self.desired.models if self.desired else ():
-            serving = [r for r in self.replicas.values()
-                       if r.model_id == spec.id and r.state == lc.SERVING]
-            taking = [r for r in serving if self.rank0_draining(r.id) is None]
-            why = ""
-            if not serving:
-                replica = lc.latest_by_model(self.replicas).get(spec.id)
-                state = replica.state if replica else "not placed"
-                why = f"model {spec.id!r} has no serving replica now ({state}); retry shortly"
-            elif not taking:  # they would refuse: say why here
-                why = (f"model {spec.id!r}: replica {', '.join(r.id for r in serving)} is "
-                       "draining and takes no new requests; retry shortly")
-            models.append(ModelRoutes(spec.id, spec.parallel, bool(serving), tuple(
-                ReplicaRoute(r.id, r.url, self.secrets.read(r.id, API_SECRET) or "", int(
-                    (self.rank0_health.get(r.id) or {}).get("slots_in_use") or 0))
-                for r in sorted(taking, key=lambda r: r.id)), why))
-        failed = tuple((r.id, r.reason or "the replica failed")
-                       for r in self.replicas.values() if r.state == lc.FAILED)
-        return RouteTable(tuple(models), frozenset(self.settings.api_keys), failed)
-
-    def route(self, model: str | None, conversation: str | None = None) -> Route:
-        """The in-process front door's router."""
-        self.route_turn += 1
-        return self.route_table().route(model, self.relays, self.route_turn, conversation)
-
-    def models(self) -> list[dict[str, Any]]:
-        return self.route_table().model_entries()
-
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.state.close()
 
-
-def reported_prompt_cache(health: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The prompt cache's figures rank 0's /health gives (engine.api.metrics), or None."""
-    figures = (health or {}).get("prompt_cache")
-    return figures if isinstance(figures, dict) else None

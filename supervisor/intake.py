@@ -1,5 +1,7 @@
-"""What agents report (heartbeats, engine events, goodbyes) taken into the supervisor's
-state: apart from the loop, since it runs per request and only feeds the next decision."""
+"""Agents' reports taken in per request: apart from the loop, which only decides over them.
+
+A heartbeat, an engine event or a goodbye changes a member (through membership's pure
+rules) and, for engine events, steps the loop at once; nothing here decides placement."""
 
 from __future__ import annotations
 

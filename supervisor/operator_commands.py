@@ -1,6 +1,8 @@
-"""What fleetctl asks (apply, plan, drain, revoke, rebalance) turned into changes to the
-supervisor's state, each followed by one step: apart from the loop, since an operator's
-command is a request to answer (with its plans and outages), not a tick."""
+"""fleetctl's commands: a request answered with plans and outages, apart from the loop's tick.
+
+Apply, plan, drain, revoke and rebalance each change the desired state or a member, then
+call the loop's `step` once; what a change would stop serving is the lifecycle's own pure
+decision run on the changed snapshot (`outages`)."""
 
 from __future__ import annotations
 

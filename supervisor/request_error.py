@@ -1,5 +1,6 @@
-"""A request the supervisor refuses, apart from the loop: agent intake and operator commands
-raise it, and the app (`supervisor.app.explain`) answers it with its status and field."""
+"""A request the supervisor refuses: raised by intake and commands, never by the loop.
+
+The app (`supervisor.app.explain`) answers it with its status and the field or line named."""
 
 from __future__ import annotations
 
