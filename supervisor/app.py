@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import structlog
@@ -20,10 +21,11 @@ from aiohttp import web
 from agent.mtls_api import authorize_and_explain, error_body, roles
 from agent.pki import FleetCA, Identity, PkiError, check_node_name, check_ttl
 from agent.tls import client_context
-from supervisor import issuing
+from supervisor import intake, issuing, operator_commands, views
 from supervisor.agents import AgentClient
-from supervisor.control_loop import RequestError, Supervisor
+from supervisor.control_loop import Supervisor
 from supervisor.front_door import FrontDoorConfig, open_front_door
+from supervisor.request_error import RequestError
 from supervisor.settings import SupervisorSettings, split_address
 
 log = structlog.get_logger()
@@ -42,7 +44,7 @@ def refuse_agent_peer(request: web.Request, who: Identity, allowed: frozenset[st
     node = request.match_info.get("node")
     if node != who.node:
         return f"certificate {who.node!r} may not report for node {node!r}"
-    return request.app[SUPERVISOR].refuse_agent(who)
+    return intake.refuse_agent(request.app[SUPERVISOR], who)
 
 
 def explain(exc: Exception) -> web.Response | None:
@@ -102,21 +104,22 @@ async def heartbeat(request: web.Request) -> web.Response:
     if not isinstance(body.get("url"), str) or not body["url"].startswith("https://"):
         raise RequestError(400, "a heartbeat needs the agent's url (https://HOST:PORT)",
                            field="url")
-    reply = request.app[SUPERVISOR].heartbeat(request.match_info["node"], body)
+    reply = intake.heartbeat(request.app[SUPERVISOR], request.match_info["node"], body)
     return web.json_response(reply)
 
 
 @roles("agent")
 async def events(request: web.Request) -> web.Response:
     body = await body_of(request)
-    request.app[SUPERVISOR].engine_events(request.match_info["node"], list(body.get("events", [])))
+    intake.engine_events(request.app[SUPERVISOR], request.match_info["node"],
+                         list(body.get("events", [])))
     return web.json_response({"ok": True})
 
 
 @roles("agent")
 async def goodbye(request: web.Request) -> web.Response:
     body = await body_of(request)
-    request.app[SUPERVISOR].goodbye(request.match_info["node"], str(body.get("reason", "")))
+    intake.goodbye(request.app[SUPERVISOR], request.match_info["node"], str(body.get("reason", "")))
     return web.json_response({"ok": True})
 
 
@@ -124,43 +127,44 @@ async def goodbye(request: web.Request) -> web.Response:
 @roles("front-door")
 async def routes(request: web.Request) -> web.Response:
     """The route table (supervisor/route_table.py) that `fleet-front-door` polls."""
-    table = request.app[SUPERVISOR].route_table()
+    table = views.route_table(request.app[SUPERVISOR])
     return web.Response(body=table.to_json(), content_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
 
 # --- fleetctl -----------------------------------------------------------------------------
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].status())
+    return web.json_response(views.status(request.app[SUPERVISOR]))
 
 
 async def apply(request: web.Request) -> web.Response:
     body = await body_of(request)
-    result = request.app[SUPERVISOR].apply_desired(
-        str(body.get("text", "")), str(body.get("source", "fleet.yaml")),
+    result = operator_commands.apply_desired(
+        request.app[SUPERVISOR], str(body.get("text", "")), str(body.get("source", "fleet.yaml")),
         dry_run=bool(body.get("dry_run")), force=bool(body.get("force")))
     return web.json_response(result)
 
 
 async def plan(request: web.Request) -> web.Response:
     body = await body_of(request)
-    supervisor = request.app[SUPERVISOR]
-    config = supervisor.parse(str(body.get("text", "")), str(body.get("source", "fleet.yaml")))
-    return web.json_response({"plans": supervisor.plans(config)})
+    config = operator_commands.parse(str(body.get("text", "")),
+                                     str(body.get("source", "fleet.yaml")))
+    return web.json_response({"plans": operator_commands.plans(request.app[SUPERVISOR], config)})
 
 
 async def revoke_node(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].revoke(request.match_info["node"]))
+    return web.json_response(operator_commands.revoke(request.app[SUPERVISOR],
+                                                      request.match_info["node"]))
 
 
 async def drain_node(request: web.Request) -> web.Response:
     body = await body_of(request)
-    return web.json_response(request.app[SUPERVISOR].drain_node(
-        request.match_info["node"], undo=bool(body.get("undo"))))
+    return web.json_response(operator_commands.drain_node(
+        request.app[SUPERVISOR], request.match_info["node"], undo=bool(body.get("undo"))))
 
 
 async def rebalance(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SUPERVISOR].rebalance())
+    return web.json_response(operator_commands.rebalance(request.app[SUPERVISOR]))
 
 
 async def event_log(request: web.Request) -> web.Response:
@@ -184,7 +188,7 @@ async def loops_ctx(app: web.Application) -> AsyncIterator[None]:
     supervisor = app[SUPERVISOR]
     loop = asyncio.get_running_loop()
     app[LOOPS] = [loop.create_task(supervisor.run()), loop.create_task(supervisor.health_loop()),
-                  loop.create_task(supervisor.speeds.run(supervisor.speed_targets))]
+                  loop.create_task(supervisor.speeds.run(partial(views.speed_targets, supervisor)))]
     yield
     for task in app[LOOPS]:
         task.cancel()
@@ -198,8 +202,8 @@ async def front_door_ctx(app: web.Application) -> AsyncIterator[None]:
     if not settings.front_door:
         yield
         return
-    config = FrontDoorConfig(supervisor.route, supervisor.models, frozenset(settings.api_keys),
-                             relays=supervisor.relays)
+    config = FrontDoorConfig(partial(views.route, supervisor), partial(views.models, supervisor),
+                             frozenset(settings.api_keys), relays=supervisor.relays)
     host, port = split_address(settings.front_door, "front_door")
     runner = await open_front_door(config, host, port)
     log.info("front door open", url=settings.front_door_url)

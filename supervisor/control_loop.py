@@ -1,6 +1,12 @@
-"""The supervisor's loop: keep members and replicas in memory and on disk, call the pure
-decisions (membership.tick, lifecycle.decide) on a timer, and apply the actions they return
-(spawn and drain engines through the agents, probe rank 0's health, record every change).
+"""The supervisor's loop over its shared state: tick → decide (pure) → apply, and no more.
+
+Members and replicas are kept in memory and on disk; each step calls the pure decisions
+(membership.tick, lifecycle.decide, orphans.orphaned_engines) on a snapshot and applies the
+actions they return (spawn and drain engines through the agents, record every change); the
+health loop probes rank 0. What agents report (`supervisor.intake`), what fleetctl asks
+(`supervisor.operator_commands`) and what is shown (`supervisor.views`) are functions over
+the `Supervisor` beside it, kept out so that this file reads as the loop; they call `step`
+when they change what it decides over.
 """
 
 from __future__ import annotations
@@ -14,16 +20,12 @@ from typing import Any, NamedTuple
 import aiohttp
 import structlog
 
-from agent.pki import Identity
 from agent.spawn import SpawnRequest, port_in_use
 from engine.env import EngineEnv
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape
-from supervisor.fleet_config import FleetConfig, diff, parse_fleet_config
-from supervisor.front_door import Route
-from supervisor.hops import planned_hops, reported_hops
-from supervisor.issuing import check_pin
+from supervisor.fleet_config import FleetConfig, parse_fleet_config
 from supervisor.measuring import Measurer
 from supervisor.membership import (
     ALIVE,
@@ -31,28 +33,20 @@ from supervisor.membership import (
     LEFT,
     SUSPECT,
     Member,
-    engine_states,
-    on_events,
-    on_goodbye,
-    on_heartbeat,
     on_unreachable,
-    shown_state,
     tick,
 )
 from supervisor.memory import ModelShape
 from supervisor.orphans import DrainOrphan, orphaned_engines
-from supervisor.planning import plan_replicas, spec_digest
 from supervisor.relays import Relays
 from supervisor.replica_secrets import API_SECRET, LINK_KEY, ReplicaSecrets
-from supervisor.route_table import ModelRoutes, ReplicaRoute, RouteTable
 from supervisor.settings import SupervisorSettings
-from supervisor.speed import SpeedWatch, predict, speed_report
+from supervisor.speed import SpeedWatch
 from supervisor.state import State
 
 log = structlog.get_logger()
 
 HEALTH_TIMEOUT_S = 2.0
-STATUS_HISTORY = 3  # generations per model that `status` shows
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # where a port can be checked from here
 
 
@@ -65,16 +59,9 @@ class HealthAnswer(NamedTuple):
     body: dict[str, Any] | None
 
 
-class RequestError(Exception):
-    """A fleetctl request the supervisor refuses: HTTP status, message, and the field/line."""
-
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
-
-
 class Supervisor:
-    """Everything the API handlers and the loop share; one per process."""
+    """The in-memory state the loop, intake, operator commands and views share, and the
+    loop over it; one per process."""
 
     def __init__(self, settings: SupervisorSettings, agents: AgentClient) -> None:
         self.settings = settings
@@ -99,7 +86,7 @@ class Supervisor:
         self.busy_ports: set[tuple[str, int]] = set()  # found taken when a start checked
         self.forgetting: set[lc.ForgetEngine] = set()
         self.relays = Relays()  # the front door's open relays, ended when a replica fails
-        self.route_turn = 0  # round-robin among replicas with as many free slots
+        self.route_turn = 0  # round-robin among replicas with as many free slots (views.route)
         self.secrets = ReplicaSecrets(settings.keys_dir)
         self.secrets.keep_only(r.id for r in self.replicas.values()
                                if r.state in lc.RUNNING_STATES)
@@ -117,53 +104,8 @@ class Supervisor:
         self.state.log_event(kind, message, node=node, replica=replica)
         log.info(message, kind=kind, node=node or None, replica=replica or None)
 
-    # --- agents' reports ------------------------------------------------------------------
-    def refuse_agent(self, who: Identity) -> str | None:
-        """Why an agent certificate may not speak for its node (None: it may)."""
-        verdict = check_pin(who.node, who.fingerprint, self.state.pin(who.node),
-                            self.state.is_revoked(who.fingerprint), who.node in self.members)
-        if verdict.pin_now:
-            self.state.put_pin(who.node, who.fingerprint)
-            self.event("pin", f"{who.node}: certificate {who.fingerprint[:16]}… pinned at its "
-                       "first call (it joined before certificates were pinned)", node=who.node)
-        return None if verdict.allowed else verdict.reason
-
-    def _refuse_foreign(self, node: str, engine_ids: list[str]) -> None:
-        """An agent reports the engines it runs, never another node's (a forged "rank 0
-        exited" would fail a serving replica)."""
-        foreign = lc.foreign_engines(node, engine_ids, self.replicas)
-        if foreign:
-            engine_id, owner = next(iter(foreign.items()))
-            raise RequestError(403, f"node {node!r} may not report engine {engine_id!r}: it "
-                               f"runs on node {owner!r}", field="engine_id")
-
-    def heartbeat(self, node: str, beat: dict[str, Any]) -> dict[str, Any]:
-        self._refuse_foreign(node, [str(v.get("engine_id")) for v in beat.get("engines", ())
-                                    if isinstance(v, dict)])
-        result = on_heartbeat(self.members.get(node), dict(beat, node=node), time.time())
-        if result.changed:
-            self.event("member", f"{node} {result.changed} ({result.member.url})", node=node)
-        self._put_member(result.member)
-        return {"want_facts": result.want_facts}
-
-    def engine_events(self, node: str, events: list[dict[str, Any]]) -> None:
-        self._refuse_foreign(node, [str(e.get("engine_id")) for e in events
-                                    if isinstance(e, dict)])
-        member = self.members.get(node)
-        if member is None:
-            return
-        for e in events:
-            log.info("engine event", node=node, engine=e.get("engine_id"), state=e.get("state"))
-        self._put_member(on_events(member, events))
-        self.step()  # a lost stage fails its replica now, not at the next tick
-
-    def goodbye(self, node: str, reason: str) -> None:
-        member = self.members.get(node)
-        if member is not None:
-            self._put_member(on_goodbye(member, reason))
-            self.event("member", f"{node} left: {reason}", node=node)
-
-    def _put_member(self, member: Member) -> None:
+    def put_member(self, member: Member) -> None:
+        """Keep a member's new state in memory and on disk."""
         self.members[member.node] = member
         self.state.put_member(member)
 
@@ -189,7 +131,7 @@ class Supervisor:
         for member in tick(self.members, now, self.settings.membership).values():
             self.event("member", f"{member.node} is {member.state}: {member.reason}",
                        node=member.node)
-            self._put_member(member)
+            self.put_member(member)
         for spec in self.desired.models if self.desired else ():
             if not isinstance(self.shapes.get(spec.id), ModelShape):
                 self.shapes[spec.id] = read_shape(spec)
@@ -301,11 +243,6 @@ class Supervisor:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return HealthAnswer(False, False, None)
 
-    def rank0_draining(self, replica_id: str) -> dict[str, Any] | None:
-        """Rank 0's drain as its /health last told it (in flight, seconds left), or None."""
-        body = self.rank0_health.get(replica_id)
-        return body if body is not None and body.get("status") == "draining" else None
-
     # --- starting and stopping stages -----------------------------------------------------
     def start_stages(self, action: lc.StartStages) -> None:
         """Spawn the stages on the ports the lifecycle chose, unless one of them is taken
@@ -371,7 +308,7 @@ class Supervisor:
         errors = [r for r in results if isinstance(r, BaseException)]
         for exc in errors:
             if isinstance(exc, AgentError) and exc.status == 0 and exc.node in self.members:
-                self._put_member(on_unreachable(self.members[exc.node], exc.message))
+                self.put_member(on_unreachable(self.members[exc.node], exc.message))
         if errors:
             current = self.replicas.get(replica.id, replica)
             if current.state in (lc.STARTING, lc.WARMING):
@@ -410,200 +347,11 @@ class Supervisor:
             if member is not None:
                 await self.agents.forget(action.node, member.url, action.engine_id)
                 engines = {k: v for k, v in member.engines.items() if k != action.engine_id}
-                self._put_member(replace(self.members[action.node], engines=engines))
+                self.put_member(replace(self.members[action.node], engines=engines))
         except AgentError as exc:
             log.info("engine record not forgotten", node=action.node, error=str(exc))
         finally:
             self.forgetting.discard(action)
-
-    # --- fleetctl -------------------------------------------------------------------------
-    def parse(self, text: str, source: str) -> FleetConfig:
-        from supervisor.fleet_config import FleetConfigError
-
-        try:
-            return parse_fleet_config(text, source)
-        except FleetConfigError as exc:
-            raise RequestError(422, str(exc), field=exc.field, line=exc.line,
-                               source=exc.source) from exc
-
-    def plans(self, config: FleetConfig, only: set[str] | None = None) -> list[dict[str, Any]]:
-        out = []
-        for spec in config.models:
-            if only is not None and spec.id not in only:
-                continue
-            shape = read_shape(spec)
-            if not isinstance(shape, ModelShape):
-                out.append({"model": spec.id, "error": shape})
-                continue
-            plan = plan_replicas(spec, shape, config, self.members, self.measurer.snapshot(),
-                                 spec.replicas)
-            if not plan.placements:
-                out.append({"model": spec.id, "error": plan.error})
-                continue
-            first = plan.placements[0]
-            out.append({"model": spec.id, "ring": list(first.ring), "note": plan.note,
-                        "placement": planned_hops(first.to_dict(), spec.hop_transport)})
-            if len(plan.placements) > 1:  # placed together: every replica's placement
-                out[-1]["replicas"] = [planned_hops(p.to_dict(), spec.hop_transport)
-                                       for p in plan.placements]
-        return out
-
-    def apply_desired(self, text: str, source: str, *, dry_run: bool = False,
-                      force: bool = False) -> dict[str, Any]:
-        new = self.parse(text, source)
-        old = self.desired
-        changes = diff(old, new) if old else [(f"first apply: {len(new.models)} model(s), "
-                                               f"{len(new.nodes)} node(s)")]
-        before = {m.id: spec_digest(m) for m in old.models} if old else {}
-        changed = {m.id for m in new.models if before.get(m.id) != spec_digest(m)}
-        plans = self.plans(new, changed)
-        outages = self.outages(replace(self.snapshot(), desired=new))
-        errors = [p for p in plans if "error" in p]
-        if errors and not force and not dry_run:
-            raise RequestError(422, "; ".join(p["error"] for p in errors) +
-                               " (nothing was changed; --force applies it anyway)",
-                               changes=changes)
-        if not dry_run and changes:
-            self.state.set_desired(text, source)
-            self.desired = new
-            self.shapes = {}
-            self.event("apply", f"applied {source}: " + ("; ".join(changes) or "no change"))
-            self.step()
-        return {"changes": changes, "plans": plans, "applied": not dry_run and bool(changes),
-                "outages": outages}
-
-    def revoke(self, node: str) -> dict[str, Any]:
-        """Forget a member and refuse its certificate from now on, so that the name can be
-        joined again (a new machine, a lost key). Its replicas fail over as for a lost node."""
-        if node not in self.members and self.state.pin(node) is None:
-            known = ", ".join(sorted(self.members)) or "none yet"
-            raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
-        fingerprint = self.state.revoke(node)
-        self.members.pop(node, None)
-        self.event("revoke", f"{node} revoked" + (f" (certificate {fingerprint[:16]}… refused "
-                                                  "from now on)" if fingerprint else ""),
-                   node=node)
-        self.step()
-        return {"node": node, "revoked_certificate": fingerprint or ""}
-
-    def drain_node(self, node: str, undo: bool = False) -> dict[str, Any]:
-        member = self.members.get(node)
-        if member is None:
-            known = ", ".join(sorted(self.members)) or "none yet"
-            raise RequestError(404, f"unknown node {node!r} (members: {known})", field="node")
-        members = dict(self.members, **{node: replace(member, cordoned=not undo)})
-        outages = self.outages(replace(self.snapshot(), members=members))
-        self._put_member(replace(member, cordoned=not undo))
-        self.event("drain", f"{node} {'uncordoned' if undo else 'cordoned: its replicas move'}",
-                   node=node)
-        self.step()
-        return {"node": node, "cordoned": not undo, "outages": outages}
-
-    def rebalance(self) -> dict[str, Any]:
-        self.measurer.forget_failures()  # tried again: a rebalance is when they matter
-        snapshot = self.snapshot()
-        outages = self.outages(replace(snapshot, rebalance_epoch=snapshot.rebalance_epoch + 1))
-        epoch = self.state.bump_rebalance_epoch()
-        self.event("rebalance", f"rebalance {epoch} asked")
-        self.step()
-        return {"rebalance_epoch": epoch, "outages": outages}
-
-    def outages(self, changed: lc.Snapshot) -> list[dict[str, Any]]:
-        """What a change would stop serving (no room to make before break), for fleetctl to
-        say before it is made; each with its reason and how long at most."""
-        return [dict(vars(o), max_s=o.max_s, text=o.text()) for o in lc.outages(changed)]
-
-    def status(self) -> dict[str, Any]:
-        now = time.time()
-        members = []
-        holding = {s.node for r in self.replicas.values() if r.state in lc.LIVE_STATES
-                   for s in r.stages}
-        for m in sorted(self.members.values(), key=lambda m: m.node):
-            host = (m.facts or {}).get("host", {})
-            members.append({
-                "node": m.node, "state": shown_state(m, m.node in holding),
-                "membership_state": m.state, "cordoned": m.cordoned, "url": m.url,
-                "seen_s_ago": round(now - m.last_heartbeat_at, 1), "reason": m.reason,
-                "platform": host.get("platform"), "arch": host.get("arch"),
-                "ram_total_bytes": host.get("ram_total_bytes"),
-                "backends": list(m.present_backends()),
-                "engines": engine_states(m)})
-        latest = lc.latest_by_model(self.replicas)
-        # Every live replica, and the last few ended ones: how the current one came to be.
-        shown = sorted((r for r in self.replicas.values() if r.state in lc.LIVE_STATES
-                        or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
-                       key=lambda r: (r.model_id, r.generation))
-        replicas = [dict(r.to_dict(), healthy=r.id in self.healthy, speed=self.speed(r),
-                         hops=reported_hops(self.rank0_health.get(r.id)),
-                         prompt_cache=reported_prompt_cache(self.rank0_health.get(r.id)))
-                    | self.drain_view(r) for r in shown]
-        stored = self.state.desired()
-        return {"members": members, "replicas": replicas,
-                "models": [m.id for m in self.desired.models] if self.desired else [],
-                "desired": {"source": stored.source, "applied_at": stored.applied_at}
-                if stored else None,
-                "front_door": self.settings.front_door_url,
-                "measured": self.measurer.to_dict(),
-                "events": self.state.events(limit=15)}
-
-    def speed(self, replica: lc.Replica) -> dict[str, Any] | None:
-        """A live replica's predicted and measured decode ms per token (supervisor/speed.py)."""
-        if replica.state not in lc.LIVE_STATES or not replica.stages or self.desired is None:
-            return None
-        spec, shape = self.desired.model(replica.model_id), self.shapes.get(replica.model_id)
-        predicted = (predict(spec, shape, self.desired, self.members, self.measurer.snapshot(),
-                             replica.layout())
-                     if spec is not None and isinstance(shape, ModelShape) else None)
-        return speed_report(predicted, self.speeds.rounds.get(replica.id, {}))
-
-    def speed_targets(self) -> list[tuple[str, str, str]]:
-        """Replicas whose rank 0 metrics `SpeedWatch` reads: (id, URL, API secret)."""
-        return [(r.id, r.url, self.secrets.read(r.id, API_SECRET) or "")
-                for r in self.replicas.values() if r.state in (lc.WARMING, lc.SERVING)]
-
-    def drain_view(self, replica: lc.Replica) -> dict[str, Any]:
-        """A replica whose rank 0 says it drains (a SIGTERM from outside the supervisor, or
-        the drain the supervisor asked) is shown draining, with its numbers."""
-        body = self.rank0_draining(replica.id) if replica.state in lc.LIVE_STATES else None
-        if body is None:
-            return {}
-        return {"state": lc.DRAINING, "lifecycle_state": replica.state,
-                "drain": {"in_flight": body.get("in_flight"),
-                          "seconds_left": body.get("drain_seconds_left")}}
-
-    # --- the front door's view ------------------------------------------------------------
-    def route_table(self) -> RouteTable:
-        """What a front door routes by (supervisor/route_table.py), from this moment's
-        replicas, rank 0 health and secrets: the in-process front door reads it per request,
-        a front door of its own process polls it (`GET /v1/routes`)."""
-        models = []
-        for spec in self.desired.models if self.desired else ():
-            serving = [r for r in self.replicas.values()
-                       if r.model_id == spec.id and r.state == lc.SERVING]
-            taking = [r for r in serving if self.rank0_draining(r.id) is None]
-            why = ""
-            if not serving:
-                replica = lc.latest_by_model(self.replicas).get(spec.id)
-                state = replica.state if replica else "not placed"
-                why = f"model {spec.id!r} has no serving replica now ({state}); retry shortly"
-            elif not taking:  # they would refuse: say why here
-                why = (f"model {spec.id!r}: replica {', '.join(r.id for r in serving)} is "
-                       "draining and takes no new requests; retry shortly")
-            models.append(ModelRoutes(spec.id, spec.parallel, bool(serving), tuple(
-                ReplicaRoute(r.id, r.url, self.secrets.read(r.id, API_SECRET) or "", int(
-                    (self.rank0_health.get(r.id) or {}).get("slots_in_use") or 0))
-                for r in sorted(taking, key=lambda r: r.id)), why))
-        failed = tuple((r.id, r.reason or "the replica failed")
-                       for r in self.replicas.values() if r.state == lc.FAILED)
-        return RouteTable(tuple(models), frozenset(self.settings.api_keys), failed)
-
-    def route(self, model: str | None, conversation: str | None = None) -> Route:
-        """The in-process front door's router."""
-        self.route_turn += 1
-        return self.route_table().route(model, self.relays, self.route_turn, conversation)
-
-    def models(self) -> list[dict[str, Any]]:
-        return self.route_table().model_entries()
 
     async def close(self) -> None:
         for task in list(self.tasks):
@@ -611,8 +359,3 @@ class Supervisor:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.state.close()
 
-
-def reported_prompt_cache(health: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The prompt cache's figures rank 0's /health gives (engine.api.metrics), or None."""
-    figures = (health or {}).get("prompt_cache")
-    return figures if isinstance(figures, dict) else None

@@ -1,5 +1,6 @@
 """The packages import in one direction: every module's imports, read from its AST, against
-the layers in docs/layering.md; and the supervisor starts without a framework."""
+the layers in docs/layering.md; the supervisor's loop imports nothing that stands beside
+it; and the supervisor starts without a framework."""
 
 from __future__ import annotations
 
@@ -117,6 +118,37 @@ def test_the_check_names_an_upward_import(tmp_path: Path) -> None:
         ("engine/pipeline.py:1: engine.pipeline imports supervisor.main: "
         "engine sits below supervisor"),
     ]
+
+
+# Beside the supervisor's loop, never under it: agent intake, operator commands and views
+# work on the loop's state and step it; the loop imports none of them (docs/supervisor.md).
+BESIDE_THE_LOOP = ("supervisor.intake", "supervisor.operator_commands", "supervisor.views",
+                   "supervisor.app")
+
+
+def loop_imports_beside(text: str) -> list[str]:
+    """control_loop's imports of a module beside it, `from supervisor import views` too."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found += [f"control_loop.py:{node.lineno}: imports {name}"
+                  for name in names if name in BESIDE_THE_LOOP]
+    return found
+
+
+def test_the_supervisors_loop_imports_nothing_beside_it() -> None:
+    assert loop_imports_beside((ROOT / "supervisor" / "control_loop.py").read_text()) == []
+    # and the check sees both spellings of such an import
+    assert loop_imports_beside("from supervisor import lifecycle, views\n"
+                               "import supervisor.intake\n") == [
+        "control_loop.py:1: imports supervisor.views",
+        "control_loop.py:2: imports supervisor.intake"]
 
 
 # What a supervisor machine need not load: it plans and routes, it runs no model. (numpy it

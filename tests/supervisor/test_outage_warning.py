@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 from supervisor import lifecycle as lc
+from supervisor import operator_commands as commands
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
 from supervisor.fleetctl import warn_outages
@@ -29,8 +30,9 @@ def supervisor_with(tmp_path, memory_bytes: int) -> Supervisor:
     settings = SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0,
                                   policy=lc.Policy(drain_s=30.0))
     supervisor = Supervisor(settings, AgentClient(ssl.create_default_context()))
-    supervisor.apply_desired(FLEET % 2, "fleet.yaml", dry_run=True)  # parses; changes nothing
-    supervisor.desired = supervisor.parse(FLEET % 2, "fleet.yaml")
+    # parses; changes nothing
+    commands.apply_desired(supervisor, FLEET % 2, "fleet.yaml", dry_run=True)
+    supervisor.desired = commands.parse(FLEET % 2, "fleet.yaml")
     supervisor.shapes = {"demo": SHAPE}
     engines = both(("ready", "ready"))
     supervisor.members = {n: replace(member(n, memory_bytes=memory_bytes),
@@ -46,10 +48,10 @@ def test_a_drain_with_no_room_is_announced_with_its_reason_and_bound(tmp_path, c
     async def check() -> None:
         supervisor = supervisor_with(tmp_path, memory_bytes=RANK0_BYTES + RANK1_BYTES + 10)
         try:
-            plan = supervisor.apply_desired(FLEET % 3, "fleet.yaml", dry_run=True)
+            plan = commands.apply_desired(supervisor, FLEET % 3, "fleet.yaml", dry_run=True)
             [outage] = plan["outages"]
             assert outage["model_id"] == "demo" and outage["max_s"] == 30.0 + 600.0
-            reply = supervisor.drain_node("b")
+            reply = commands.drain_node(supervisor, "b")
             [outage] = reply["outages"]
             assert "node b is being drained" in outage["reason"]
             assert "no room for its successor beside it" in outage["reason"]
@@ -68,9 +70,9 @@ def test_with_room_nothing_is_announced(tmp_path):
     async def check() -> None:
         supervisor = supervisor_with(tmp_path, memory_bytes=8 << 30)
         try:
-            assert supervisor.apply_desired(FLEET % 3, "fleet.yaml", dry_run=True)[
+            assert commands.apply_desired(supervisor, FLEET % 3, "fleet.yaml", dry_run=True)[
                 "outages"] == []
-            assert supervisor.drain_node("b")["outages"] == []
+            assert commands.drain_node(supervisor, "b")["outages"] == []
             # the successor was made, and the serving replica still serves
             states = sorted((r.id, r.state) for r in supervisor.replicas.values())
             assert states == [("demo-g1", lc.SERVING), ("demo-g2", lc.PLACING)]
