@@ -66,7 +66,8 @@ class ChildExit:
 
 def explain_exit(returncode: int | None, stopped_by: str, child_word: dict | None,
                  grace: GracePeriods | None, last_line: str = "",
-                 oom_kills: int | None = None) -> tuple[int | None, str | None, str]:
+                 oom_kills: int | None = None,
+                 frozen: bool = False) -> tuple[int | None, str | None, str]:
     """(code, signal name, reason) from what is known about a child's end, and nothing
     more. Pure. `oom_kills`: how far its cgroup's OOM-kill count rose while it ran (None:
     unknown)."""
@@ -87,6 +88,9 @@ def explain_exit(returncode: int | None, stopped_by: str, child_word: dict | Non
             # its work was over, so its own word is the truth about how it ended.
             return 0, None, said if from_agent else (
                 f"{said}; then {name} from outside the agent ended its teardown")
+        if name == "SIGKILL" and from_agent and frozen:
+            return None, name, ("killed with SIGKILL: it was stopped (SIGSTOP) and could not "
+                                "act on SIGTERM")
         if name == "SIGKILL" and from_agent:
             waited = f" within {grace.term_s:g} s" if grace else ""
             return None, name, f"killed with SIGKILL: it did not exit{waited} after SIGTERM"
@@ -214,6 +218,7 @@ class ChildProcess:
         self.child_word: dict | None = None  # its `exiting` event, if it said one
         self.stopped_by = "itself"
         self.grace: GracePeriods | None = None
+        self.killed_frozen = False  # the stop found it stopped (SIGSTOP) and killed it at once
         self.exit: ChildExit | None = None
         self.log = log.bind(child=name, pid=pid, **log_keys)
         # The cgroup's OOM-kill count now, to compare at exit (None where it cannot be read).
@@ -304,7 +309,7 @@ class ChildProcess:
         oom_kills = (None if now_kills is None or self.oom_kills_at_start is None
                      else now_kills - self.oom_kills_at_start)
         code, sig, reason = explain_exit(returncode, self.stopped_by, self.child_word, self.grace,
-                                         last, oom_kills)
+                                         last, oom_kills, frozen=self.killed_frozen)
         self.exit = ChildExit(code, sig, reason, self.stopped_by, tuple(self.last_lines),
                               time.time())
         self.log.info("child exited", code=code, signal=sig, reason=reason,
@@ -369,10 +374,18 @@ class ChildProcess:
         self.stopped_by = "SIGTERM"
         if not termed_already:
             self.signal_group(signal.SIGTERM)
-        if await self.wait(grace.term_s):
+        # A stopped process (SIGSTOP: the frozen engine the supervisor failed) cannot act on
+        # the SIGTERM until something continues it: waiting out the grace would only hold its
+        # memory while its replacement may be loading beside it.
+        frozen = self.killed_frozen = is_stopped(self.pid, self.create_time)
+        if not frozen and await self.wait(grace.term_s):
             return self.exit
         self.stopped_by = "SIGKILL"
-        self.log.warning("did not exit after SIGTERM; sending SIGKILL", waited_s=grace.term_s)
+        if frozen:
+            self.log.warning("stopped (SIGSTOP): it cannot act on SIGTERM; sending SIGKILL")
+        else:
+            self.log.warning("did not exit after SIGTERM; sending SIGKILL",
+                             waited_s=grace.term_s)
         self.signal_group(signal.SIGKILL)
         if await self.wait(grace.kill_s):
             return self.exit
@@ -388,6 +401,18 @@ class ChildProcess:
                 await task
             except asyncio.CancelledError:
                 pass
+
+
+def is_stopped(pid: int, create_time: float) -> bool:
+    """Is `pid`, still the process that started at `create_time`, stopped (SIGSTOP, a
+    debugger's stop), so that no signal but SIGKILL acts on it?"""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > 1.0:
+            return False
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def same_process_alive(pid: int, create_time: float) -> bool:

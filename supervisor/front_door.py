@@ -390,7 +390,7 @@ class Relay:
     async def pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
                    first: bytes) -> str:
         """Carry the rest of the stream; returns why it is incomplete, or "" when whole."""
-        tail = first[-256:]
+        tail = last_event(first)
         silence = self.config.silence
         with self.watch.closing(upstream.close):
             while True:
@@ -406,12 +406,24 @@ class Relay:
                 if not chunk:
                     break
                 await response.write(chunk)
-                tail = (tail + chunk)[-256:]
-        if b"[DONE]" in tail or b'data: {"error"' in tail:
+                tail = last_event(tail + chunk)
+        if b"[DONE]" in tail or tail.startswith(b'data: {"error"'):
             return ""
         if self.watch.failed.is_set():
             return str(self.watch.lost(silence))
         return "the replica closed the stream before it was complete"
+
+
+LAST_EVENT_BYTES = 64 * 1024  # of the stream's last event kept; past it, its head is lost
+
+
+def last_event(data: bytes) -> bytes:
+    """The stream's last SSE event (with any part of the next), whose head says whether the
+    stream ended whole: `[DONE]`, or an error event of the engine's own. A fixed tail of
+    bytes is not enough: an engine's error event naming a long reason pushes its own head
+    out, and the front door then appended a second error after it."""
+    cut = data.rfind(b"\n\n", 0, len(data.rstrip(b"\r\n")))
+    return (data[cut + 2:] if cut >= 0 else data)[-LAST_EVENT_BYTES:]
 
 
 async def answers_health(session: aiohttp.ClientSession, route: Route, timeout_s: float) -> bool:

@@ -1,13 +1,16 @@
 """Rank 0 serving: the API over a round runner, from the first request to one exit code.
 
 The app (engine.api.server) owns the round loop; this decides when serving ends and how:
-a drain that finished or SIGINT exit 0, a failed round or a dead ring exit 1.
+a drain that finished or SIGINT exit 0, a failed round, a dead ring or a round loop stuck
+past the round deadline exit 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 import time
 
 import structlog
@@ -44,6 +47,7 @@ log = structlog.get_logger()
 # last bytes (a 503, an SSE error event) before it cancels them; a drain already waited
 # for the replies themselves.
 HANDLERS_FINISH_S = 5.0
+STUCK_CHECK_S = 1.0  # how often rank 0 asks whether its rounds still land
 
 
 def http_limits(env: EngineEnv) -> HttpLimits:
@@ -119,13 +123,32 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
         await web_runner.cleanup()
     runner.stop(reason, clean=code == 0)
     log.info("exiting", code=code, reason=reason)
+    if host.round_thread_busy():
+        _exit_past_the_round_thread(code)
     return code
+
+
+def _exit_past_the_round_thread(code: int) -> None:
+    """Exit now, with `code`, although a launch or a landing still runs on the round thread.
+
+    That call may never return (a stuck kernel or link): the interpreter's normal exit
+    joins every worker thread and would wait for it forever, holding the process, its
+    memory and its port until something SIGKILLs it. Everything that needed saying has
+    been said: streams answered, the ring aborted, the exit line logged."""
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 async def _serve_until_the_end(env: EngineEnv, runner: RoundRunner, host: LaneHost,
                                rounds: asyncio.Task, drain_clock: DrainClock
                                ) -> tuple[int, str]:
-    """Serve until one of: a drain finished, SIGINT, a failed round, a dead ring."""
+    """Serve until one of: a drain finished, SIGINT, a failed round, a dead ring, rounds
+    owed and none landing for the round deadline (the ring's bound on a round, here rank
+    0's own, so a one-stage replica has it too)."""
     loop = asyncio.get_running_loop()
     drain_asked, stop_now = asyncio.Event(), asyncio.Event()
 
@@ -155,8 +178,19 @@ async def _serve_until_the_end(env: EngineEnv, runner: RoundRunner, host: LaneHo
         await asyncio.shield(rounds)  # the app's loop: it ends only when a round failed
         return host.failure or "the round loop ended"
 
+    async def stuck() -> str:
+        # /health answers from the event loop whatever the round thread does, and in a ring
+        # the keep-alives come from threads of their own: neither tells a stuck round.
+        while (owed_s := host.rounds_owed_s()) < env.round_deadline_s:
+            await asyncio.sleep(min(STUCK_CHECK_S, env.round_deadline_s / 4))
+        return (f"no round has landed for {owed_s:.1f} s while rounds were owed (round "
+                f"{host.round_no}, {host.slots_in_use()} slots in use, {len(host.waiting)} "
+                f"waiting): the round loop is stuck (FLEET_ROUND_DEADLINE_S is "
+                f"{env.round_deadline_s:g})")
+
     clean = {asyncio.create_task(drained()), asyncio.create_task(stopped())}
-    unclean = {asyncio.create_task(failed()), asyncio.create_task(runner.ring_failed())}
+    unclean = {asyncio.create_task(failed()), asyncio.create_task(runner.ring_failed()),
+               asyncio.create_task(stuck())}
     done, pending = await asyncio.wait(clean | unclean, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()

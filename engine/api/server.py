@@ -154,7 +154,11 @@ async def health(request: web.Request) -> web.Response:
     """200 `ok`; 503 `failed` with its reason; 503 `draining` with the requests still in
     flight and the seconds left until the drain's deadline. A draining engine answers 503
     (with Retry-After) because it takes no new request, so anything that routes by health
-    sends it none; its status says `draining`, not `failed`, so nothing counts it failed."""
+    sends it none; its status says `draining`, not `failed`, so nothing counts it failed.
+    `rounds_owed_s` is the round loop's progress: how long rounds have been owed with none
+    landing (0 idle; it stays under a round's time while rounds land). Rank 0 fails itself
+    once it reaches the round deadline (engine.api.serve), so a stuck round loop turns this
+    503 `failed` then, instead of answering 200 while requests hang."""
     host, fingerprint = request.app[HOST], request.app[CONFIG].system_fingerprint
     if host.failure:
         return web.json_response({"status": "failed", "reason": host.failure}, status=503)
@@ -163,9 +167,11 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "draining", "in_flight": host.slots_in_use() + len(host.waiting),
              "drain_seconds_left": round(seconds_left or 0.0, 1),
+             "rounds_owed_s": round(host.rounds_owed_s(), 1),
              "system_fingerprint": fingerprint},
             status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     body = {"status": "ok", "slots_in_use": host.slots_in_use(),
+            "rounds_owed_s": round(host.rounds_owed_s(), 1),
             "system_fingerprint": fingerprint,
             "prompt_cache": request.app[METRICS].prompt_cache_figures()}
     if request.app[CONFIG].hops:

@@ -67,13 +67,15 @@ class LocalReplica:
     processes: list[subprocess.Popen | None] = field(default_factory=list)  # None: not spawned
     log_paths: list[Path] = field(default_factory=list)
     envs: list[dict[str, str]] = field(default_factory=list)
+    # What each rank runs: `python -m MODULE` (a test may wrap the engine to inject a fault).
+    engine_module: str = "engine.main"
 
     def start_rank(self, rank: int, *, log_to_file: bool = True) -> subprocess.Popen:
         """Start (or restart) one rank's engine with its environment."""
         out = open(self.log_paths[rank], "ab") if log_to_file else None  # noqa: SIM115
         try:
             self.processes[rank] = subprocess.Popen(
-                [sys.executable, "-m", "engine.main"], env=self.envs[rank], stdout=out, stderr=out)
+                [sys.executable, "-m", self.engine_module], env=self.envs[rank], stdout=out, stderr=out)
         finally:
             if out:
                 out.close()  # the child holds its own descriptor
@@ -164,7 +166,7 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
            run_dir: Path | None = None,
            http_port: int | None = None, extra_env: dict[str, str] | None = None,
            rank_env: dict[int, dict[str, str]] | None = None, spawn: list[int] | None = None,
-           log_to_files: bool = True) -> LocalReplica:
+           log_to_files: bool = True, engine_module: str = "engine.main") -> LocalReplica:
     """Start the ranks in `spawn` (default: all); `rank_env` overrides one rank's variables."""
     backends = backends or ["torch-cpu"] * len(stages)
     if len(backends) != len(stages):
@@ -172,7 +174,8 @@ def launch(model_dir: Path, stages: list[tuple[int, int]], backends: list[str] |
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ringfleet-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     key_file = write_key_file(run_dir / "link.key")
-    replica = LocalReplica(Path(model_dir), stages, backends, run_dir, http_port or free_port())
+    replica = LocalReplica(Path(model_dir), stages, backends, run_dir, http_port or free_port(),
+                           engine_module=engine_module)
     replica.envs = stage_envs(Path(model_dir), stages, backends, key_file=key_file,
                               http_port=replica.http_port, context=context, parallel=parallel,
                               chunk=chunk, prompt_cache_slots=prompt_cache_slots,

@@ -209,7 +209,8 @@ class LaneHost:
     def __init__(self, runner: RoundRunner, codec: TextCodec, *, chunk: int, max_waiting: int,
                  streams: int | None = None, metrics: TokenMetrics | None = None,
                  on_round: Callable[[RoundPlan, np.ndarray], None] | None = None,
-                 drafts: DraftPolicy | None = None) -> None:
+                 drafts: DraftPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
         self.depth = runner.depth  # rounds in flight at once
         self.codec = codec
@@ -233,6 +234,10 @@ class LaneHost:
         self.failure: str | None = None
         self.draining = False
         self.round_no = 0
+        self.clock = clock
+        # The last progress: a round landed, or work came to an idle host (rounds_owed_s).
+        self._progress_s = clock()
+        self._round_calls = 0  # calls running on the round thread (round_thread_busy)
         self._wake = asyncio.Event()
         self._settled = asyncio.Event()  # set while no stream is in flight, or once failed
         self._settled.set()
@@ -254,6 +259,7 @@ class LaneHost:
             raise EngineFailed(self.failure)
         if self.draining:
             raise Busy("the engine is draining: it takes no new requests")
+        was_idle = self.idle()
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
         if self.drafts is not None:
             stream.drafting = Drafting(self.drafts.lookup, self.drafts.most, request.prompt_ids,
@@ -266,12 +272,25 @@ class LaneHost:
             self.waiting.append(stream)
         else:
             raise Busy(f"all {self.streams} streams are busy and {self.max_waiting} requests wait")
+        if was_idle:
+            self._progress_s = self.clock()  # owed from now, not from the last round long ago
         self._settled.clear()
         self._wake.set()
         return stream
 
     def idle(self) -> bool:
         return self.slots_in_use() == 0 and not self.waiting
+
+    def rounds_owed_s(self) -> float:
+        """How long rounds have been owed with none landing: 0 while idle, else the time
+        since the last round landed or since work came to the idle host. A stream in a slot
+        or waiting for one is owed a round (a finished one its CLOSE), so while this grows
+        the round loop is making no progress: a round running long, or a stuck one."""
+        return 0.0 if self.idle() else max(0.0, self.clock() - self._progress_s)
+
+    def round_thread_busy(self) -> bool:
+        """Whether a launch or a landing is still running on the round thread."""
+        return self._round_calls > 0
 
     def _can_place(self) -> bool:
         return self.slots_in_use() < self.streams and any(s is None for s in self.slots)
@@ -375,6 +394,7 @@ class LaneHost:
                 continue
             landing = in_flight.popleft()
             sampled = await self._in_round_thread(landing, self.runner.land, last)
+            self._progress_s = self.clock()
             if self.metrics is not None:
                 self.metrics.round_done(decode_rows=landing.decode_rows,
                                         seconds=time.monotonic() - landing.started_s)
@@ -390,13 +410,18 @@ class LaneHost:
         loop one hand-off to the thread and one back, not two of each. Raises RoundFailed
         naming the round whose launch or landing raised."""
         def run() -> T:
-            if launch_first is not None:
-                launched, launch = launch_first
-                try:
-                    launch()
-                except Exception as exc:
-                    raise RoundFailed(launched.plan) from exc
-            return call()
+            try:
+                if launch_first is not None:
+                    launched, launch = launch_first
+                    try:
+                        launch()
+                    except Exception as exc:
+                        raise RoundFailed(launched.plan) from exc
+                return call()
+            finally:
+                self._round_calls -= 1
+
+        self._round_calls += 1  # before the hand-off: a call queued is owed as well
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, run)

@@ -13,6 +13,7 @@ from agent.child import (
     LogTail,
     RotatingLog,
     explain_exit,
+    is_stopped,
     same_process_alive,
 )
 from tests.waiting import wait_until_async
@@ -85,9 +86,14 @@ def test_sigkill_ends_a_stopped_child(tmp_path):
         child.start_monitor()
         await wait_until_async(lambda: lines, within_s=10, what="the child's first line")
         os.kill(child.pid, signal.SIGSTOP)
-        exit_ = await child.stop(GracePeriods(term_s=0.5, kill_s=5))
+        await wait_until_async(lambda: is_stopped(child.pid, child.create_time), within_s=10,
+                               what="the child stopped")
+        # A grace longer than the test's own bound: only a kill that does not wait it out
+        # ends the child in time (its memory is not held while a replacement loads).
+        exit_ = await asyncio.wait_for(child.stop(GracePeriods(term_s=600, kill_s=5)), 60)
         assert exit_ is not None
         assert (exit_.signal, exit_.stopped_by) == ("SIGKILL", "SIGKILL")
+        assert "stopped (SIGSTOP)" in exit_.reason
         assert not same_process_alive(child.pid, child.create_time)
 
     asyncio.run(scenario())

@@ -88,3 +88,46 @@ def test_a_failure_ends_a_drain_at_once(model):
         host.close()
     assert not drained and waited < 5
     assert events[-1].reason == "the ring died" and not any(isinstance(e, Done) for e in events)
+
+
+class HandClock:
+    """The lane host's clock, moved by hand: `rounds_owed_s` is read against it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rounds_owed_grow_only_while_no_round_lands(model):
+    stage, codec = model
+    runner = StallingRunner(stage, free_rounds=3)
+    clock = HandClock()
+    host = LaneHost(runner, codec, chunk=16, max_waiting=2, clock=clock)
+
+    async def go():
+        assert host.rounds_owed_s() == 0.0  # idle: nothing is owed, however long ago
+        clock.now += 50
+        loop_task = asyncio.create_task(host.run())
+        stream = host.submit(request(30))
+        owed_at_submit = host.rounds_owed_s()  # counted from the submit, not the start
+        clock.now += 3  # before any round lands: the landings below count from here
+        await asyncio.get_running_loop().run_in_executor(None, runner.stalled.wait, 20)
+        landed = host.round_no
+        clock.now += 7
+        owed_while_stuck = host.rounds_owed_s()
+        busy_while_stuck = host.round_thread_busy()
+        runner.free_rounds = 10**6  # no more stalls once released
+        runner.release.set()
+        while not stream.finished:
+            await stream.events.get()
+        await asyncio.wait_for(host.drain(20), 20)
+        loop_task.cancel()
+        return owed_at_submit, landed, owed_while_stuck, busy_while_stuck
+
+    owed_at_submit, landed, owed_while_stuck, busy_while_stuck = asyncio.run(go())
+    host.close()
+    assert owed_at_submit == 0.0 and landed >= 2
+    assert owed_while_stuck == 7.0 and busy_while_stuck
+    assert host.rounds_owed_s() == 0.0 and not host.round_thread_busy()

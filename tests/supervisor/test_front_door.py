@@ -113,6 +113,12 @@ async def _reply(request: web.Request, body: dict, mode: str) -> web.StreamRespo
         return response
     if mode == "stall":  # tokens, then nothing more
         await forever()
+    if mode == "engine-error":  # the engine's own error event, long, then a clean end
+        error = {"message": "the engine failed mid-stream: " + "why " * 200,
+                 "type": "server_error", "param": None, "code": "unavailable"}
+        await response.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+        await response.write_eof()
+        return response
     await response.write(chunk("", "stop"))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -260,6 +266,19 @@ def test_lost_after_tokens_ends_with_an_sse_error_and_no_finish_reason():
         assert "error" in events[-1] and events[-1]["error"]["code"] == "unavailable"
         assert all(c.get("finish_reason") is None for e in events for c in e.get("choices", []))
         assert "[DONE]" not in text
+    run(check)
+
+
+def test_the_engines_own_error_event_passes_through_alone_however_long():
+    async def check(door: Door) -> None:
+        async with door.session.post("/v1/chat/completions",
+                                     json=ask("m", "engine-error", stream=True)) as r:
+            assert r.status == 200
+            text = await r.text()
+        events = events_of(text)
+        assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
+        errors = [e for e in events if "error" in e]  # the engine's, and no second one
+        assert len(errors) == 1 and errors[0]["error"]["message"].startswith("the engine failed")
     run(check)
 
 
