@@ -77,8 +77,8 @@ def test_graphs_of_several_runs_share_one_pool_and_replay_in_any_order(make_mode
     # (0, 4), (0, 2), (2, 4), (1, 3), (1, 4), one row a slot, each reading keys up to the
     # context, 128
     assert sorted(stage.graphs.captured) == [((0, 2), 2, 128, 1), ((0, 4), 4, 128, 1),
-                                             ((1, 3), 2, 128), ((1, 4), 3, 128),
-                                             ((2, 4), 2, 128)]
+                                             ((1, 3), 2, 128, 1), ((1, 4), 3, 128, 1),
+                                             ((2, 4), 2, 128, 1)]
     assert {c.graph.pool() for c in stage.graphs.captured.values()} == {stage.graphs.pool}
     for got, want in zip(graph_rows, eager_rows, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
