@@ -1,4 +1,5 @@
-"""The decode step's layer compiled by torch.compile (Inductor), and when a stage uses it.
+"""The decode step's layer compiled by torch.compile (Inductor), and when a stage uses it;
+the same stage compiles the halves of a layer around its attention for its other rounds.
 
 Eager, a decode layer is some forty small kernels (RMSNorm alone is six, RoPE eight) and
 a CUDA graph replays every one of them; compiled, Inductor fuses each norm, the rotary
@@ -31,7 +32,13 @@ from pathlib import Path
 import torch
 
 from engine.backends.base import BackendError
-from engine.backends.pytorch.llama import DecodeBlock, decode_block
+from engine.backends.pytorch.llama import (
+    DecodeBlock,
+    LayerParts,
+    attention_inputs,
+    decode_block,
+    layer_output,
+)
 from engine.config import ModelConfig
 
 COMPILE_ENV = "FLEET_COMPILE"
@@ -71,10 +78,27 @@ def inductor_cache_dir() -> Path:
     return base / "ringfleet" / "inductor"
 
 
-def compiled_decode_block() -> DecodeBlock:
-    """`decode_block` compiled whole (no graph breaks), its caches in `inductor_cache_dir`."""
+def _prepare() -> None:
     # Inductor reads the variable each time it looks for a cached kernel.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
+
+
+def compiled_decode_block() -> DecodeBlock:
+    """`decode_block` compiled whole (no graph breaks), its caches in `inductor_cache_dir`."""
+    _prepare()
     return torch.compile(decode_block, fullgraph=True)
+
+
+def compiled_layer_parts() -> LayerParts:
+    """A layer's halves around its attention compiled, for the rounds the graphs do not
+    take (prompt chunks, rounds that mix them with decode rows): each half's norms, rotary,
+    activation and residual adds fused, which eagerly are some forty kernels a layer that
+    each read and write every row (a sixth of an 8,192-token prompt's time on an H100,
+    docs/benchmarks.md). The attention over the cache stays eager (SDPA's flash kernel);
+    the row count is the one size that varies, so Dynamo compiles it symbolic once it has
+    seen two."""
+    _prepare()
+    return LayerParts(torch.compile(attention_inputs, fullgraph=True),
+                      torch.compile(layer_output, fullgraph=True))

@@ -9,6 +9,7 @@ model's dtype) so that float32 logits match it closely.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,32 +54,52 @@ class Rope:
         return x * cos + rotate_half(x) * sin
 
 
-def attention(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope,
-              cache: KVCache, layer_slot: int, index: RoundIndex) -> torch.Tensor:
-    rows = x.shape[0]
-    d = config.head_dim
-    q = F.linear(x, w.q, w.q_bias).view(rows, config.num_attention_heads, d)
-    k = F.linear(x, w.k, w.k_bias).view(rows, config.num_key_value_heads, d)
-    v = F.linear(x, w.v, w.v_bias).view(rows, config.num_key_value_heads, d)
+def attention_inputs(x: torch.Tensor, w: LayerWeights, config: ModelConfig,
+                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer up to its attention: the input norm, then q, k and v ([rows, heads,
+    head_dim] each) with the q/k norms and the rotary embedding at each row's position
+    (`cos`, `sin`: the tables [context, head_dim])."""
+    rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
+    h = rms_norm(x, w.input_norm, eps)
+    q = F.linear(h, w.q, w.q_bias).view(rows, config.num_attention_heads, d)
+    k = F.linear(h, w.k, w.k_bias).view(rows, config.num_key_value_heads, d)
+    v = F.linear(h, w.v, w.v_bias).view(rows, config.num_key_value_heads, d)
     if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, config.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, config.rms_norm_eps)
-    q = rope.apply(q, index.positions)
-    k = rope.apply(k, index.positions)
-    cache.write(layer_slot, index, k, v)
-    out = cache.attend(layer_slot, index, q)  # [rows, heads, head_dim]
-    return F.linear(out.reshape(rows, config.q_width), w.o)
+        q = rms_norm(q, w.q_norm, eps)
+        k = rms_norm(k, w.k_norm, eps)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
+
+
+def layer_output(x: torch.Tensor, o: torch.Tensor, w: LayerWeights, config: ModelConfig
+                 ) -> torch.Tensor:
+    """A layer after its attention: o [rows, heads, head_dim] projected onto the residual,
+    then the MLP's part."""
+    x = x + F.linear(o.reshape(x.shape[0], config.q_width), w.o)
+    return x + mlp(rms_norm(x, w.post_norm, config.rms_norm_eps), w)
 
 
 def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """The two halves of a layer around its attention, as a stage runs them: as written
+    here, or compiled (`compiled_step.compiled_layer_parts`), which fuses each half's norms,
+    rotary, activation and residual adds; the attention and the cache stay eager."""
+
+    inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
+    output: Callable[..., torch.Tensor] = layer_output
+
+
 def block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope, cache: KVCache,
-          layer_slot: int, index: RoundIndex) -> torch.Tensor:
-    eps = config.rms_norm_eps
-    x = x + attention(rms_norm(x, w.input_norm, eps), w, config, rope, cache, layer_slot, index)
-    return x + mlp(rms_norm(x, w.post_norm, eps), w)
+          layer_slot: int, index: RoundIndex, parts: LayerParts = LayerParts()
+          ) -> torch.Tensor:
+    q, k, v = parts.inputs(x, w, config, rope.cos, rope.sin, index.positions)
+    cache.write(layer_slot, index, k, v)
+    return parts.output(x, cache.attend(layer_slot, index, q), w, config)
 
 
 def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: torch.Tensor,
@@ -97,17 +118,8 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     kernel: attention through the Triton decode kernel (CUDA, `kv_cache.decode_kernel_runs`)
     instead of SDPA under the mask.
     """
-    rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
-    h = rms_norm(x, w.input_norm, eps)
-    q = F.linear(h, w.q, w.q_bias).view(rows, config.num_attention_heads, d)
-    k = F.linear(h, w.k, w.k_bias).view(rows, config.num_key_value_heads, d)
-    v = F.linear(h, w.v, w.v_bias).view(rows, config.num_key_value_heads, d)
-    if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, eps)
-        k = rms_norm(k, w.k_norm, eps)
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    q = q * c + rotate_half(q) * s
-    k = k * c + rotate_half(k) * s
+    rows = x.shape[0]
+    q, k, v = attention_inputs(x, w, config, cos, sin, positions)
     if offsets is None:
         offsets = torch.arange(rows, device=x.device)
     k_cache[offsets, :, positions] = k  # every row's, before any row attends
@@ -128,8 +140,7 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
         o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
                                            v_cache[:, :, :keys], attn_mask=mask,
                                            enable_gqa=True)
-    x = x + F.linear(o.reshape(rows, config.q_width), w.o)
-    return x + mlp(rms_norm(x, w.post_norm, eps), w)
+    return layer_output(x, o, w, config)
 
 
 DecodeBlock = Callable[..., torch.Tensor]  # decode_block, or its compiled form
@@ -149,13 +160,14 @@ class LlamaRange:
         self.rope = rope
         self.layers, ends = load_range(config, layer_range, load, on_layer)
         self.embed, self.norm, self.head = ends
+        self.parts = LayerParts()  # a compiling stage sets compiled ones
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed)  # [rows, hidden]
 
     def run_layers(self, x: torch.Tensor, index: RoundIndex) -> torch.Tensor:
         for layer_slot, w in enumerate(self.layers):
-            x = block(x, w, self.config, self.rope, self.cache, layer_slot, index)
+            x = block(x, w, self.config, self.rope, self.cache, layer_slot, index, self.parts)
         return x
 
     def run_decode(self, x: torch.Tensor, positions: torch.Tensor, run: tuple[int, int],

@@ -13,7 +13,11 @@ import torch
 from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
 from engine.backends.family_modules import family_module
 from engine.backends.pytorch import dequant, packed_linear, sampling
-from engine.backends.pytorch.compiled_step import compiled_decode_block, compiles
+from engine.backends.pytorch.compiled_step import (
+    compiled_decode_block,
+    compiled_layer_parts,
+    compiles,
+)
 from engine.backends.pytorch.graphs import DecodeGraphs
 from engine.backends.pytorch.kv_cache import RoundIndex
 from engine.backends.pytorch.row_transfer import RowTransfer
@@ -39,6 +43,7 @@ class TorchStage(Stage):
         self.decode_step = None
         if compiles(spec.compile, device, config, int4_packed, spec.cuda_graphs):
             self.decode_step = compiled_decode_block()
+            model.parts = compiled_layer_parts()  # the rounds the graphs do not take
         if device.type == "cuda":
             # cuDNN's attention built an execution plan on every masked call here (0.3 s of
             # host time a call on an H200, torch 2.11: the fixed cost of eager rounds); the
