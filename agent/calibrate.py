@@ -59,6 +59,10 @@ class CalibrationRequest:
     contexts: tuple[int, ...] = (512, 4096)
     batch_rows: int = 8  # B
     chunk_rows: int = 4096
+    # Where the timed prompt chunk ends: 0, at the longest context (the costliest chunk);
+    # the supervisor asks for its prompt's mean chunk (supervisor.measurements.mean_chunk_end),
+    # whose time is the mean of the chunks that prompt runs, as attention grows with position.
+    prefill_end: int = 0
     layers: int = 2  # synthetic layers built and timed together (then divided)
     runs: int = 5
     warmup: int = 2
@@ -88,6 +92,8 @@ class CalibrationRequest:
         for name in ("batch_rows", "chunk_rows", "layers", "runs"):
             if int(getattr(self, name)) < 1:
                 raise CalibrationError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.prefill_end < 0:
+            raise CalibrationError(f"prefill_end={self.prefill_end}: must be at least 0")
         if self.warmup < 0 or not self.budget_s > 0:
             raise CalibrationError("warmup must be >= 0 and budget_s > 0")
         for attr, allowed in KERNEL_CHOICES.items():
@@ -100,6 +106,14 @@ class CalibrationRequest:
     def context_needed(self) -> int:
         """Positions a slot of the timed stage holds: the longest context or the chunk."""
         return max(max(self.contexts), self.chunk_rows)
+
+    @property
+    def prefill_at(self) -> int:
+        """The position the timed prompt chunk ends at: `prefill_end` within [chunk_rows,
+        context_needed], else the longest context."""
+        if not self.prefill_end:
+            return self.context_needed
+        return min(self.context_needed, max(self.chunk_rows, self.prefill_end))
 
     def stage_options(self) -> dict[str, Any]:
         """The StageSpec fields that decide which kernels the timed stage runs."""
@@ -173,6 +187,8 @@ class CalibrationRequest:
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
                 "threads": self.thread_setting(), "stage": self.stage_options()}
+        if self.prefill_end:  # a key timing the chunk at the context's end stays what it was
+            what["prefill_at"] = self.prefill_at
         if any(getattr(self, attr) != allowed[0] for attr, allowed in SWITCHES.items()):
             what["switches"] = self.switches()  # a key at the defaults stays what it was
         if self.quant() is not None:  # packed weights time differently (a dense key stays)
@@ -306,10 +322,9 @@ def calibrate(request: CalibrationRequest, engine_version: str,
     (plus building the weights) for real ones."""
     config = request.model_config()
     started = time.perf_counter()
-    context_needed = request.context_needed
     points = [("decode", c, r) for c in request.contexts
               for r in dict.fromkeys((1, request.batch_rows))]
-    points.append(("prefill", context_needed, request.chunk_rows))
+    points.append(("prefill", request.prefill_at, request.chunk_rows))
     total = request.runs + 2  # building, each timed round, done
     if progress:
         progress(0, total, "building a stage over synthetic layers")

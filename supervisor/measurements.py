@@ -10,6 +10,7 @@ nominal numbers and says which (`supervisor/planning.py`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -63,20 +64,34 @@ CALIBRATION_FIELD = {"quant": "quant_mode"}
 
 
 def timing_key(spec: ModelSpec, node: str, backend: str) -> str:
-    """A calibration answers for a shape, a backend, the execution shape measured and the
-    kernels timed: a model whose `kernels:` change is calibrated again. A model without
-    kernel settings keeps the key it had before they existed."""
+    """A calibration answers for a shape, a backend, the execution shape measured (the prompt
+    whose mean chunk it times included) and the kernels timed: a model whose `kernels:` or
+    `prompt_tokens` change is calibrated again."""
     return (f"{spec.id}|{node}|{backend}|{spec.context}|{spec.parallel}|{spec.chunk}"
+            f"|prompt={spec.prompt_length}"
             + "".join(f"|{attr}={value}" for attr, value in spec.kernels))
+
+
+def mean_chunk_end(prompt_tokens: int, chunk: int) -> int:
+    """Where the prompt's mean chunk ends: a chunk's attention grows with the keys before it,
+    the rest of its time does not, so its time is linear in its start, and the mean of the
+    chunks [0, c), [c, 2c), ... of `ceil(prompt_tokens / c)` chunks (a partial last one costed
+    whole, as placement costs it) is the time of the chunk that starts at their mean start,
+    (chunks - 1) x c / 2, and ends `chunk` rows later."""
+    chunks = max(1, math.ceil(prompt_tokens / chunk))
+    return (chunks - 1) * chunk // 2 + chunk
 
 
 def calibration_body(config_json: dict[str, Any], spec: ModelSpec, backend: str,
                      budget_s: float) -> dict[str, Any]:
-    """The agent's calibration request for `spec` on `backend`: its execution shape and the
-    kernels its engines run (`kernels:`), so that placement predicts with their times. The
-    engine's defaults go unsent: they are the request's defaults too."""
+    """The agent's calibration request for `spec` on `backend`: its execution shape, the
+    prompt chunk placement costs (the mean of a `prompt_tokens` prompt's, see
+    `mean_chunk_end`) and the kernels its engines run (`kernels:`), so that placement
+    predicts with their times. The engine's defaults go unsent: they are the request's
+    defaults too."""
     return {"config": config_json, "backend": backend, "contexts": [spec.context],
-            "batch_rows": spec.parallel, "chunk_rows": spec.chunk, "budget_s": budget_s,
+            "batch_rows": spec.parallel, "chunk_rows": spec.chunk,
+            "prefill_end": mean_chunk_end(spec.prompt_length, spec.chunk), "budget_s": budget_s,
             **{CALIBRATION_FIELD.get(attr, attr): value for attr, value in spec.kernels}}
 
 

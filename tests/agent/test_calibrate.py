@@ -231,3 +231,28 @@ def test_a_calibration_times_the_kernels_its_request_names(monkeypatch):
     with pytest.raises(CalibrationError, match=r"^quant_mode='int8': expected one of "
                                                r"auto, packed, dense$"):
         request(quant_mode="int8")
+
+
+def test_the_prompt_chunk_is_timed_where_the_request_says(monkeypatch):
+    """`prefill_end` moves the timed chunk (kept within [chunk, the stage's positions]); none
+    times it at the context's end, under the key a calibration always had."""
+    import agent.calibrate as calibration
+
+    timed = []
+
+    class Timer:
+        threads = 1
+
+        def make_round(self, kind, context, rows):
+            timed.append((kind, context, rows))
+            return lambda: None
+
+    monkeypatch.setattr(calibration, "make_timer", lambda *_: Timer())
+    for end, expected in ((0, LONG), (1000, 1000), (10, 128), (10**6, LONG)):
+        timed.clear()
+        calibrate(request(prefill_end=end, runs=1, warmup=0), "0.1.0")
+        assert next(p for p in timed if p[0] == "prefill") == ("prefill", expected, 128)
+    assert request(prefill_end=0).key("0.1.0") == request().key("0.1.0")
+    assert len({request(prefill_end=end).key("0.1.0") for end in (0, 1000, 2000)}) == 3
+    with pytest.raises(CalibrationError, match="prefill_end=-1"):
+        request(prefill_end=-1)

@@ -93,3 +93,35 @@ def test_a_hybrid_calibration_is_planned_per_layer_type():
     assert stage.decode_ms == pytest.approx(6 * 2.0 + 2 * 6.0)  # 4 streams: the batch times
     assert stage.prefill_chunk_ms == pytest.approx(6 * 10.0 + 2 * 30.0)
     assert stage.memory.state_bytes > 0
+
+
+def test_the_mean_chunk_is_the_mean_of_the_chunks_a_prompt_runs():
+    """Against the chunks themselves: for any cost linear in a chunk's start, the chunk that
+    ends at mean_chunk_end costs the mean of ceil(prompt / chunk) chunks (within half a row
+    where chunk x (chunks - 1) is odd)."""
+    import math
+
+    from supervisor.measurements import mean_chunk_end
+
+    for prompt in (1, 63, 64, 65, 1000, 1792, 2048, 4097):
+        for chunk in (1, 7, 64, 256, 512):
+            chunks = math.ceil(prompt / chunk)
+            starts = [i * chunk for i in range(chunks)]
+            end = mean_chunk_end(prompt, chunk)
+            assert abs((end - chunk) - sum(starts) / chunks) <= 0.5
+            assert chunk <= end <= chunks * chunk
+
+
+def test_the_calibration_times_the_prompt_placement_costs():
+    """The body asks for the prompt's mean chunk, and a new prompt length is a new key (its
+    chunk is timed elsewhere), where the rest of the spec is the same."""
+    from dataclasses import replace
+
+    from supervisor.measurements import calibration_body, mean_chunk_end
+
+    body = calibration_body({}, SPEC, "torch-cpu", 10.0)
+    assert (body["chunk_rows"], body["prefill_end"]) == (64, mean_chunk_end(1024, 64)) == \
+        (64, 544)
+    shorter = replace(SPEC, prompt_tokens=256)
+    assert calibration_body({}, shorter, "torch-cpu", 10.0)["prefill_end"] == 160
+    assert timing_key(shorter, "a", "torch-cpu") != timing_key(SPEC, "a", "torch-cpu")
