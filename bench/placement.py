@@ -149,13 +149,17 @@ class Requests:
         return complete(self.fleet, prompt, tokens or self.tokens)
 
 
-def measure(fleet: LocalFleet, layout, requests: Requests, count: int) -> tuple:
+def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
+            measured_ids: set[str]) -> tuple:
     """Waits for `layout` to serve, runs `count` single requests (their times to first token
     kept) and `count` pairs, and returns the replica's speed report, its stages and the
-    single requests' times to first token in ms."""
+    single requests' times to first token in ms. A replica in `measured_ids` is an earlier
+    placement's, still serving until this one replaces it, perhaps with the same stages."""
     wanted = [(node, list(rng)) for node, rng in layout]
-    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: not wanted or [
-        (s["node"], s["layer_range"]) for s in r["stages"]] == wanted)
+    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: (
+        r["id"] not in measured_ids
+        and (not wanted or [(s["node"], s["layer_range"]) for s in r["stages"]] == wanted)))
+    measured_ids.add(replica["id"])
     requests.one(4)  # warm: the first rounds pay for lazy initialisation
     ttft_ms = [requests.one() * 1000 for _ in range(count)]
     for _ in range(count):
@@ -306,6 +310,7 @@ def main() -> int:
           LocalFleet(Path(root), supervisor_flags=flags,
                      agent_settings=dict(heartbeat_interval_s=0.5)) as fleet):
         requests = Requests(fleet, config.vocab_size, args.prompt_tokens, args.tokens)
+        seen: set[str] = set()
         for i, layout in enumerate(layouts):
             stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
                                for node, (a, b) in layout)
@@ -319,7 +324,7 @@ def main() -> int:
                                          backends=", ".join(dict.fromkeys(
                                              ["torch-cpu", args.node_b]))))
             fleet.fleetctl("apply", str(path), "--wait-s", "600")
-            speed, chosen, ttft_ms = measure(fleet, layout, requests, args.requests)
+            speed, chosen, ttft_ms = measure(fleet, layout, requests, args.requests, seen)
             name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in chosen)
             if not layout:
                 name = f"the plan's: {name}"
