@@ -310,7 +310,7 @@ def main() -> int:
           LocalFleet(Path(root), supervisor_flags=flags,
                      agent_settings=dict(heartbeat_interval_s=0.5)) as fleet):
         requests = Requests(fleet, config.vocab_size, args.prompt_tokens, args.tokens)
-        seen: set[str] = set()
+        measured_replicas: set[str] = set()
         for i, layout in enumerate(layouts):
             stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
                                for node, (a, b) in layout)
@@ -324,7 +324,8 @@ def main() -> int:
                                          backends=", ".join(dict.fromkeys(
                                              ["torch-cpu", args.node_b]))))
             fleet.fleetctl("apply", str(path), "--wait-s", "600")
-            speed, chosen, ttft_ms = measure(fleet, layout, requests, args.requests, seen)
+            speed, chosen, ttft_ms = measure(fleet, layout, requests, args.requests,
+                                             measured_replicas)
             name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in chosen)
             if not layout:
                 name = f"the plan's: {name}"
