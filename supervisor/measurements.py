@@ -34,6 +34,10 @@ class NodeTiming:
     prefill_ms_per_layer: float  # one chunk of `chunk` rows
     # Each layer type's, when the model has more than one (the three above: the slowest's).
     by_type: tuple[LayerTypeMs, ...] = ()
+    # Rank 0's final norm, head and sampling, ms a decode round of 1 / `parallel` rows (0: a
+    # calibration from before the head was timed).
+    head_ms: float = 0.0
+    head_batch_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,14 +103,17 @@ def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming
     """The decode times at the spec's context (1 row and `parallel` rows) and the prefill
     chunk's, per layer type; ValueError when the result lacks a point."""
     timings = result.get("timings") or []
+    head = {t["rows"]: t["ms_per_layer"] for t in timings if t["kind"] == "head"}
+    layers = [t for t in timings if t["kind"] != "head"]
     # A calibration from before layer types were timed apart has one, unnamed: a dense one.
-    types = list(dict.fromkeys(t.get("layer_type", "full_attention") for t in timings))
-    by_type = tuple(_type_timing(timings, layer_type, spec) for layer_type in types)
+    types = list(dict.fromkeys(t.get("layer_type", "full_attention") for t in layers))
+    by_type = tuple(_type_timing(layers, layer_type, spec) for layer_type in types)
     if not by_type:
         raise ValueError("the calibration has no timings")
     slowest = max(by_type, key=lambda t: t.decode_batch_ms_per_layer)
     return NodeTiming(slowest.decode_ms_per_layer, slowest.decode_batch_ms_per_layer,
-                      slowest.prefill_ms_per_layer, by_type if len(by_type) > 1 else ())
+                      slowest.prefill_ms_per_layer, by_type if len(by_type) > 1 else (),
+                      head.get(1, 0.0), head.get(spec.parallel, 0.0))
 
 
 def _type_timing(timings: list[dict[str, Any]], layer_type: str,

@@ -10,7 +10,7 @@ from supervisor.fleet_config import parse_fleet_config
 from supervisor.measurements import Measured, NodeTiming, timing_from_result, timing_key
 from supervisor.membership import ALIVE, Member
 from supervisor.memory import model_shape_from_config
-from supervisor.placement import LayerTypeMs, LinkSnapshot
+from supervisor.placement import LayerTypeMs, LinkSnapshot, NodeSnapshot
 from supervisor.planning import plan_model
 
 FLEET = parse_fleet_config("""
@@ -125,3 +125,33 @@ def test_the_calibration_times_the_prompt_placement_costs():
     shorter = replace(SPEC, prompt_tokens=256)
     assert calibration_body({}, shorter, "torch-cpu", 10.0)["prefill_end"] == 160
     assert timing_key(shorter, "a", "torch-cpu") != timing_key(SPEC, "a", "torch-cpu")
+
+
+def test_rank0s_head_is_read_from_the_calibration_and_costed_once_a_round():
+    """The head's points become the node's head ms at 1 and `parallel` rows (0 where a
+    calibration predates them); a ring's decode round is its stages, its hops and its rank
+    0's head, whoever else is in the ring."""
+    from dataclasses import replace
+
+    from supervisor.ring_cost import RingCosts
+
+    layers = [point("decode", 1024, 1, 2.0), point("decode", 1024, 4, 3.0),
+              point("prefill", 1024, 64, 20.0)]
+    heads = [dict(point("head", 0, 1, 7.0), layer_type="head"),
+             dict(point("head", 0, 4, 11.0), layer_type="head")]
+    timing = timing_from_result({"timings": layers + heads}, SPEC)
+    assert (timing.decode_ms_per_layer, timing.head_ms, timing.head_batch_ms) == (2.0, 7.0, 11.0)
+    assert timing.by_type == ()  # the head is no layer type
+    old = timing_from_result({"timings": layers}, SPEC)
+    assert (old.head_ms, old.head_batch_ms) == (0.0, 0.0)
+
+    a = NodeSnapshot("a", 8 << 30, "torch-cpu", 2.0, 3.0, 20.0,
+                     (LinkSnapshot("b", 1.0, 1e9),), head_ms=7.0, head_batch_ms=11.0)
+    b = replace(a, name="b", links=(LinkSnapshot("a", 1.0, 1e9),), head_ms=1.0,
+                head_batch_ms=2.0)
+    costs = RingCosts(SPEC, SHAPE, [a, b], SPEC.prompt_length)
+    hops = sum(costs.hops_ms(("a", "b"), 4))
+    n = SHAPE.n_layers
+    assert costs.decode_ms(("a", "b"), (2, n - 2), 4) == pytest.approx(3.0 * n + hops + 11.0)
+    assert costs.decode_ms(("b", "a"), (2, n - 2), 4) == pytest.approx(3.0 * n + hops + 2.0)
+    assert costs.decode_ms(("a",), (n,), 1) == pytest.approx(2.0 * n + 7.0)
