@@ -1,20 +1,28 @@
 """How far the placement's prediction is from what a fleet measures, across placements.
 
-    python bench/placement.py                      # the `small` checkpoint, six placements
-    python bench/placement.py --preset demo --requests 2 --tokens 32
-    python bench/placement.py --preset small-hybrid --node-b torch-cpu   # a hybrid, torch x2
+    python bench/placement.py --node-b torch-cpu                          # `small`, torch x2
+    python bench/placement.py --model build/smollm2-135m-instruct --node-b torch-cpu
+    python bench/placement.py --preset small-hybrid --node-b mlx-cpu --prompt-tokens 256 \
+        --chunk 64 --context 320                                          # MLX's chunks are slow
 
 The first placement, `plan`, is the supervisor's own choice (no placement in fleet.yaml):
 its measured row is what the plan's cut gives, beside the cuts the others force.
 
 Starts a local fleet as real processes (a supervisor and two agents on loopback, node-a on
 torch-cpu and node-b on mlx-cpu or torch-cpu (`--node-b`), each calibrated and their link
-probed as in any fleet), then for each placement applies a fleet.yaml with that explicit placement, waits for it to
-serve, sends `--requests` single-stream chats and as many pairs of concurrent ones (the
-model's `parallel` is 2) through the front door, and reads `fleetctl status --json`: the
-predicted decode ms/token for that layout (supervisor/speed.py over supervisor/ring_cost.py)
-beside rank 0's measured mean decode round, by row count. Prints one row per placement with
-the prediction's error, (predicted - measured) / measured, and the mean absolute error.
+probed as in any fleet), then for each placement applies a fleet.yaml with that explicit
+placement (context, chunk and prompt_tokens as given, parallel 2), waits for it to serve,
+and sends through the front door, as streamed completions each of its own prompt of
+`--prompt-tokens` random ids (so no prompt is found in the prompt cache, and decode rounds
+attend over about the keys the calibration times): `--requests` single requests, their
+time to first token taken by the client, then as many pairs of concurrent ones. From rank
+0's decode rounds (`fleetctl status --json`, read after each phase): the singles' 1-row
+rounds against the predicted decode ms/token of one stream, and every decode round of the
+pairs (2 rows, or 1 where a split ring keeps a round of each stream in flight) against the
+prediction at 2 streams; the median time to first token against the predicted one of a
+`prompt_tokens` prompt (supervisor/speed.py over supervisor/ring_cost.py). Prints the
+prediction's error, (predicted - measured) / measured, per figure, the mean absolute
+error, and which placement measured fastest beside the plan's.
 
 `--search` times the placement search itself instead, no fleet: `place` for a
 Qwen3.5-27B-shaped model (64 layers, every 4th full attention, bfloat16) on 4 and 6 nodes,
@@ -149,12 +157,36 @@ class Requests:
         return complete(self.fleet, prompt, tokens or self.tokens)
 
 
+def decode_rounds(fleet: LocalFleet, replica_id: str, at_least: int,
+                  wait_s: float = 30.0) -> tuple[dict, dict[int, tuple[float, int]]]:
+    """The replica's speed report and its decode rounds so far (rows -> (ms in all, rounds)),
+    once they number `at_least` and two reads of the supervisor (which reads rank 0's
+    metrics every 2 s) agree, or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    last = None
+    while True:
+        found = next((r for r in fleet.status()["replicas"] if r["id"] == replica_id), None)
+        speed = found and found["speed"]
+        rounds = {int(rows): (seen["ms_per_token"] * seen["rounds"], seen["rounds"])
+                  for rows, seen in (speed or {}).get("measured", {}).items()}
+        total = sum(n for _, n in rounds.values())
+        if speed and ((total >= at_least and rounds == last) or time.monotonic() > deadline):
+            return speed, rounds
+        if not speed and time.monotonic() > deadline:
+            raise RuntimeError(f"no speed for replica {replica_id} after {wait_s:g} s")
+        last = rounds if total >= at_least else None
+        time.sleep(2.5)
+
+
 def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
-            measured_ids: set[str]) -> tuple:
-    """Waits for `layout` to serve, runs `count` single requests (their times to first token
-    kept) and `count` pairs, and returns the replica's speed report, its stages and the
-    single requests' times to first token in ms. A replica in `measured_ids` is an earlier
-    placement's, still serving until this one replaces it, perhaps with the same stages."""
+            measured_ids: set[str]) -> dict:
+    """Waits for `layout` to serve, runs `count` single requests, then `count` pairs. Returns
+    the replica's speed report (its predictions), its stages, the single requests' times to
+    first token in ms, and the decode rounds' mean ms and count of each phase: the singles'
+    (one stream: 1-row rounds) and the pairs' (two streams: every decode round they ran, of
+    2 rows, or of 1 where a split ring keeps one stream's round in flight on each stage).
+    A replica in `measured_ids` is an earlier placement's, still serving until this one
+    replaces it, perhaps with the same stages."""
     wanted = [(node, list(rng)) for node, rng in layout]
     replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: (
         r["id"] not in measured_ids
@@ -162,27 +194,26 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
     measured_ids.add(replica["id"])
     requests.one(4)  # warm: the first rounds pay for lazy initialisation
     ttft_ms = [requests.one() * 1000 for _ in range(count)]
+    _, singles = decode_rounds(fleet, replica["id"], 3 + count * (requests.tokens - 1))
     for _ in range(count):
         pair = [threading.Thread(target=requests.one) for _ in range(2)]
         for thread in pair:
             thread.start()
         for thread in pair:
             thread.join()
-    # The supervisor reads rank 0's metrics every 2 s: wait for the last rounds to show.
-    expected = 4 + count * requests.tokens - count - 1
-    deadline = time.monotonic() + 30
-    while True:
-        found = next((r for r in fleet.status()["replicas"] if r["id"] == replica["id"]), None)
-        speed = found and found["speed"]
-        if not speed:  # not read from rank 0 yet
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no speed for replica {replica['id']} after 30 s")
-            time.sleep(0.5)
-            continue
-        if speed["measured"].get("1", {}).get("rounds", 0) >= expected or \
-                time.monotonic() > deadline:
-            stages = [(s["node"], tuple(s["layer_range"])) for s in replica["stages"]]
-            return speed, stages, ttft_ms
+    before = sum(n for _, n in singles.values())
+    speed, after = decode_rounds(fleet, replica["id"], before + count * (requests.tokens - 1))
+    pairs = {rows: (ms - singles.get(rows, (0.0, 0))[0], n - singles.get(rows, (0.0, 0))[1])
+             for rows, (ms, n) in after.items()}
+
+    def mean(phase: dict[int, tuple[float, int]]) -> tuple[float | None, int]:
+        n = sum(k for _, k in phase.values())
+        return (sum(ms for ms, _ in phase.values()) / n if n else None), n
+
+    return dict(speed=speed, stages=[(s["node"], tuple(s["layer_range"]))
+                                     for s in replica["stages"]],
+                ttft_ms=ttft_ms, single=mean({1: singles.get(1, (0.0, 0))}),
+                pairs=mean(pairs), pair_rows=sorted(r for r, (_, n) in pairs.items() if n))
 
 
 def search_fleet(count: int, kind: str, seed: int = 64):
@@ -324,20 +355,22 @@ def main() -> int:
                                          backends=", ".join(dict.fromkeys(
                                              ["torch-cpu", args.node_b]))))
             fleet.fleetctl("apply", str(path), "--wait-s", "600")
-            speed, chosen, ttft_ms = measure(fleet, layout, requests, args.requests,
-                                             measured_replicas)
+            seen = measure(fleet, layout, requests, args.requests, measured_replicas)
+            speed, chosen, ttft_ms = seen["speed"], seen["stages"], seen["ttft_ms"]
             name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in chosen)
             if not layout:
                 name = f"the plan's: {name}"
             row: list[object] = [name]
-            for rows_in_round in ("1", "2"):
-                seen = speed["measured"].get(rows_in_round, {})
-                predicted = seen.get("predicted_ms_per_token")
-                row += [predicted if predicted is not None else "-",
-                        seen.get("ms_per_token", "-"), seen.get("rounds", 0),
-                        f"{seen['error_pct']:+.1f}" if "error_pct" in seen else "-"]
-                if "error_pct" in seen:
-                    errors.append(abs(seen["error_pct"]))
+            for predicted, (measured, rounds) in (
+                    (speed.get("predicted_ms_per_token"), seen["single"]),
+                    (speed.get("predicted_ms_per_token_parallel"), seen["pairs"])):
+                error = (predicted - measured) / measured * 100 \
+                    if predicted and measured else None
+                row += [predicted or "-", "-" if measured is None else measured, rounds,
+                        "-" if error is None else f"{error:+.1f}"]
+                if error is not None:
+                    errors.append(abs(error))
+            row.append(",".join(map(str, seen["pair_rows"])) or "-")
             decode_rows.append(row)
             predicted_ttft = speed.get("predicted_ttft_ms")
             measured_ttft = statistics.median(ttft_ms)
@@ -348,8 +381,7 @@ def main() -> int:
                               "-" if ttft_error is None else f"{ttft_error:+.1f}"])
             if ttft_error is not None:
                 errors.append(abs(ttft_error))
-            measured_ms[name] = (speed["measured"].get("1", {}).get("ms_per_token", math.inf),
-                                 measured_ttft)
+            measured_ms[name] = (seen["single"][0] or math.inf, measured_ttft)
             print(f"# {name}: decode {row[1:]}; ttft {ttft_rows[-1][1:]}", flush=True)
         calibrations = fleet.status()["measured"]["calibrations"]
     for key, timing in calibrations.items():  # the inputs the predictions stand on
@@ -357,12 +389,15 @@ def main() -> int:
             node, backend = key.split("|")[1:3]
             print(f"# calibrated {node} ({backend}): decode {timing['decode_ms_per_layer']:.3g}"
                   f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows,"
-                  f" a chunk of {args.chunk} rows {timing['prefill_ms_per_layer']:.3g}")
+                  f" a chunk of {args.chunk} rows {timing['prefill_ms_per_layer']:.3g}; rank 0's"
+                  f" head {timing.get('head_ms', 0):.3g} / {timing.get('head_batch_ms', 0):.3g}"
+                  f" ms a round")
     what = (f"{model.name if args.model else args.preset}, torch-cpu node-a, {args.node_b} "
             f"node-b, context {args.context}, chunk {args.chunk}")
     table(f"Predicted against measured decode ms/token ({what})",
           ["placement", "predicted 1 stream", "measured", "rounds", "error %",
-           "predicted 2 streams", "measured", "rounds", "error %"], decode_rows)
+           "predicted 2 streams", "measured", "rounds", "error %", "pairs' rows a round"],
+          decode_rows)
     table(f"Predicted against measured time to first token, ms, a prompt of "
           f"{args.prompt_tokens} tokens ({what})",
           ["placement", "predicted", "measured (median)", "each request", "error %"],
