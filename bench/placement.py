@@ -213,7 +213,8 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
     return dict(speed=speed, stages=[(s["node"], tuple(s["layer_range"]))
                                      for s in replica["stages"]],
                 ttft_ms=ttft_ms, single=mean({1: singles.get(1, (0.0, 0))}),
-                pairs=mean(pairs), pair_rows=sorted(r for r, (_, n) in pairs.items() if n))
+                pairs=mean(pairs), pair_rows={r: (ms / n, n) for r, (ms, n) in sorted(pairs.items())
+                                              if n})
 
 
 def search_fleet(count: int, kind: str, seed: int = 64):
@@ -370,7 +371,8 @@ def main() -> int:
                         "-" if error is None else f"{error:+.1f}"]
                 if error is not None:
                     errors.append(abs(error))
-            row.append(",".join(map(str, seen["pair_rows"])) or "-")
+            row.append("; ".join(f"{r}: {ms:.1f} x {n}" for r, (ms, n) in
+                                 seen["pair_rows"].items()) or "-")
             decode_rows.append(row)
             predicted_ttft = speed.get("predicted_ttft_ms")
             measured_ttft = statistics.median(ttft_ms)
@@ -396,7 +398,7 @@ def main() -> int:
             f"node-b, context {args.context}, chunk {args.chunk}")
     table(f"Predicted against measured decode ms/token ({what})",
           ["placement", "predicted 1 stream", "measured", "rounds", "error %",
-           "predicted 2 streams", "measured", "rounds", "error %", "pairs' rows a round"],
+           "predicted 2 streams", "measured", "rounds", "error %", "pairs' rounds: rows: ms x rounds"],
           decode_rows)
     table(f"Predicted against measured time to first token, ms, a prompt of "
           f"{args.prompt_tokens} tokens ({what})",
