@@ -378,13 +378,15 @@ def main() -> int:
             measured_ttft = statistics.median(ttft_ms)
             ttft_error = ((predicted_ttft - measured_ttft) / measured_ttft * 100
                           if predicted_ttft else None)
-            ttft_rows.append([name, predicted_ttft or "-", measured_ttft,
+            ttft_rows.append([name, f"{predicted_ttft:.0f}" if predicted_ttft else "-",
+                              f"{measured_ttft:.0f}",
                               ", ".join(f"{x:.0f}" for x in ttft_ms),
                               "-" if ttft_error is None else f"{ttft_error:+.1f}"])
             if ttft_error is not None:
                 errors.append(abs(ttft_error))
             measured_ms[name] = (seen["single"][0] or math.inf, measured_ttft)
             print(f"# {name}: decode {row[1:]}; ttft {ttft_rows[-1][1:]}", flush=True)
+            print(f"# load average: {load_average()}", flush=True)
         calibrations = fleet.status()["measured"]["calibrations"]
     for key, timing in calibrations.items():  # the inputs the predictions stand on
         if isinstance(timing, dict):
