@@ -2,7 +2,9 @@
 
 For each (family shape, dtype, backend, engine version) the agent times the engine's own
 layer code — decode at 1 row and at B rows for each given context, and one prompt chunk of
-`chunk_rows` rows — with random weights of that shape (no checkpoint needed), warmed up,
+`chunk_rows` rows, and rank 0's final norm, head and sampling of 1 and B rows (its own
+cost every round, which a ring of any cut pays once) — with random weights of that shape
+(no checkpoint needed), warmed up,
 taking the median of several runs inside a time budget, and caches the numbers on disk.
 Each layer type is timed on its own (a hybrid's DeltaNet and full-attention layers cost
 differently, and the gap moves with context and rows): a range of layers all of that type.
@@ -37,6 +39,7 @@ if TYPE_CHECKING:  # the timer imports numpy and, building a stage, a framework
     from agent.stage_timer import StageTimer
 
 PROGRESS_EVENT = "calibration_progress"
+HEAD = "head"  # a Timing's kind (and layer type) for rank 0's final norm, head and sampling
 RESULT_EVENT = "calibration_done"
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "attention_bias", "qk_norm", "sliding_window")
@@ -59,6 +62,10 @@ class CalibrationRequest:
     contexts: tuple[int, ...] = (512, 4096)
     batch_rows: int = 8  # B
     chunk_rows: int = 4096
+    # Where the timed prompt chunk ends: 0, at the longest context (the costliest chunk);
+    # the supervisor asks for its prompt's mean chunk (supervisor.measurements.mean_chunk_end),
+    # whose time is the mean of the chunks that prompt runs, as attention grows with position.
+    prefill_end: int = 0
     layers: int = 2  # synthetic layers built and timed together (then divided)
     runs: int = 5
     warmup: int = 2
@@ -88,6 +95,8 @@ class CalibrationRequest:
         for name in ("batch_rows", "chunk_rows", "layers", "runs"):
             if int(getattr(self, name)) < 1:
                 raise CalibrationError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.prefill_end < 0:
+            raise CalibrationError(f"prefill_end={self.prefill_end}: must be at least 0")
         if self.warmup < 0 or not self.budget_s > 0:
             raise CalibrationError("warmup must be >= 0 and budget_s > 0")
         for attr, allowed in KERNEL_CHOICES.items():
@@ -100,6 +109,14 @@ class CalibrationRequest:
     def context_needed(self) -> int:
         """Positions a slot of the timed stage holds: the longest context or the chunk."""
         return max(max(self.contexts), self.chunk_rows)
+
+    @property
+    def prefill_at(self) -> int:
+        """The position the timed prompt chunk ends at: `prefill_end` within [chunk_rows,
+        context_needed], else the longest context."""
+        if not self.prefill_end:
+            return self.context_needed
+        return min(self.context_needed, max(self.chunk_rows, self.prefill_end))
 
     def stage_options(self) -> dict[str, Any]:
         """The StageSpec fields that decide which kernels the timed stage runs."""
@@ -172,7 +189,10 @@ class CalibrationRequest:
         what = {"shape": self.shape(), "dtype": config.dtype, "backend": self.backend,
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
-                "threads": self.thread_setting(), "stage": self.stage_options()}
+                "threads": self.thread_setting(), "stage": self.stage_options(),
+                "head": True}  # rank 0's head is timed too: a key from before it is not
+        if self.prefill_end:  # a key timing the chunk at the context's end stays what it was
+            what["prefill_at"] = self.prefill_at
         if any(getattr(self, attr) != allowed[0] for attr, allowed in SWITCHES.items()):
             what["switches"] = self.switches()  # a key at the defaults stays what it was
         if self.quant() is not None:  # packed weights time differently (a dense key stays)
@@ -189,10 +209,10 @@ def layer_types(config) -> list[str]:
 
 @dataclass(frozen=True)
 class Timing:
-    kind: str  # "decode" or "prefill"
+    kind: str  # "decode", "prefill" or "head" (rank 0's final norm, head and sampling)
     context: int  # keys each row attends over (decode) / positions of the chunk (prefill)
     rows: int
-    ms_per_layer: float  # median over `runs`
+    ms_per_layer: float  # median over `runs`; a "head" point's is the whole head's ms
     runs: int
     spread_ms: float  # max - min over the runs, per layer
     layer_type: str = FULL_ATTENTION  # config.json's name; a dense family's layers all are
@@ -226,6 +246,10 @@ class Calibration:
     def prefill_ms(self) -> float:
         return next(t.ms_per_layer for t in self.timings if t.kind == "prefill")
 
+    def head_ms(self, rows: int) -> float:
+        """Rank 0's final norm, head and sampling of `rows` rows, ms a round."""
+        return next(t.ms_per_layer for t in self.timings if t.kind == "head" and t.rows == rows)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -236,9 +260,11 @@ class Calibration:
         return cls(**raw)
 
 
-def make_timer(request: CalibrationRequest, layer_type: str, workdir: Path) -> StageTimer:
+def make_timer(request: CalibrationRequest, layer_type: str, workdir: Path,
+               head: bool = False) -> StageTimer:
     """The real stage that times `request`'s `layer_type` layers, its range written under
-    `workdir` (slots for the batch, positions for the longest context or chunk)."""
+    `workdir` (slots for the batch, positions for the longest context or chunk); with
+    `head`, rank 0's final norm, head and sampling instead."""
     from agent.stage_timer import StageTimer, TimerError
 
     config = request.model_config()
@@ -249,7 +275,7 @@ def make_timer(request: CalibrationRequest, layer_type: str, workdir: Path) -> S
         return StageTimer(request.config, request.backend, request.layers, request.batch_rows,
                           request.context_needed, request.chunk_rows, workdir,
                           layer_type=layer_type, dtype=request.dtype, threads=request.threads,
-                          stage_options=request.stage_options())
+                          stage_options=request.stage_options(), head=head)
     except TimerError as exc:
         raise CalibrationError(str(exc)) from exc
 
@@ -306,10 +332,9 @@ def calibrate(request: CalibrationRequest, engine_version: str,
     (plus building the weights) for real ones."""
     config = request.model_config()
     started = time.perf_counter()
-    context_needed = request.context_needed
     points = [("decode", c, r) for c in request.contexts
               for r in dict.fromkeys((1, request.batch_rows))]
-    points.append(("prefill", context_needed, request.chunk_rows))
+    points.append(("prefill", request.prefill_at, request.chunk_rows))
     total = request.runs + 2  # building, each timed round, done
     if progress:
         progress(0, total, "building a stage over synthetic layers")
@@ -325,15 +350,19 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         with tempfile.TemporaryDirectory(prefix="calibration-") as workdir:
             timers = {layer_type: make_timer(request, layer_type, Path(workdir) / layer_type)
                       for layer_type in layer_types(config)}
+            head = make_timer(request, layer_types(config)[0], Path(workdir) / HEAD, head=True)
         if progress:
             progress(1, total, "built the stage")
-        # Every type's points in one measurement, so a burst of load lands on all alike.
+        # Every type's points and the head's in one measurement, so a burst of load lands on
+        # all alike. The head's: its rows at decode, as rank 0 samples every round's.
         typed = [(layer_type, point) for layer_type in timers for point in points]
-        samples, exhausted = measure([timers[t].make_round(*point) for t, point in typed],
+        typed += [(HEAD, (HEAD, 0, rows)) for rows in dict.fromkeys((1, request.batch_rows))]
+        samples, exhausted = measure([(head if t == HEAD else timers[t]).make_round(*point)
+                                      for t, point in typed],
                                      request.warmup, request.runs, request.budget_s, on_round)
     timings = []
     for (layer_type, (kind, context, rows)), seconds in zip(typed, samples, strict=True):
-        per_layer = [x * 1000.0 / request.layers for x in seconds]
+        per_layer = [x * 1000.0 / (1 if kind == HEAD else request.layers) for x in seconds]
         timings.append(Timing(kind, context, rows, statistics.median(per_layer), len(seconds),
                               max(per_layer) - min(per_layer), layer_type))
     if progress:

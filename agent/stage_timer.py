@@ -8,7 +8,8 @@ milliseconds are those of the code a ring runs, not of a rebuilt copy of it.
 The range is [1, 1 + layers) of a model cut to 2 + layers layers all of one type: neither
 the first nor the last range, so it builds no embeddings, norm or head, and a hybrid's
 DeltaNet and attention layers are timed apart (they cost differently, and the gap moves
-with context and rows).
+with context and rows). Rank 0's head is timed on a stage of its own, layer 0 with the
+embeddings, final norm and head, through `sample` as a round's returned rows are.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class StageTimer:
 
     def __init__(self, raw_config: dict[str, Any], backend: str, layers: int, slots: int,
                  context: int, chunk: int, workdir: Path, *, layer_type: str, dtype: str = "",
-                 threads: int = 0, stage_options: dict[str, Any] | None = None) -> None:
+                 threads: int = 0, stage_options: dict[str, Any] | None = None,
+                 head: bool = False) -> None:
+        """`head`: the stage is rank 0's, layer 0 of two, holding the embeddings, final norm
+        and head, and its rounds are `sample`'s (`make_round("head", ...)`)."""
         from engine.backends.base import BackendError, StageSpec, load_stage
         from engine.checkpoint.quant_config import QuantConfigError
         from engine.checkpoint.reader import CheckpointError
@@ -86,11 +90,11 @@ class StageTimer:
             if threads:
                 torch.set_num_threads(threads)
             self.threads = torch.get_num_threads()
-        raw = cut_config(raw_config, layer_type, layers, dtype)
-        layer_range = (1, 1 + layers)
+        raw = cut_config(raw_config, layer_type, 0 if head else layers, dtype)
+        layer_range = (0, 1) if head else (1, 1 + layers)
         try:
             self.config = ModelConfig.from_dict(raw)
-            checkpoint = write_range(workdir, raw, layer_range, WEIGHT_STD)
+            checkpoint = write_range(workdir, raw, layer_range, WEIGHT_STD, ends=head)
             spec = StageSpec(Path(workdir), layer_range, backend, parallel=slots,
                              context=context, chunk=chunk, **(stage_options or {}))
             self.stage = load_stage(spec, checkpoint=checkpoint)
@@ -106,8 +110,15 @@ class StageTimer:
 
     def make_round(self, kind: str, context: int, rows: int) -> Callable[[], None]:
         """One decode round of `rows` streams over `context` keys, or one prompt chunk of
-        `rows` rows ending at `context`, run to completion each call."""
-        layout = (decode_layout if kind == "decode" else prefill_layout)(context, rows)
+        `rows` rows ending at `context`, run to completion each call; "head": rank 0's final
+        norm, head and sampling of `rows` returned rows (a head timer's only round), each row
+        drawn with the default parameters, as a request that sets none is."""
         raw = random_row_bytes(rows, self.config.hidden_size, self.stage.row_format.name)
         x = self.stage.rows_from_bytes(raw, rows)
+        if kind == "head":
+            from engine.sampling import RowDraw, SamplingBatch, SamplingParams
+
+            batch = SamplingBatch.of([RowDraw(i, SamplingParams(), 0.5) for i in range(rows)])
+            return lambda: self.stage.sample(x, batch)
+        layout = (decode_layout if kind == "decode" else prefill_layout)(context, rows)
         return lambda: self.stage.run_layers_again(x, layout)

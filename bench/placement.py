@@ -1,20 +1,28 @@
 """How far the placement's prediction is from what a fleet measures, across placements.
 
-    python bench/placement.py                      # the `small` checkpoint, six placements
-    python bench/placement.py --preset demo --requests 2 --tokens 32
-    python bench/placement.py --preset small-hybrid --node-b torch-cpu   # a hybrid, torch x2
+    python bench/placement.py --node-b torch-cpu                          # `small`, torch x2
+    python bench/placement.py --model build/smollm2-135m-instruct --node-b torch-cpu
+    python bench/placement.py --preset small-hybrid --node-b mlx-cpu --prompt-tokens 256 \
+        --chunk 64 --context 320                                          # MLX's chunks are slow
 
 The first placement, `plan`, is the supervisor's own choice (no placement in fleet.yaml):
 its measured row is what the plan's cut gives, beside the cuts the others force.
 
 Starts a local fleet as real processes (a supervisor and two agents on loopback, node-a on
 torch-cpu and node-b on mlx-cpu or torch-cpu (`--node-b`), each calibrated and their link
-probed as in any fleet), then for each placement applies a fleet.yaml with that explicit placement, waits for it to
-serve, sends `--requests` single-stream chats and as many pairs of concurrent ones (the
-model's `parallel` is 2) through the front door, and reads `fleetctl status --json`: the
-predicted decode ms/token for that layout (supervisor/speed.py over supervisor/ring_cost.py)
-beside rank 0's measured mean decode round, by row count. Prints one row per placement with
-the prediction's error, (predicted - measured) / measured, and the mean absolute error.
+probed as in any fleet), then for each placement applies a fleet.yaml with that explicit
+placement (context, chunk and prompt_tokens as given, parallel 2), waits for it to serve,
+and sends through the front door, as streamed completions each of its own prompt of
+`--prompt-tokens` random ids (so no prompt is found in the prompt cache, and decode rounds
+attend over about the keys the calibration times): `--requests` single requests, their
+time to first token taken by the client, then as many pairs of concurrent ones. From rank
+0's decode rounds (`fleetctl status --json`, read after each phase): the singles' 1-row
+rounds against the predicted decode ms/token of one stream, and every decode round of the
+pairs (2 rows, or 1 where a split ring keeps a round of each stream in flight) against the
+prediction at 2 streams; the median time to first token against the predicted one of a
+`prompt_tokens` prompt (supervisor/speed.py over supervisor/ring_cost.py). Prints the
+prediction's error, (predicted - measured) / measured, per figure, the mean absolute
+error, and which placement measured fastest beside the plan's.
 
 `--search` times the placement search itself instead, no fleet: `place` for a
 Qwen3.5-27B-shaped model (64 layers, every 4th full attention, bfloat16) on 4 and 6 nodes,
@@ -35,7 +43,10 @@ frameworks' defaults. The load average is printed at the start and the end.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -75,12 +86,13 @@ models:
     backends: [{backends}]
     context: {context}
     parallel: 2
-    chunk: 64
+    chunk: {chunk}
+    prompt_tokens: {prompt_tokens}
 {placement}"""
 
 
-def checkpoint(preset: str) -> Path:
-    out = ROOT / "build" / f"bench-{preset}"
+def checkpoint(preset: str, directory: Path) -> Path:
+    out = directory / f"bench-{preset}"
     if not (out / "config.json").exists():
         print(f"# making the {preset!r} checkpoint in {out}", flush=True)
         make_checkpoint(out, GENERATED.get(preset) or PRESETS[preset], overwrite=True)
@@ -104,39 +116,105 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def chat(fleet: LocalFleet, tokens: int) -> None:
+def prompt_ids(vocab_size: int, tokens: int, seed: int) -> list[int]:
+    """A prompt of exactly `tokens` ids, different for every seed, so that no request finds
+    an earlier one's prompt in the prompt cache (a hit would skip the chunks timed)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(tokens)]
+
+
+def complete(fleet: LocalFleet, prompt: list[int], tokens: int) -> float:
+    """One streamed completion of `tokens` tokens; the seconds to its first token, as the
+    client sees it (the front door, rank 0's queue and sampling included)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=fleet.front_door_url, api_key="none", max_retries=0, timeout=300)
-    client.chat.completions.create(model="bench", max_tokens=tokens,
-                                   messages=[{"role": "user", "content": "Count to fifty."}],
-                                   extra_body={"ignore_eos": True})
+    client = OpenAI(base_url=fleet.front_door_url, api_key="none", max_retries=0, timeout=600)
+    started = time.perf_counter()
+    first = None
+    for event in client.completions.create(model="bench", prompt=prompt, max_tokens=tokens,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        if first is None and event.choices:
+            first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("the stream carried no token")
+    return first
 
 
-def measure(fleet: LocalFleet, layout, requests: int, tokens: int) -> dict:
+class Requests:
+    """Each request's own prompt of `prompt_tokens` ids, so every one runs all its chunks."""
+
+    def __init__(self, fleet: LocalFleet, vocab_size: int, prompt_tokens: int,
+                 tokens: int) -> None:
+        self.fleet, self.vocab_size = fleet, vocab_size
+        self.prompt_tokens, self.tokens = prompt_tokens, tokens
+        self.sent = 0
+
+    def one(self, tokens: int | None = None) -> float:
+        self.sent += 1
+        prompt = prompt_ids(self.vocab_size, self.prompt_tokens, self.sent)
+        return complete(self.fleet, prompt, tokens or self.tokens)
+
+
+def decode_rounds(fleet: LocalFleet, replica_id: str, at_least: int,
+                  wait_s: float = 30.0) -> tuple[dict, dict[int, tuple[float, int]]]:
+    """The replica's speed report and its decode rounds so far (rows -> (ms in all, rounds)),
+    once they number `at_least` and two reads of the supervisor (which reads rank 0's
+    metrics every 2 s) agree, or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    last = None
+    while True:
+        found = next((r for r in fleet.status()["replicas"] if r["id"] == replica_id), None)
+        speed = found and found["speed"]
+        rounds = {int(rows): (seen["ms_per_token"] * seen["rounds"], seen["rounds"])
+                  for rows, seen in (speed or {}).get("measured", {}).items()}
+        total = sum(n for _, n in rounds.values())
+        if speed and ((total >= at_least and rounds == last) or time.monotonic() > deadline):
+            return speed, rounds
+        if not speed and time.monotonic() > deadline:
+            raise RuntimeError(f"no speed for replica {replica_id} after {wait_s:g} s")
+        last = rounds if total >= at_least else None
+        time.sleep(2.5)
+
+
+def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
+            measured_ids: set[str]) -> dict:
+    """Waits for `layout` to serve, runs `count` single requests, then `count` pairs. Returns
+    the replica's speed report (its predictions), its stages, the single requests' times to
+    first token in ms, and the decode rounds' mean ms and count of each phase: the singles'
+    (one stream: 1-row rounds) and the pairs' (two streams: every decode round they ran, of
+    2 rows, or of 1 where a split ring keeps one stream's round in flight on each stage).
+    A replica in `measured_ids` is an earlier placement's, still serving until this one
+    replaces it, perhaps with the same stages."""
     wanted = [(node, list(rng)) for node, rng in layout]
-    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: not wanted or [
-        (s["node"], s["layer_range"]) for s in r["stages"]] == wanted)
-    chat(fleet, 4)  # warm: the first rounds pay for lazy initialisation
-    for _ in range(requests):
-        chat(fleet, tokens)
-    for _ in range(requests):
-        pair = [threading.Thread(target=chat, args=(fleet, tokens)) for _ in range(2)]
+    replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: (
+        r["id"] not in measured_ids
+        and (not wanted or [(s["node"], s["layer_range"]) for s in r["stages"]] == wanted)))
+    measured_ids.add(replica["id"])
+    requests.one(4)  # warm: the first rounds pay for lazy initialisation
+    ttft_ms = [requests.one() * 1000 for _ in range(count)]
+    _, singles = decode_rounds(fleet, replica["id"], 3 + count * (requests.tokens - 1))
+    for _ in range(count):
+        pair = [threading.Thread(target=requests.one) for _ in range(2)]
         for thread in pair:
             thread.start()
         for thread in pair:
             thread.join()
-    # The supervisor reads rank 0's metrics every 2 s: wait for the last rounds to show.
-    expected = 4 + requests * tokens - requests - 1
-    deadline = time.monotonic() + 30
-    while True:
-        speed = next(r for r in fleet.status()["replicas"] if r["id"] == replica["id"])["speed"]
-        if speed is None:  # not read from rank 0 yet
-            time.sleep(0.5)
-            continue
-        if speed["measured"].get("1", {}).get("rounds", 0) >= expected or \
-                time.monotonic() > deadline:
-            return speed, [(s["node"], tuple(s["layer_range"])) for s in replica["stages"]]
+    before = sum(n for _, n in singles.values())
+    speed, after = decode_rounds(fleet, replica["id"], before + count * (requests.tokens - 1))
+    pairs = {rows: (ms - singles.get(rows, (0.0, 0))[0], n - singles.get(rows, (0.0, 0))[1])
+             for rows, (ms, n) in after.items()}
+
+    def mean(phase: dict[int, tuple[float, int]]) -> tuple[float | None, int]:
+        n = sum(k for _, k in phase.values())
+        return (sum(ms for ms, _ in phase.values()) / n if n else None), n
+
+    return dict(speed=speed, stages=[(s["node"], tuple(s["layer_range"]))
+                                     for s in replica["stages"]],
+                ttft_ms=ttft_ms, single=mean({1: singles.get(1, (0.0, 0))}),
+                pairs=mean(pairs), pair_rows={r: (ms / n, n) for r, (ms, n) in sorted(pairs.items())
+                                              if n})
 
 
 def search_fleet(count: int, kind: str, seed: int = 64):
@@ -211,16 +289,25 @@ def search_times(repeats: int) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", choices=[*GENERATED, *PRESETS])
+    p.add_argument("--model", type=Path, default=None,
+                   help="a checkpoint to serve instead of the preset (e.g. SmolLM2's)")
+    p.add_argument("--checkpoints", type=Path, default=ROOT / "build",
+                   help="where a preset's checkpoint is made once (bench-<preset>)")
     p.add_argument("--node-b", default="mlx-cpu", choices=["mlx-cpu", "torch-cpu"],
                    help="node-b's backend (node-a runs torch-cpu)")
     p.add_argument("--placements", default=";".join(DEFAULT_PLACEMENTS),
                    help="';'-separated, each 'a:0-4,b:4-8' ({n}: layers, {h}: half, {q}: a "
                         "quarter), or first 'plan': no placement, the supervisor's own")
-    p.add_argument("--requests", type=int, default=3, help="of each kind, per placement")
+    p.add_argument("--requests", type=int, default=2, help="of each kind, per placement")
     p.add_argument("--tokens", type=int, default=48, help="generated per request")
     p.add_argument("--calibration-budget-s", type=float, default=40.0,
                    help="per node: a budget spent before the planned runs cut them short")
-    p.add_argument("--context", type=int, default=128,
+    p.add_argument("--prompt-tokens", type=int, default=1792,
+                   help="every request's prompt (random ids, one set per request), and the "
+                        "model's prompt_tokens: the prompt the time to first token is "
+                        "predicted for")
+    p.add_argument("--chunk", type=int, default=256, help="the model's prompt rows per round")
+    p.add_argument("--context", type=int, default=2048,
                    help="the model's context: calibration times decode over this many keys, "
                         "so keep it near what the requests reach (prompt + --tokens)")
     p.add_argument("--threads", type=int, default=1,
@@ -231,24 +318,31 @@ def main() -> int:
     args = p.parse_args()
     if args.search:
         return search_times(args.repeats)
+    if args.prompt_tokens + args.tokens > args.context:
+        p.error(f"a prompt of {args.prompt_tokens} and {args.tokens} tokens do not fit a "
+                f"context of {args.context}")
     if args.threads:  # before LocalFleet copies the environment for its processes
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"# load average at the start: {load_average()}", flush=True)
-    model = checkpoint(args.preset)
-    from bench.common import n_layers
+    model = args.model or checkpoint(args.preset, args.checkpoints)
+    from engine.config import ModelConfig
 
-    n = n_layers(model)
+    config = ModelConfig.from_dict(json.loads((model / "config.json").read_text()))
+    n = config.num_hidden_layers
     layouts = [parse_layout(text, n) for text in args.placements.split(";")]
     if () in layouts[1:]:
         p.error("'plan' must come first: later, the replica of the placement before it "
                 "would be taken for it")
-    rows, errors = [], []
+    decode_rows, ttft_rows, errors = [], [], []
+    measured_ms: dict[str, tuple[float, float]] = {}  # placement -> (decode at 1 row, ttft)
     calibrations: dict = {}
     flags = ("--tick-s", "0.2", "--drain-s", "5",
              "--calibration-budget-s", str(args.calibration_budget_s))
     with (tempfile.TemporaryDirectory(prefix="bench-placement-") as root,
           LocalFleet(Path(root), supervisor_flags=flags,
                      agent_settings=dict(heartbeat_interval_s=0.5)) as fleet):
+        requests = Requests(fleet, config.vocab_size, args.prompt_tokens, args.tokens)
+        measured_replicas: set[str] = set()
         for i, layout in enumerate(layouts):
             stages = "\n".join(f'      - {{node: {node}, layers: "{a}:{b}"}}'
                                for node, (a, b) in layout)
@@ -256,35 +350,68 @@ def main() -> int:
             path = fleet.root / f"fleet-{i}.yaml"
             path.write_text(FLEET.format(address=fleet.address, state_dir=fleet.state_dir,
                                          checkpoint=model, placement=placement,
-                                         context=args.context, backend_b=args.node_b,
+                                         context=args.context, chunk=args.chunk,
+                                         prompt_tokens=args.prompt_tokens,
+                                         backend_b=args.node_b,
                                          backends=", ".join(dict.fromkeys(
                                              ["torch-cpu", args.node_b]))))
             fleet.fleetctl("apply", str(path), "--wait-s", "600")
-            speed, chosen = measure(fleet, layout, args.requests, args.tokens)
+            seen = measure(fleet, layout, requests, args.requests, measured_replicas)
+            speed, chosen, ttft_ms = seen["speed"], seen["stages"], seen["ttft_ms"]
             name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in chosen)
             if not layout:
                 name = f"the plan's: {name}"
             row: list[object] = [name]
-            for rows_in_round in ("1", "2"):
-                seen = speed["measured"].get(rows_in_round, {})
-                predicted = seen.get("predicted_ms_per_token")
-                row += [predicted if predicted is not None else "-",
-                        seen.get("ms_per_token", "-"), seen.get("rounds", 0),
-                        f"{seen['error_pct']:+.1f}" if "error_pct" in seen else "-"]
-                if "error_pct" in seen:
-                    errors.append(abs(seen["error_pct"]))
-            rows.append(row)
-            print(f"# {name}: {row[1:]}", flush=True)
+            for predicted, (measured, rounds) in (
+                    (speed.get("predicted_ms_per_token"), seen["single"]),
+                    (speed.get("predicted_ms_per_token_parallel"), seen["pairs"])):
+                error = (predicted - measured) / measured * 100 \
+                    if predicted and measured else None
+                row += [predicted or "-", "-" if measured is None else measured, rounds,
+                        "-" if error is None else f"{error:+.1f}"]
+                if error is not None:
+                    errors.append(abs(error))
+            row.append("; ".join(f"{r}: {ms:.1f} x {n}" for r, (ms, n) in
+                                 seen["pair_rows"].items()) or "-")
+            decode_rows.append(row)
+            predicted_ttft = speed.get("predicted_ttft_ms")
+            measured_ttft = statistics.median(ttft_ms)
+            ttft_error = ((predicted_ttft - measured_ttft) / measured_ttft * 100
+                          if predicted_ttft else None)
+            ttft_rows.append([name, f"{predicted_ttft:.0f}" if predicted_ttft else "-",
+                              f"{measured_ttft:.0f}",
+                              ", ".join(f"{x:.0f}" for x in ttft_ms),
+                              "-" if ttft_error is None else f"{ttft_error:+.1f}"])
+            if ttft_error is not None:
+                errors.append(abs(ttft_error))
+            measured_ms[name] = (seen["single"][0] or math.inf, measured_ttft)
+            print(f"# {name}: decode {row[1:]}; ttft {ttft_rows[-1][1:]}", flush=True)
+            print(f"# load average: {load_average()}", flush=True)
         calibrations = fleet.status()["measured"]["calibrations"]
     for key, timing in calibrations.items():  # the inputs the predictions stand on
         if isinstance(timing, dict):
             node, backend = key.split("|")[1:3]
             print(f"# calibrated {node} ({backend}): decode {timing['decode_ms_per_layer']:.3g}"
-                  f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows")
-    table(f"Predicted against measured decode ms/token ({args.preset}, torch-cpu node-a, "
-          f"{args.node_b} node-b)",
+                  f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows,"
+                  f" a chunk of {args.chunk} rows {timing['prefill_ms_per_layer']:.3g}; rank 0's"
+                  f" head {timing.get('head_ms', 0):.3g} / {timing.get('head_batch_ms', 0):.3g}"
+                  f" ms a round")
+    what = (f"{model.name if args.model else args.preset}, torch-cpu node-a, {args.node_b} "
+            f"node-b, context {args.context}, chunk {args.chunk}")
+    table(f"Predicted against measured decode ms/token ({what})",
           ["placement", "predicted 1 stream", "measured", "rounds", "error %",
-           "predicted 2 streams", "measured", "rounds", "error %"], rows)
+           "predicted 2 streams", "measured", "rounds", "error %", "pairs' rounds: rows: ms x rounds"],
+          decode_rows)
+    table(f"Predicted against measured time to first token, ms, a prompt of "
+          f"{args.prompt_tokens} tokens ({what})",
+          ["placement", "predicted", "measured (median)", "each request", "error %"],
+          ttft_rows)
+    for i, what in enumerate(("decode at 1 stream", "time to first token")):
+        fastest = min(measured_ms, key=lambda k: measured_ms[k][i])
+        plan = next((k for k in measured_ms if k.startswith("the plan's")), None)
+        if plan:
+            print(f"# {what}: fastest measured {fastest} ({measured_ms[fastest][i]:.4g} ms); "
+                  f"the plan's {measured_ms[plan][i]:.4g} ms")
     print(f"# load average at the end: {load_average()}; threads: "
           f"{args.threads or 'the defaults'}")
     if errors:

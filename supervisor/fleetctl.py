@@ -250,7 +250,9 @@ def render_plan(p: dict[str, Any]) -> Table:
                             f"{t['prefill_ms_per_layer']:.3g}" for t in s["layer_type_ms"])
                 for s in p["stages"]] if typed else []
     hops = [planned_hops_text(p["hops"])] if p.get("hops") else []
-    table.caption = "\n".join([summary, *hops, *per_type, *p["why"]])
+    head = [f"rank 0's final norm, head and sampling: {p['head_ms']:.2f} ms of each round"
+            ] if p.get("head_ms") else []
+    table.caption = "\n".join([summary, *head, *hops, *per_type, *p["why"]])
     table.caption_justify = "left"
     return table
 

@@ -10,6 +10,7 @@ nominal numbers and says which (`supervisor/planning.py`).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,10 @@ class NodeTiming:
     prefill_ms_per_layer: float  # one chunk of `chunk` rows
     # Each layer type's, when the model has more than one (the three above: the slowest's).
     by_type: tuple[LayerTypeMs, ...] = ()
+    # Rank 0's final norm, head and sampling, ms a decode round of 1 / `parallel` rows (0: a
+    # calibration from before the head was timed).
+    head_ms: float = 0.0
+    head_batch_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,20 +68,34 @@ CALIBRATION_FIELD = {"quant": "quant_mode"}
 
 
 def timing_key(spec: ModelSpec, node: str, backend: str) -> str:
-    """A calibration answers for a shape, a backend, the execution shape measured and the
-    kernels timed: a model whose `kernels:` change is calibrated again. A model without
-    kernel settings keeps the key it had before they existed."""
+    """A calibration answers for a shape, a backend, the execution shape measured (the prompt
+    whose mean chunk it times included) and the kernels timed: a model whose `kernels:` or
+    `prompt_tokens` change is calibrated again."""
     return (f"{spec.id}|{node}|{backend}|{spec.context}|{spec.parallel}|{spec.chunk}"
+            f"|prompt={spec.prompt_length}"
             + "".join(f"|{attr}={value}" for attr, value in spec.kernels))
+
+
+def mean_chunk_end(prompt_tokens: int, chunk: int) -> int:
+    """Where the prompt's mean chunk ends: a chunk's attention grows with the keys before it,
+    the rest of its time does not, so its time is linear in its start, and the mean of the
+    chunks [0, c), [c, 2c), ... of `ceil(prompt_tokens / c)` chunks (a partial last one costed
+    whole, as placement costs it) is the time of the chunk that starts at their mean start,
+    (chunks - 1) x c / 2, and ends `chunk` rows later."""
+    chunks = max(1, math.ceil(prompt_tokens / chunk))
+    return (chunks - 1) * chunk // 2 + chunk
 
 
 def calibration_body(config_json: dict[str, Any], spec: ModelSpec, backend: str,
                      budget_s: float) -> dict[str, Any]:
-    """The agent's calibration request for `spec` on `backend`: its execution shape and the
-    kernels its engines run (`kernels:`), so that placement predicts with their times. The
-    engine's defaults go unsent: they are the request's defaults too."""
+    """The agent's calibration request for `spec` on `backend`: its execution shape, the
+    prompt chunk placement costs (the mean of a `prompt_tokens` prompt's, see
+    `mean_chunk_end`) and the kernels its engines run (`kernels:`), so that placement
+    predicts with their times. The engine's defaults go unsent: they are the request's
+    defaults too."""
     return {"config": config_json, "backend": backend, "contexts": [spec.context],
-            "batch_rows": spec.parallel, "chunk_rows": spec.chunk, "budget_s": budget_s,
+            "batch_rows": spec.parallel, "chunk_rows": spec.chunk,
+            "prefill_end": mean_chunk_end(spec.prompt_length, spec.chunk), "budget_s": budget_s,
             **{CALIBRATION_FIELD.get(attr, attr): value for attr, value in spec.kernels}}
 
 
@@ -84,14 +103,17 @@ def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming
     """The decode times at the spec's context (1 row and `parallel` rows) and the prefill
     chunk's, per layer type; ValueError when the result lacks a point."""
     timings = result.get("timings") or []
+    head = {t["rows"]: t["ms_per_layer"] for t in timings if t["kind"] == "head"}
+    layers = [t for t in timings if t["kind"] != "head"]
     # A calibration from before layer types were timed apart has one, unnamed: a dense one.
-    types = list(dict.fromkeys(t.get("layer_type", "full_attention") for t in timings))
-    by_type = tuple(_type_timing(timings, layer_type, spec) for layer_type in types)
+    types = list(dict.fromkeys(t.get("layer_type", "full_attention") for t in layers))
+    by_type = tuple(_type_timing(layers, layer_type, spec) for layer_type in types)
     if not by_type:
         raise ValueError("the calibration has no timings")
     slowest = max(by_type, key=lambda t: t.decode_batch_ms_per_layer)
     return NodeTiming(slowest.decode_ms_per_layer, slowest.decode_batch_ms_per_layer,
-                      slowest.prefill_ms_per_layer, by_type if len(by_type) > 1 else ())
+                      slowest.prefill_ms_per_layer, by_type if len(by_type) > 1 else (),
+                      head.get(1, 0.0), head.get(spec.parallel, 0.0))
 
 
 def _type_timing(timings: list[dict[str, Any]], layer_type: str,

@@ -87,6 +87,10 @@ class NodeSnapshot:
     # The prompt cache's byte budget of a stage here (supervisor.planning.prompt_cache_budget);
     # placement charges it and buys kept slots with it, unless the spec sets their count.
     prompt_cache_budget_bytes: int = 0
+    # As rank 0: its final norm, head and sampling, ms a decode round of one row and of
+    # `parallel` rows (every ring pays its rank 0's once a round, whatever the cut).
+    head_ms: float = 0.0
+    head_batch_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for timed in (self, *self.layer_type_ms):
@@ -96,6 +100,9 @@ class NodeSnapshot:
                     raise PlacementError(f"node {self.name}:{what} {name} = "
                                          f"{getattr(timed, name)!r}: expected a positive "
                                          "number of ms")
+        if not (self.head_ms >= 0 and self.head_batch_ms >= 0):
+            raise PlacementError(f"node {self.name}: head {self.head_ms!r} / "
+                                 f"{self.head_batch_ms!r} ms: expected 0 or more")
         for link in self.links:
             if not (link.rtt_ms >= 0 and link.bandwidth_bytes_per_s > 0):
                 raise PlacementError(f"node {self.name}: link to {link.peer}: rtt {link.rtt_ms} "
@@ -232,7 +239,13 @@ class RingCosts:
     def decode_ms(self, ring: tuple[str, ...], counts: Sequence[int], rows: int) -> float:
         kind = "decode" if rows == self.spec.parallel else "single"
         hops = self.hops_ms(ring, rows) or []
-        return sum(self.stage_ms(n, kind, r) for n, r in zip(ring, layer_ranges(counts))) + sum(hops)
+        return (sum(self.stage_ms(n, kind, r) for n, r in zip(ring, layer_ranges(counts)))
+                + sum(hops) + self.head_ms(ring[0], rows))
+
+    def head_ms(self, rank0: str, rows: int) -> float:
+        """Rank 0's final norm, head and sampling in a decode round of `rows` rows."""
+        node = self.nodes[rank0]
+        return node.head_batch_ms if rows == self.spec.parallel > 1 else node.head_ms
 
     def prompt_ms(self, ring: tuple[str, ...], counts: Sequence[int]) -> float:
         stages = [self.stage_ms(n, "prefill", r) for n, r in zip(ring, layer_ranges(counts))]

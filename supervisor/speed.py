@@ -2,12 +2,13 @@
 (`supervisor/ring_cost.py`, over the measurements placement reads) beside what its rank 0
 measures (`ringfleet_decode_round_seconds`, engine/api/metrics.py), for `fleetctl status`
 and `bench/placement.py`; and the time to first token it predicts for the model's prompt
-length (its chunks overlapped across the stages), which nothing measures yet.
+length (its chunks overlapped across the stages), which `bench/placement.py` measures
+from a client.
 
 The two are the same quantity: one decode round of `rows` rows around the ring, every
-stage's layers and every hop. Rank 0's figure also holds what the model leaves out (the
-embeddings, the final norm and head, sampling's hand-off), which is part of the error the
-benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
+stage's layers and every hop, and rank 0's final norm, head and sampling. Rank 0's figure
+also holds what the model leaves out (the embeddings' lookup, building and handing off the
+round on the host), which is part of the error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Calibration times a real stage (the same classes, CUDA graphs, compiled step and packed
 kernels that serve), and a stage loads from a checkpoint; this writes the smallest one
 that stage can load: the range's layers of a family shape, neither the first layer nor the
-last (so no embeddings, final norm or head), in Hugging Face's safetensors layout. A
+last (so no embeddings, final norm or head), in Hugging Face's safetensors layout; or, for
+timing rank 0's head, a first range with the embeddings, final norm and head. A
 quantized shape's weights are stored packed as mlx-lm packs them (its rule for which
 weights pack), so the stage holds and runs them as it would a real 4-bit checkpoint.
 
@@ -26,26 +27,32 @@ from engine.checkpoint.quant_config import QuantConfig, packed_params
 from engine.checkpoint.quantize import affine_quantize
 from engine.checkpoint.reader import Checkpoint
 from engine.config import ModelConfig
-from engine.family import layer_tensor_shapes
+from engine.family import end_tensor_shapes, layer_tensor_shapes
 
 FILE_NAME = "model.safetensors"
 _BLOCK_VALUES = 1 << 20  # the repeated block of random values
 
 
 def write_range(out_dir: Path, raw_config: dict[str, Any], layer_range: tuple[int, int],
-                std: float = 0.02, seed: int = 0) -> Checkpoint:
-    """Write layers [start, end) of `raw_config`'s family shape into `out_dir` (created)."""
+                std: float = 0.02, seed: int = 0, *, ends: bool = False) -> Checkpoint:
+    """Write layers [start, end) of `raw_config`'s family shape into `out_dir` (created);
+    with `ends`, a range from layer 0 and rank 0's embeddings, final norm and head with it
+    (what the timer of rank 0's head loads)."""
     config = ModelConfig.from_dict(raw_config)
     start, end = layer_range
-    if not 0 < start < end < config.num_hidden_layers:
+    if ends and not 0 == start < end <= config.num_hidden_layers:
+        raise ValueError(f"layer range {start}:{end}: with the embeddings and head it must "
+                         f"start at layer 0 and end within {config.num_hidden_layers} layers")
+    if not ends and not 0 < start < end < config.num_hidden_layers:
         raise ValueError(f"layer range {start}:{end} must lie strictly inside the model's "
                          f"{config.num_hidden_layers} layers (no embeddings, no head)")
     quant = QuantConfig.from_config(raw_config)
     block = np.random.default_rng(seed).standard_normal(_BLOCK_VALUES, dtype=np.float32)
     block *= np.float32(std)
     tensors: dict[str, np.ndarray] = {}
-    for layer in range(start, end):
-        for name, shape in layer_tensor_shapes(config, layer).items():
+    shapes = [layer_tensor_shapes(config, layer) for layer in range(start, end)]
+    for names in [*shapes, end_tensor_shapes(config) if ends else {}]:
+        for name, shape in names.items():
             values = (np.ones(shape, np.float32) if name.endswith("norm.weight")
                       else np.resize(block, shape))
             params = packed_params(quant, name, shape)

@@ -51,6 +51,8 @@ def check_ordered(result) -> None:
     for rows in (1, B):
         assert result.decode_ms(LONG, rows) >= result.decode_ms(SHORT, rows)
     assert result.prefill_ms > 0
+    # rank 0's final norm, head and sampling, at 1 row and at B
+    assert result.head_ms(1) > 0 and result.head_ms(B) > 0
 
 
 @pytest.mark.parametrize("backend", ["torch-cpu", "mlx-cpu"])
@@ -143,7 +145,8 @@ def test_a_hybrid_is_calibrated_per_layer_type(backend):
     points = {(t.layer_type, t.kind, t.rows) for t in result.timings}
     assert points == {(layer_type, kind, rows) for layer_type in ("linear_attention",
                                                                   "full_attention")
-                      for kind, rows in (("decode", 1), ("decode", 4), ("prefill", 32))}
+                      for kind, rows in (("decode", 1), ("decode", 4), ("prefill", 32))} | {
+        ("head", "head", 1), ("head", "head", 4)}
     assert all(t.ms_per_layer > 0 for t in result.timings)
     assert result.decode_ms(64, 1, "full_attention") != result.decode_ms(64, 1,
                                                                          "linear_attention")
@@ -202,8 +205,8 @@ def test_a_calibration_times_the_kernels_its_request_names(monkeypatch):
             return run
 
     made = []
-    monkeypatch.setattr(calibration, "make_timer", lambda request, layer_type, workdir:
-                        made.append(Timer(request.stage_options())) or made[-1])
+    monkeypatch.setattr(calibration, "make_timer", lambda request, layer_type, workdir,
+                        head=False: made.append(Timer(request.stage_options())) or made[-1])
     asked = CalibrationRequest.from_dict(dict(
         config=SHAPE, backend="torch-cuda", runs=1, warmup=0, quant_mode="dense",
         compile="off", delta_kernel="torch", cuda_graphs=False, decode_attention="sdpa",
@@ -231,3 +234,28 @@ def test_a_calibration_times_the_kernels_its_request_names(monkeypatch):
     with pytest.raises(CalibrationError, match=r"^quant_mode='int8': expected one of "
                                                r"auto, packed, dense$"):
         request(quant_mode="int8")
+
+
+def test_the_prompt_chunk_is_timed_where_the_request_says(monkeypatch):
+    """`prefill_end` moves the timed chunk (kept within [chunk, the stage's positions]); none
+    times it at the context's end, under the key a calibration always had."""
+    import agent.calibrate as calibration
+
+    timed = []
+
+    class Timer:
+        threads = 1
+
+        def make_round(self, kind, context, rows):
+            timed.append((kind, context, rows))
+            return lambda: None
+
+    monkeypatch.setattr(calibration, "make_timer", lambda *_, **__: Timer())
+    for end, expected in ((0, LONG), (1000, 1000), (10, 128), (10**6, LONG)):
+        timed.clear()
+        calibrate(request(prefill_end=end, runs=1, warmup=0), "0.1.0")
+        assert next(p for p in timed if p[0] == "prefill") == ("prefill", expected, 128)
+    assert request(prefill_end=0).key("0.1.0") == request().key("0.1.0")
+    assert len({request(prefill_end=end).key("0.1.0") for end in (0, 1000, 2000)}) == 3
+    with pytest.raises(CalibrationError, match="prefill_end=-1"):
+        request(prefill_end=-1)

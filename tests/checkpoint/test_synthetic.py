@@ -51,3 +51,26 @@ def test_a_quantized_shape_is_stored_packed_as_mlx_lm_packs_it(tmp_path):
 def test_a_range_with_embeddings_or_head_is_refused(tmp_path, layer_range):
     with pytest.raises(ValueError, match="strictly inside"):
         write_range(tmp_path, DENSE, layer_range)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_rank0s_range_with_its_ends_loads_as_rank0_and_samples(tmp_path, tie):
+    """With `ends`, the range from layer 0 holds the embeddings, final norm and head (a tied
+    head is the embedding table), and the stage it loads samples returned rows."""
+    from engine.family import end_tensor_shapes
+    from engine.sampling import RowDraw, SamplingBatch, SamplingParams
+
+    raw = dict(DENSE, tie_word_embeddings=tie)
+    checkpoint = write_range(tmp_path, raw, (0, 1), ends=True)
+    config = ModelConfig.from_dict(raw)
+    assert {n: t.shape for n, t in stored(tmp_path).items()} == {
+        **layer_tensor_shapes(config, 0), **end_tensor_shapes(config)}
+    assert ("lm_head.weight" in stored(tmp_path)) == (not tie)
+    stage = load_stage(StageSpec(tmp_path, (0, 1), "torch-cpu", 2, 64, 16),
+                       checkpoint=checkpoint)
+    assert stage.is_first and not stage.is_last
+    rows = stage.rows_from_bytes(bytes(2 * 64 * 4), 2)
+    batch = SamplingBatch.of([RowDraw(i, SamplingParams(), 0.5) for i in range(2)])
+    assert len(stage.sample(rows, batch).token_ids) == 2
+    with pytest.raises(ValueError, match="start at layer 0"):
+        write_range(tmp_path, raw, (1, 2), ends=True)

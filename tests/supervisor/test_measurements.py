@@ -10,7 +10,7 @@ from supervisor.fleet_config import parse_fleet_config
 from supervisor.measurements import Measured, NodeTiming, timing_from_result, timing_key
 from supervisor.membership import ALIVE, Member
 from supervisor.memory import model_shape_from_config
-from supervisor.placement import LayerTypeMs, LinkSnapshot
+from supervisor.placement import LayerTypeMs, LinkSnapshot, NodeSnapshot
 from supervisor.planning import plan_model
 
 FLEET = parse_fleet_config("""
@@ -93,3 +93,65 @@ def test_a_hybrid_calibration_is_planned_per_layer_type():
     assert stage.decode_ms == pytest.approx(6 * 2.0 + 2 * 6.0)  # 4 streams: the batch times
     assert stage.prefill_chunk_ms == pytest.approx(6 * 10.0 + 2 * 30.0)
     assert stage.memory.state_bytes > 0
+
+
+def test_the_mean_chunk_is_the_mean_of_the_chunks_a_prompt_runs():
+    """Against the chunks themselves: for any cost linear in a chunk's start, the chunk that
+    ends at mean_chunk_end costs the mean of ceil(prompt / chunk) chunks (within half a row
+    where chunk x (chunks - 1) is odd)."""
+    import math
+
+    from supervisor.measurements import mean_chunk_end
+
+    for prompt in (1, 63, 64, 65, 1000, 1792, 2048, 4097):
+        for chunk in (1, 7, 64, 256, 512):
+            chunks = math.ceil(prompt / chunk)
+            starts = [i * chunk for i in range(chunks)]
+            end = mean_chunk_end(prompt, chunk)
+            assert abs((end - chunk) - sum(starts) / chunks) <= 0.5
+            assert chunk <= end <= chunks * chunk
+
+
+def test_the_calibration_times_the_prompt_placement_costs():
+    """The body asks for the prompt's mean chunk, and a new prompt length is a new key (its
+    chunk is timed elsewhere), where the rest of the spec is the same."""
+    from dataclasses import replace
+
+    from supervisor.measurements import calibration_body, mean_chunk_end
+
+    body = calibration_body({}, SPEC, "torch-cpu", 10.0)
+    assert (body["chunk_rows"], body["prefill_end"]) == (64, mean_chunk_end(1024, 64)) == \
+        (64, 544)
+    shorter = replace(SPEC, prompt_tokens=256)
+    assert calibration_body({}, shorter, "torch-cpu", 10.0)["prefill_end"] == 160
+    assert timing_key(shorter, "a", "torch-cpu") != timing_key(SPEC, "a", "torch-cpu")
+
+
+def test_rank0s_head_is_read_from_the_calibration_and_costed_once_a_round():
+    """The head's points become the node's head ms at 1 and `parallel` rows (0 where a
+    calibration predates them); a ring's decode round is its stages, its hops and its rank
+    0's head, whoever else is in the ring."""
+    from dataclasses import replace
+
+    from supervisor.ring_cost import RingCosts
+
+    layers = [point("decode", 1024, 1, 2.0), point("decode", 1024, 4, 3.0),
+              point("prefill", 1024, 64, 20.0)]
+    heads = [dict(point("head", 0, 1, 7.0), layer_type="head"),
+             dict(point("head", 0, 4, 11.0), layer_type="head")]
+    timing = timing_from_result({"timings": layers + heads}, SPEC)
+    assert (timing.decode_ms_per_layer, timing.head_ms, timing.head_batch_ms) == (2.0, 7.0, 11.0)
+    assert timing.by_type == ()  # the head is no layer type
+    old = timing_from_result({"timings": layers}, SPEC)
+    assert (old.head_ms, old.head_batch_ms) == (0.0, 0.0)
+
+    a = NodeSnapshot("a", 8 << 30, "torch-cpu", 2.0, 3.0, 20.0,
+                     (LinkSnapshot("b", 1.0, 1e9),), head_ms=7.0, head_batch_ms=11.0)
+    b = replace(a, name="b", links=(LinkSnapshot("a", 1.0, 1e9),), head_ms=1.0,
+                head_batch_ms=2.0)
+    costs = RingCosts(SPEC, SHAPE, [a, b], SPEC.prompt_length)
+    hops = sum(costs.hops_ms(("a", "b"), 4))
+    n = SHAPE.n_layers
+    assert costs.decode_ms(("a", "b"), (2, n - 2), 4) == pytest.approx(3.0 * n + hops + 11.0)
+    assert costs.decode_ms(("b", "a"), (2, n - 2), 4) == pytest.approx(3.0 * n + hops + 2.0)
+    assert costs.decode_ms(("a",), (n,), 1) == pytest.approx(2.0 * n + 7.0)

@@ -119,8 +119,9 @@ def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
                         continue
                     batch = "decode_batch_ms_per_layer" if s.parallel > 1 \
                         else "decode_ms_per_layer"
+                    head = by_name[r0].head_batch_ms if s.parallel > 1 else by_name[r0].head_ms
                     decode = (sum(ms(by_name[n], shape, r, batch) for n, r in zip(ring, ranges))
-                              + sum(hops_decode))
+                              + sum(hops_decode) + head)
                     stages = [ms(by_name[n], shape, r, "prefill_ms_per_layer")
                               for n, r in zip(ring, ranges)]
                     prompt = (sum(stages) + sum(hops_chunk)
@@ -142,9 +143,12 @@ def random_case(rng: random.Random):
         peers = {p: (rng.uniform(0.0, 2.0), rng.uniform(1e7, 1e9)) for p in names
                  if p != name and rng.random() < 0.85}
         decode = rng.choice([rng.uniform(0.1, 3.0), 1.0])  # sometimes equal: ties
-        nodes.append(node(name, memory_mb=rng.uniform(5, most_mb), decode=decode,
-                          batch=rng.uniform(0.2, 5.0), prefill=rng.uniform(1.0, 40.0),
-                          peers=peers, backend=rng.choice(["torch-cpu", "torch-cpu", "mlx-cpu"])))
+        nodes.append(dataclasses.replace(
+            node(name, memory_mb=rng.uniform(5, most_mb), decode=decode,
+                 batch=rng.uniform(0.2, 5.0), prefill=rng.uniform(1.0, 40.0),
+                 peers=peers, backend=rng.choice(["torch-cpu", "torch-cpu", "mlx-cpu"])),
+            # rank 0's head: none (a calibration from before it was timed) or a few layers'
+            head_ms=rng.choice([0.0, rng.uniform(0.0, 6.0)]), head_batch_ms=rng.uniform(0.0, 9.0)))
     s = spec(context=rng.choice([100, 1000, 3000]), parallel=rng.choice([1, 2, 4]),
              prompt_cache_slots=rng.choice([0, 2, 8]),
              chunk=rng.choice([16, 100, 400]), objective=rng.choice(["decode", "prompt"]),
