@@ -80,6 +80,16 @@ def ask(model: str, *, stream: bool = False, **extra) -> dict:
             **extra}
 
 
+async def a_long_stream_under_way(c: Clients) -> aiohttp.ClientResponse:
+    """A streamed reply of LONG tokens through the front door, its first three events read."""
+    streamed = await c.door.post("/v1/chat/completions",
+                                 json=ask(c.model, stream=True, max_tokens=LONG, ignore_eos=True))
+    assert streamed.status == 200
+    for _ in range(3):
+        await streamed.content.readuntil(b"\n\n")
+    return streamed
+
+
 async def slots_in_use(direct: aiohttp.ClientSession) -> int:
     async with direct.get("/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
         return (await r.json())["slots_in_use"]
@@ -134,11 +144,7 @@ def test_a_frozen_rank0_ends_streams_and_new_requests_within_the_dead_ring_time(
 
     async def check(c: Clients) -> None:
         door, direct, model = c.door, c.direct, c.model
-        streamed = await door.post("/v1/chat/completions",
-                                   json=ask(model, stream=True, max_tokens=LONG, ignore_eos=True))
-        assert streamed.status == 200
-        for _ in range(3):
-            await streamed.content.readuntil(b"\n\n")
+        streamed = await a_long_stream_under_way(c)
         os.kill(engine.processes[0].pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()

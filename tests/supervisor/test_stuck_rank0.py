@@ -22,7 +22,14 @@ import aiohttp
 import pytest
 
 from engine.harness.launch import LocalReplica, launch
-from tests.supervisor.test_front_door_engine import LONG, SECRET, Clients, ask, with_door
+from tests.supervisor.test_front_door_engine import (
+    LONG,
+    SECRET,
+    Clients,
+    a_long_stream_under_way,
+    ask,
+    with_door,
+)
 from tests.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,11 +59,7 @@ def test_a_stuck_one_stage_rank0_fails_itself_at_the_round_deadline(make_model, 
 
     async def check(c: Clients) -> None:
         door, direct, model = c.door, c.direct, c.model
-        streamed = await door.post("/v1/chat/completions",
-                                   json=ask(model, stream=True, max_tokens=LONG, ignore_eos=True))
-        assert streamed.status == 200
-        for _ in range(3):
-            await streamed.content.readuntil(b"\n\n")
+        streamed = await a_long_stream_under_way(c)
         os.kill(rank0.pid, signal.SIGUSR1)
         t0 = time.monotonic()
         whole = asyncio.ensure_future(door.post("/v1/chat/completions",
