@@ -47,12 +47,6 @@ class Rope:
         self.cos = table.cos().to(dtype)
         self.sin = table.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [rows, heads, head_dim]; positions: [rows]."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return x * cos + rotate_half(x) * sin
-
 
 def attention_inputs(x: torch.Tensor, w: LayerWeights, config: ModelConfig,
                      cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
