@@ -237,7 +237,9 @@ class LaneHost:
         self.clock = clock
         # The last progress: a round landed, or work came to an idle host (rounds_owed_s).
         self._progress_s = clock()
-        self._round_calls = 0  # calls running on the round thread (round_thread_busy)
+        # Calls handed to the round thread and calls it finished (round_thread_busy): each
+        # counter has one writer, the event loop and the round thread, so neither races.
+        self._round_calls_handed = self._round_calls_done = 0
         self._wake = asyncio.Event()
         self._settled = asyncio.Event()  # set while no stream is in flight, or once failed
         self._settled.set()
@@ -290,7 +292,7 @@ class LaneHost:
 
     def round_thread_busy(self) -> bool:
         """Whether a launch or a landing is still running on the round thread."""
-        return self._round_calls > 0
+        return self._round_calls_done != self._round_calls_handed
 
     def _can_place(self) -> bool:
         return self.slots_in_use() < self.streams and any(s is None for s in self.slots)
@@ -419,9 +421,9 @@ class LaneHost:
                         raise RoundFailed(launched.plan) from exc
                 return call()
             finally:
-                self._round_calls -= 1
+                self._round_calls_done += 1
 
-        self._round_calls += 1  # before the hand-off: a call queued is owed as well
+        self._round_calls_handed += 1  # before the hand-off: a call queued is owed as well
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, run)
