@@ -403,24 +403,24 @@ class ChildProcess:
                 pass
 
 
-def is_stopped(pid: int, create_time: float) -> bool:
-    """Is `pid`, still the process that started at `create_time`, stopped (SIGSTOP, a
-    debugger's stop), so that no signal but SIGKILL acts on it?"""
+def _status(pid: int, create_time: float) -> str | None:
+    """`pid`'s psutil status while it is still the process that started at `create_time`;
+    None once it is gone, or its pid was reused by another process."""
     try:
         proc = psutil.Process(pid)
         if abs(proc.create_time() - create_time) > 1.0:
-            return False
-        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+            return None
+        return proc.status()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
+        return None
+
+
+def is_stopped(pid: int, create_time: float) -> bool:
+    """Is `pid`, still the process that started at `create_time`, stopped (SIGSTOP, a
+    debugger's stop), so that no signal but SIGKILL acts on it?"""
+    return _status(pid, create_time) in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def same_process_alive(pid: int, create_time: float) -> bool:
     """Is `pid` still the process that started at `create_time` (and not a zombie)?"""
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) > 1.0:
-            return False  # the pid was reused by another process
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
+    return _status(pid, create_time) not in (None, psutil.STATUS_ZOMBIE)

@@ -75,7 +75,8 @@ class LocalReplica:
         out = open(self.log_paths[rank], "ab") if log_to_file else None  # noqa: SIM115
         try:
             self.processes[rank] = subprocess.Popen(
-                [sys.executable, "-m", self.engine_module], env=self.envs[rank], stdout=out, stderr=out)
+                [sys.executable, "-m", self.engine_module], env=self.envs[rank], stdout=out,
+                stderr=out)
         finally:
             if out:
                 out.close()  # the child holds its own descriptor
