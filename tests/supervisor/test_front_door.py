@@ -195,6 +195,17 @@ def events_of(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
+async def streamed(door: Door, what: str) -> tuple[str, list[dict]]:
+    """A streamed reply of the stand-in engine's `what` case through the door: its text and
+    events, the first two of which carried the tokens "one" and "two"."""
+    async with door.session.post("/v1/chat/completions", json=ask("m", what, stream=True)) as r:
+        assert r.status == 200
+        text = await r.text()
+    events = events_of(text)
+    assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
+    return text, events
+
+
 async def raw_exchange(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:
     """Bytes sent on a fresh connection; everything read back until the door closes it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -257,12 +268,7 @@ def test_a_reply_about_one_request_passes_through_as_it_is():
 
 def test_lost_after_tokens_ends_with_an_sse_error_and_no_finish_reason():
     async def check(door: Door) -> None:
-        async with door.session.post("/v1/chat/completions",
-                                     json=ask("m", "cut", stream=True)) as r:
-            assert r.status == 200
-            text = await r.text()
-        events = events_of(text)
-        assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
+        text, events = await streamed(door, "cut")
         assert "error" in events[-1] and events[-1]["error"]["code"] == "unavailable"
         assert all(c.get("finish_reason") is None for e in events for c in e.get("choices", []))
         assert "[DONE]" not in text
@@ -271,12 +277,7 @@ def test_lost_after_tokens_ends_with_an_sse_error_and_no_finish_reason():
 
 def test_the_engines_own_error_event_passes_through_alone_however_long():
     async def check(door: Door) -> None:
-        async with door.session.post("/v1/chat/completions",
-                                     json=ask("m", "engine-error", stream=True)) as r:
-            assert r.status == 200
-            text = await r.text()
-        events = events_of(text)
-        assert [e["choices"][0]["delta"]["content"] for e in events[:2]] == ["one", "two"]
+        _, events = await streamed(door, "engine-error")
         errors = [e for e in events if "error" in e]  # the engine's, and no second one
         assert len(errors) == 1 and errors[0]["error"]["message"].startswith("the engine failed")
     run(check)
