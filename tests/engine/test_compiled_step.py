@@ -137,3 +137,32 @@ def test_verify_rows_take_the_decode_path_with_each_rows_own_slot(make_model):
     assert torch.equal(decoded, captured)
     torch.testing.assert_close(decoded, as_spans, atol=1e-5, rtol=1e-5)
     assert not torch.equal(stage.model.cache.k, cache[0])  # the rounds wrote their K
+
+
+def test_one_compile_serves_every_row_count_whatever_came_first(make_model):
+    """The compiled halves take the row count as a symbol from their first call: chunks of
+    64, 8, 1 and 17 rows share one graph (automatic dynamic shapes compiled the first
+    count static, then a second graph, so a round's kernels, and on CUDA its bits, hung
+    on which shapes the process had seen), and each agrees with the eager halves."""
+    from torch._dynamo.utils import counters
+
+    from engine.backends.pytorch.compiled_step import compiled_layer_parts
+    from engine.backends.pytorch.llama import attention_inputs, layer_output
+
+    stage = make_stage(make_model("qwen3", seed=44, hidden_size=72), "off")
+    model, config = stage.model, stage.config
+    w = model.layers[0]
+    parts = compiled_layer_parts()
+    generator = torch.Generator().manual_seed(3)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for rows in (64, 8, 1, 17):
+            x = torch.randn(rows, stage.hidden_size, generator=generator)
+            positions = torch.arange(rows) + 5
+            q, k, v = parts.inputs(x, w, config, model.rope.cos, model.rope.sin, positions)
+            expected = attention_inputs(x, w, config, model.rope.cos, model.rope.sin, positions)
+            for got, want in zip((q, k, v), expected, strict=True):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(parts.output(x, q, w, config),
+                                       layer_output(x, q, w, config), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # one a half, for all four

@@ -6,13 +6,17 @@ a CUDA graph replays every one of them; compiled, Inductor fuses each norm, the 
 embedding with its table lookup, the cache write and the SwiGLU activation into a few
 kernels, leaving the matmuls to cuBLAS and attention to the Triton decode kernel on CUDA
 (an operator it keeps whole: `decode_attention_triton.decode_attention_op`), SDPA
-elsewhere. One graph serves every layer (a layer's weights and its run of the cache are inputs, not constants) and every
-decode round: the first shape is compiled as it is, and a second run of slots or key
-count recompiles it once with those sizes symbolic (Dynamo's automatic dynamic shapes),
-so a stage compiles two or three times in its life, not once per (run, bucket). On CUDA
-the compiled step is then captured in the stage's own CUDA graphs (graphs.py) exactly as
-the eager one was: compile, then capture. Packed weights on our Triton kernels compile too:
-their matmul is an operator Inductor keeps whole (`packed_matmul_triton.packed_matmul_op`).
+elsewhere. One graph serves every layer (a layer's weights and its run of the cache are
+inputs, not constants) and every decode round: the sizes a round varies (rows, slots, keys)
+are marked unbacked, so Inductor compiles them symbolic once and sizes its kernels by a
+fixed hint, never by the first shape it happened to see. That makes a kernel's bits a
+function of the round alone: a process that served other shapes first (the whole-model run
+beside a ring's rank 0 in one test, a stage after calibration) computes the bytes a fresh
+one does, which Dynamo's automatic dynamic shapes did not promise (static kernels for the
+first shape, symbolic ones after; measured different on an H100). On CUDA the compiled step
+is then captured in the stage's own CUDA graphs (graphs.py) exactly as the eager one was:
+compile, then capture. Packed weights on our Triton kernels compile too: their matmul is an
+operator Inductor keeps whole (`packed_matmul_triton.packed_matmul_op`).
 
 A cold compile costs seconds to tens of seconds per shape (docs/benchmarks.md has the
 figures); Inductor's caches make a restart cheap, so they live in a directory that
@@ -27,9 +31,11 @@ kernel run eagerly (their kernels are not traceable), and `on` refuses them by n
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch._dynamo.decorators import mark_unbacked
 
 from engine.backends.base import BackendError
 from engine.backends.pytorch.llama import (
@@ -42,9 +48,9 @@ from engine.backends.pytorch.llama import (
 from engine.config import ModelConfig
 
 COMPILE_ENV = "FLEET_COMPILE"
-# Recompiles Dynamo allows the layer before it gives up on compiling (its default is 8);
-# a stage needs two or three (above), but the count is the process's, shared by every
-# stage and model config in it (a bench or a test loads several).
+# Recompiles Dynamo allows the layer before it gives up on compiling (its default is 8):
+# one per model config and dtype (the weights' sizes stay static) and per decode form, but
+# the count is the process's, shared by every stage in it (a bench or a test loads several).
 RECOMPILE_LIMIT = 64
 
 
@@ -85,10 +91,31 @@ def _prepare() -> None:
                                                RECOMPILE_LIMIT)
 
 
-def compiled_decode_block() -> DecodeBlock:
-    """`decode_block` compiled whole (no graph breaks), its caches in `inductor_cache_dir`."""
+def _compiled(fn: Callable[..., torch.Tensor], sizes: dict[int, tuple[int, ...]]
+              ) -> Callable[..., torch.Tensor]:
+    """`fn` compiled whole (no graph breaks, no automatic dynamic shapes), with the
+    dimensions in `sizes` (argument position: its dims) marked unbacked at every call:
+    one compile serves every value of them (module docstring)."""
     _prepare()
-    return torch.compile(decode_block, fullgraph=True)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def any_size(*args: object) -> torch.Tensor:
+        for position, dims in sizes.items():
+            if position < len(args) and isinstance(args[position], torch.Tensor):
+                for dim in dims:
+                    mark_unbacked(args[position], dim)
+        return compiled(*args)
+
+    return any_size
+
+
+def compiled_decode_block() -> DecodeBlock:
+    """`decode_block` compiled: rows (x, positions, mask, offsets), the run's slots (the
+    caches) and the keys read (mask) symbolic. Arguments by position, as `run_decode`
+    passes them."""
+    rows, slots = (0,), (0,)
+    return _compiled(decode_block, {0: rows, 5: slots, 6: slots, 7: rows, 8: (0, 3),
+                                    10: rows})
 
 
 def compiled_layer_parts() -> LayerParts:
@@ -97,8 +124,6 @@ def compiled_layer_parts() -> LayerParts:
     activation and residual adds fused, which eagerly are some forty kernels a layer that
     each read and write every row (a sixth of an 8,192-token prompt's time on an H100,
     docs/benchmarks.md). The attention over the cache stays eager (SDPA's flash kernel);
-    the row count is the one size that varies, so Dynamo compiles it symbolic once it has
-    seen two."""
-    _prepare()
-    return LayerParts(torch.compile(attention_inputs, fullgraph=True),
-                      torch.compile(layer_output, fullgraph=True))
+    the row count (x, positions; x and o after it) is symbolic."""
+    return LayerParts(_compiled(attention_inputs, {0: (0,), 5: (0,)}),
+                      _compiled(layer_output, {0: (0,), 1: (0,)}))

@@ -107,22 +107,32 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
     x: [n, hidden]; k_cache, v_cache: [slots, kv_heads, positions, head_dim], this layer's
     run of slots (a view: written in place); positions: [n]; cos, sin: the RoPE tables
     [context, head_dim]; mask: [n, 1, 1, keys] bool, the keys [0, keys) the rows read;
-    offsets: [n], each row's slot in the run (a verify entry's rows share one), None: one
-    row a slot, in order.
+    offsets: [n], each row's slot in the run where rows share slots (a verify entry's rows),
+    None: one row a slot, in order (whether they share is this argument, not a comparison of
+    sizes, so that the compiled layer takes every size as symbolic: `compiled_step.py`).
     kernel: attention through the Triton decode kernel (CUDA, `kv_cache.decode_kernel_runs`)
     instead of SDPA under the mask.
     """
-    rows = x.shape[0]
+    # Sizes that are equal, said so for the compiled layer, which takes each as a symbol of
+    # its own (compiled_step.py); eagerly these are plain comparisons.
+    torch._check(positions.shape[0] == x.shape[0])
+    torch._check(mask.shape[0] == x.shape[0])
+    torch._check(v_cache.shape[0] == k_cache.shape[0])
     q, k, v = attention_inputs(x, w, config, cos, sin, positions)
-    if offsets is None:
-        offsets = torch.arange(rows, device=x.device)
+    shared = offsets is not None
+    if shared:
+        torch._check(offsets.shape[0] == x.shape[0])
+    else:
+        offsets = torch.arange(x.shape[0], device=x.device)
     k_cache[offsets, :, positions] = k  # every row's, before any row attends
     v_cache[offsets, :, positions] = v
     keys = mask.shape[-1]
+    torch._check(keys > 0)
+    torch._check(keys <= k_cache.shape[2])
     if kernel:  # each row reads keys [0, its position]: its slot's, by strides, no copy
         o = torch.ops.ringfleet.decode_attention(q, k_cache, v_cache, offsets, positions + 1,
                                                  keys, config.sliding_window)
-    elif rows != k_cache.shape[0]:  # verify rows share slots: each row's keys, gathered
+    elif shared:  # verify rows share slots: each row's keys, gathered
         o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[offsets, :, :keys],
                                            v_cache[offsets, :, :keys], attn_mask=mask,
                                            enable_gqa=True)
@@ -131,6 +141,7 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
         # form without the math kernel's copies, and the rows form here made an 8B's step
         # after 8,000-token conversations 2x slower on an H200 (docs/benchmarks.md, "36
         # layers").
+        torch._check(x.shape[0] == k_cache.shape[0])  # one row a slot
         o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
                                            v_cache[:, :, :keys], attn_mask=mask,
                                            enable_gqa=True)
@@ -174,6 +185,8 @@ class LlamaRange:
         a, b = run
         mask = visible_keys(positions[:, None], keys, window)[:, None, None, :]
         kernel = decode_kernel_runs(x.device)  # True once the operator's module imported
+        if x.shape[0] == b - a:  # one row a slot, in order: no gathering
+            offsets = None
         for layer_slot, w in enumerate(self.layers):
             x = step(x, w, self.config, self.rope.cos, self.rope.sin,
                      self.cache.k[layer_slot, a:b], self.cache.v[layer_slot, a:b], positions,
