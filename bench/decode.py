@@ -11,8 +11,8 @@
 
 PyTorch backends are compared with transformers' `generate`, MLX backends with mlx-lm's
 `generate_step`, on the same checkpoint, device and dtype. Our decode rounds are timed
-directly after an untimed prompt round (greedy, the logits brought to the host each step,
-as serving does); the references' time per step is the difference between generating
+directly after an untimed prompt round (greedy, each token drawn on the stage's device and
+only its id brought to the host, as serving does); the references' time per step is the difference between generating
 N + 1 tokens and 1 token, divided by N, so prompt processing cancels out. On CUDA it also prints ms per token against the
 floor set by weight bytes / memory bandwidth.
 
@@ -26,13 +26,14 @@ live-length buckets, whose captured steps read the whole context, beside the cur
 in the same run.
 
 `--anchor` times our stage with its decode layers compiled (FLEET_COMPILE=on) and eager
-(off), in lockstep, then the anchor (bench/anchor.py: a gpt-fast-style step compiled with
-mode="reduce-overhead") in the same process, at each stream count, all three against
-weight bytes / the copy bandwidth measured here; and prints each side's cold start (the
-first pass, compiling and capturing, from empty Inductor caches; the anchor's at the
-first stream count only, later ones find its kernels cached). The anchor keeps its
-tokens on the device and waits at the end of a pass, gpt-fast's way; ours brings the
-logits to the host each step, as serving does.
+(off), and compiled with each round's logits brought to the host (where this bench drew
+tokens before), in lockstep, then the anchor (bench/anchor.py: a gpt-fast-style step
+compiled with mode="reduce-overhead") in the same process, at each stream count, all
+against weight bytes / the copy bandwidth measured here; and prints each side's cold
+start (the first pass, compiling and capturing, from empty Inductor caches; the anchor's
+at the first stream count only, later ones find its kernels cached). The anchor keeps its
+tokens on the device and waits at the end of a pass, gpt-fast's way; ours brings each
+step's token ids to the host, as serving does.
 
 `--prompt-rate N` times one stream's N-token prompt in rounds of `--chunk` rows and
 prints prompt tokens/s and the share of the device's dense matrix rate it reaches:
@@ -66,42 +67,52 @@ def prompts(batch: int, length: int, vocab: int) -> dict[int, list[int]]:
 
 
 class Decoding:
-    """One stage serving every stream count of a run (slots [0, batch))."""
+    """One stage serving every stream count of a run (slots [0, batch)); each round's next
+    tokens drawn greedily on the stage's device, only the ids brought to the host, as
+    serving does (`on_device`), or from the logits brought to the host."""
 
     def __init__(self, model_dir: Path, backend: str, parallel: int, context: int, chunk: int,
                  cuda_graphs: bool = True, live_keys: bool = True,
-                 compile_mode: str = "auto") -> None:
+                 compile_mode: str = "auto", on_device: bool = True) -> None:
         spec = StageSpec(model_dir, (0, n_layers(model_dir)), backend, parallel, context,
                          chunk, cuda_graphs, live_keys, compile=compile_mode)
         self.driver = RoundDriver(LocalRunner(load_stage(spec)))
+        self.on_device = on_device
+
+    def next_tokens(self, feeds: dict[int, list[int]]) -> dict[int, int]:
+        """One round of `feeds` (slot -> ids); slot -> its greedy next token."""
+        if self.on_device:
+            return self.driver.greedy_round(feeds)
+        return {s: int(np.argmax(row)) for s, row in self.driver.round(feeds).items()}
 
 
 def open_conversations(decodings: dict[object, Decoding], batch: int, prompt: int,
-                       prompt_chunk: int = 0) -> dict[object, dict[int, np.ndarray]]:
+                       prompt_chunk: int = 0) -> dict[object, dict[int, int]]:
     """Each decoding's `batch` conversations prompted, untimed: in one round, or with
     `prompt_chunk` > 0 in rounds of that many rows shared among the slots (a long prompt
-    in one round would build attention over all of its rows at once). Returns the logits."""
+    in one round would build attention over all of its rows at once). Returns each
+    decoding's next tokens."""
     out = {}
     for key, decoding in decodings.items():
         ids = prompts(batch, prompt, decoding.driver.stage.config.vocab_size)
         per_slot = max(1, prompt_chunk // batch) if prompt_chunk else prompt
         for start in range(0, prompt, per_slot):
-            out[key] = decoding.driver.round({s: p[start:start + per_slot]
-                                              for s, p in ids.items()})
+            out[key] = decoding.next_tokens({s: p[start:start + per_slot]
+                                             for s, p in ids.items()})
     return out
 
 
-def lockstep_steps(decodings: dict[object, Decoding], logits: dict[object, dict],
+def lockstep_steps(decodings: dict[object, Decoding], tokens: dict[object, dict[int, int]],
                    steps: int) -> dict[object, float]:
     """ms/step of `steps` greedy decode rounds of each decoding, each decoding's round timed
     in turn, step by step, so a busy machine's slow spells fall on all of them alike.
-    `logits` (each decoding's last) advances in place."""
+    `tokens` (each decoding's next) advances in place."""
     spent = dict.fromkeys(decodings, 0.0)
     for _ in range(steps):
         for key, decoding in decodings.items():
-            feeds = {s: [int(np.argmax(row))] for s, row in logits[key].items()}
             start = time.perf_counter()
-            logits[key] = decoding.driver.round(feeds)  # logits reach the host: a sync
+            # The token reaches the host (ids, or the logits): a sync, as serving's is.
+            tokens[key] = decoding.next_tokens({s: [t] for s, t in tokens[key].items()})
             spent[key] += time.perf_counter() - start
     return {key: t * 1000 / steps for key, t in spent.items()}
 
@@ -110,8 +121,8 @@ def lockstep_pass(decodings: dict[object, Decoding], batch: int, prompt: int,
                   steps: int, prompt_chunk: int = 0) -> dict[object, float]:
     """ms/step of each decoding over one conversation: an untimed prompt, then `steps`
     timed greedy decode rounds (lockstep_steps); slots closed after."""
-    logits = open_conversations(decodings, batch, prompt, prompt_chunk)
-    out = lockstep_steps(decodings, logits, steps)
+    tokens = open_conversations(decodings, batch, prompt, prompt_chunk)
+    out = lockstep_steps(decodings, tokens, steps)
     for decoding in decodings.values():
         decoding.driver.close(list(range(batch)))
     return out
@@ -127,9 +138,9 @@ def interleaved_ms_per_step(decodings: dict[object, Decoding], batches: list[int
     out = {}
     for batch in batches:
         if prompt_once:
-            logits = open_conversations(decodings, batch, prompt, prompt_chunk)
-            lockstep_steps(decodings, logits, steps)
-            passes = [lockstep_steps(decodings, logits, steps) for _ in range(repeats)]
+            tokens = open_conversations(decodings, batch, prompt, prompt_chunk)
+            lockstep_steps(decodings, tokens, steps)
+            passes = [lockstep_steps(decodings, tokens, steps) for _ in range(repeats)]
             for decoding in decodings.values():
                 decoding.driver.close(list(range(batch)))
         else:
@@ -230,15 +241,18 @@ def anchor_rows(model_dir: Path, backend: str, batches: list[int], steps: int, p
     from bench.anchor import time_anchor
 
     device = backend.removeprefix("torch-")
-    decodings = {mode: Decoding(model_dir, backend, max(batches), prompt + steps + 8,
-                                prompt * max(batches), compile_mode=mode)
-                 for mode in ("on", "off")}
+    # Compiled with the token drawn on the device (serving's path), compiled with the
+    # logits brought to the host (this bench's path before), and eager (device draws).
+    modes = {"on": ("on", True), "on, logits": ("on", False), "off": ("off", True)}
+    decodings = {key: Decoding(model_dir, backend, max(batches), prompt + steps + 8,
+                               prompt * max(batches), compile_mode=mode, on_device=on_device)
+                 for key, (mode, on_device) in modes.items()}
     cold = {}
-    for mode, decoding in decodings.items():  # the first pass compiles and captures
+    for key, decoding in decodings.items():  # the first pass compiles and captures
         start = time.perf_counter()
         with fresh_inductor_cache():  # a cold start: nothing compiled before
-            lockstep_pass({mode: decoding}, max(batches), prompt, 2)
-        cold[mode] = time.perf_counter() - start
+            lockstep_pass({key: decoding}, max(batches), prompt, 2)
+        cold[key] = time.perf_counter() - start
     ours = interleaved_ms_per_step(decodings, batches, steps, prompt, repeats)
     del decodings
     release_device_memory()
@@ -253,8 +267,8 @@ def anchor_rows(model_dir: Path, backend: str, batches: list[int], steps: int, p
         anchor = time_anchor(model_dir, torch.device(device), dtype, batch, prompt, steps,
                              repeats, cold=batch == batches[0])
         release_device_memory()
-        compiled, eager = ours["on", batch], ours["off", batch]
-        rows.append([backend, batch, compiled, eager, anchor.ms_per_step,
+        compiled, logits, eager = (ours[key, batch] for key in modes)
+        rows.append([backend, batch, compiled, logits, eager, anchor.ms_per_step,
                      compiled / anchor.ms_per_step, floor_ms, floor_ms / compiled,
                      floor_ms / eager, floor_ms / anchor.ms_per_step, anchor.cold_start_s])
         print(f"# anchor, batch {batch}: {rows[-1]}", flush=True)
@@ -378,8 +392,8 @@ def main() -> int:
     if args.anchor:
         table(f"decode against the anchor, {model_dir.name}, {args.steps} steps after a "
               f"{args.prompt}-token prompt (floor: weight bytes / measured copy bandwidth)",
-              ["backend", "batch", "ours compiled ms/step", "ours eager ms/step",
-               "anchor ms/step", "ours compiled / anchor", "floor ms", "compiled: floor share",
+              ["backend", "batch", "ours compiled ms/step",
+               "ours compiled, logits to the host", "ours eager ms/step", "anchor ms/step", "ours compiled / anchor", "floor ms", "compiled: floor share",
                "eager: floor share", "anchor: floor share", "anchor first calls s"],
               anchor_rows(model_dir, args.backend, batches, args.steps, args.prompt,
                           args.repeats))

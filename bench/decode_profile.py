@@ -17,7 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np
 
 from bench.common import checkpoint, cuda_profile
 from bench.decode import Decoding, open_conversations, prompts
@@ -39,13 +38,13 @@ def main() -> None:
         return profile_prompt(args)
     decoding = Decoding(checkpoint(args.model, args.preset), "torch-cuda", args.streams,
                         args.context, args.prompt_chunk)
-    logits = open_conversations({None: decoding}, args.streams, args.prompt,
+    tokens = open_conversations({None: decoding}, args.streams, args.prompt,
                                 args.prompt_chunk)[None]
 
     def rounds(n: int) -> None:
-        nonlocal logits
+        nonlocal tokens
         for _ in range(n):
-            logits = decoding.driver.round({s: [int(np.argmax(r))] for s, r in logits.items()})
+            tokens = decoding.next_tokens({s: [t] for s, t in tokens.items()})
 
     rounds(3)  # graphs captured, kernels compiled
     averages = cuda_profile(lambda: rounds(args.rounds))

@@ -2,7 +2,9 @@
 
 A `RoundDriver` decides its rounds with the lane host's own builder, for streams fed
 explicitly: `round({slot: token_ids})` opens or continues each slot with all of its ids
-and returns the logits of each slot's last row; `close(slots)` releases them.
+and returns the logits of each slot's last row; `greedy_round` does the same and returns
+each slot's next token drawn on the head's device, as serving does (only ids reach the
+host); `close(slots)` releases them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from engine.backends.base import Stage
 from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
 from engine.pipeline.runner import RoundRunner
 from engine.rounds import Op
+from engine.sampling import RowDraw, SamplingBatch, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class RoundDriver:
@@ -45,6 +50,21 @@ class RoundDriver:
         logits = self.runner.run_round(built.plan, built.token_ids)
         return {stream: logits[rows[-1]]
                 for stream, rows in built.plan.returned_by_stream().items()}
+
+    def greedy_round(self, feeds: dict[int, list[int]]) -> dict[int, int]:
+        """As `round`, but each slot's next token is drawn greedily on the head's device:
+        slot -> token id."""
+        states = self.slots.snapshot()
+        built = self._build({slot: Lane(tuple(ids), states[slot].offset)
+                             for slot, ids in feeds.items()})
+        if built.plan is None:
+            return {}
+        last_rows = {stream: rows[-1]
+                     for stream, rows in built.plan.returned_by_stream().items()}
+        batch = SamplingBatch.of([RowDraw(row, GREEDY, 0.0) for row in last_rows.values()])
+        sampled = self.runner.sample_round(built.plan, built.token_ids, batch)
+        return {stream: int(token) for stream, token in zip(last_rows, sampled.token_ids,
+                                                             strict=True)}
 
     def close(self, slots: list[int]) -> None:
         built = self._build({slot: Lane((), 0, ending=Op.CLOSE) for slot in slots})

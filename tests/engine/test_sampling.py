@@ -219,3 +219,23 @@ def test_a_seeded_stream_draws_the_same_tokens_alone_and_beside_other_streams(
     beside = generate(model_dir, [*others, mine], backend)[3]
     again = generate(model_dir, [others[0], mine], backend)[1]
     assert len(alone) == 12 and alone == beside == again
+
+
+def test_the_drivers_device_greedy_round_draws_each_streams_argmax(make_model):
+    """`RoundDriver.greedy_round` (serving's path, which bench/decode.py times: the draw on
+    the stage's device, ids to the host) takes the tokens the logits' argmax does, stream
+    by stream, over a prompt round and decode rounds of three streams."""
+    from tests.engine.conftest import stage_driver
+
+    model_dir = make_model("llama", seed=42)
+    by_logits = stage_driver(whole_stage(model_dir, parallel=3, context=64, chunk=16))
+    on_device = stage_driver(whole_stage(model_dir, parallel=3, context=64, chunk=16))
+    feeds = {0: [5, 6, 7], 1: [9] * 11, 2: [40, 3]}
+    steps = []
+    for _ in range(8):
+        expected = {s: int(np.argmax(row)) for s, row in by_logits.round(feeds).items()}
+        got = on_device.greedy_round(feeds)
+        assert got == expected
+        steps.append(got)
+        feeds = {s: [t] for s, t in got.items()}
+    assert len({tuple(s.values()) for s in steps}) > 1  # not one token over and over

@@ -21,10 +21,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
     if not len(batch):
         return SampledRows.empty()
     device = logits.device
-    # The rows' numbers go to the device in one copy: [n, 4] temperature, top-p, uniform, top-k.
-    per_row = torch.from_numpy(np.stack([
+    # The rows' numbers go to the device in one copy: [n, 4] temperature, top-p, uniform,
+    # top-k; greedy rows need none. The copy does not wait for the device (a blocking one
+    # would wait for the round's layers and head, and the draw's kernels would then launch
+    # one by one onto an idle GPU); only the ids' copy back at the end does.
+    per_row = None if len(batch.greedy) == len(batch) else _on(device, np.stack([
         batch.temperature.astype(np.float32), batch.top_p, batch.uniform.astype(np.float32),
-        batch.top_k.astype(np.float32)], 1)).to(device)
+        batch.top_k.astype(np.float32)], 1))
     every_row = np.array_equal(batch.rows, np.arange(len(logits)))  # a decode round
     x = (logits if every_row else logits.index_select(0, _on(device, batch.rows))).float()
     low, high = torch.aminmax(x, dim=-1)  # non-finite anywhere shows in one (NaN spreads)
