@@ -129,12 +129,13 @@ class PackedWeight:
         if not self.passes and self.words is None:
             raise TypeError("this packed weight holds rows for lookups only, not a matmul")
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] == 0:  # CUDA's kernel refuses an empty grid
-            return x.new_empty(*x.shape[:-1], self.out_features)
         if self.words is not None:  # the operator, which the compiled step keeps whole
+            # (no test of the row count here: the compiled step's is a symbol)
             out = torch.ops.ringfleet.packed_matmul(flat, *self.words, self.params.bits,
                                                     self.params.group_size)
             return out.view(*x.shape[:-1], self.out_features)
+        if flat.shape[0] == 0:  # CUDA's int4 kernel refuses an empty grid
+            return x.new_empty(*x.shape[:-1], self.out_features)
         out = None
         for one in self.passes:
             y = _int4_mm(flat, one, self.params.group_size)

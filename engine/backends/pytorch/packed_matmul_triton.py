@@ -257,6 +257,8 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
     [out, in / group_size] -> [rows, out] in x's dtype. `launch`: instead of `plan`'s."""
     rows, in_features = x.shape
     out_features = words.shape[0]
+    if rows == 0:  # a kernel refuses an empty grid
+        return x.new_empty(0, out_features)
     if launch is None and rows > DOT_ROWS_MAX:  # prompt chunks: dequantize, then cuBLAS
         return torch.nn.functional.linear(x, dequantize(words, scales, biases, bits,
                                                         group_size, x.dtype))
