@@ -35,7 +35,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch._dynamo.decorators import mark_unbacked
 
 from engine.backends.base import BackendError
 from engine.backends.pytorch.llama import (
@@ -96,6 +95,11 @@ def _compiled(fn: Callable[..., torch.Tensor], sizes: dict[int, tuple[int, ...]]
     """`fn` compiled whole (no graph breaks, no automatic dynamic shapes), with the
     dimensions in `sizes` (argument position: its dims) marked unbacked at every call:
     one compile serves every value of them (module docstring)."""
+    # Dynamo is imported here, when a stage compiles, not with this module: importing it
+    # costs a process some 180 MB, which a stage that never compiles (the CPU default, a
+    # packed 4-bit stage) should not hold.
+    from torch._dynamo.decorators import mark_unbacked
+
     _prepare()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
 
