@@ -77,10 +77,12 @@ class CalibrationRequest:
     compile: str = "auto"
     delta_kernel: str = "auto"
     cuda_graphs: bool = True
-    # The CUDA kernel switches, FLEET_DECODE_ATTENTION and FLEET_PACKED_KERNEL (engine.env's
-    # SWITCHES): set in this process's environment while it times, where the stage reads them.
+    # The CUDA kernel switches, FLEET_DECODE_ATTENTION, FLEET_PACKED_KERNEL and
+    # FLEET_PROMPT_ATTENTION (engine.env's SWITCHES): set in this process's environment while
+    # it times, where the stage reads them.
     decode_attention: str = "triton"
     packed_kernel: str = "triton"
+    prompt_attention: str = "flash"
 
     def __post_init__(self) -> None:
         from engine.backend_names import BACKENDS

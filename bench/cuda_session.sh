@@ -10,7 +10,8 @@
 # round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
-# prompt's rate by chunk size, and its profile).
+# prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
+# a prompt chunk's attention: bench/prompt_attention.py, prompt rates, exactness).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -62,6 +63,20 @@ for what in "$@"; do
       done
       step prompt-profile 150 python3 bench/decode_profile.py --preset 8b --prompt-only \
         --prompt 8192 --prompt-chunk 2048 --top 30 ;;
+    prompt-attention)  # a prompt chunk's attention by flash and by cuDNN: kernels, checks,
+      # an 8,192-token prompt's rate by each, and a ring against one process under cuDNN
+      step test_prompt_attention 200 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_prompt_attention.py
+      step prompt-attention 120 python3 bench/prompt_attention.py
+      for kernel in flash cudnn; do
+        for chunk in 2048 8192; do
+          FLEET_PROMPT_ATTENTION=$kernel step "prompt-$kernel-$chunk" 100 python3 \
+            bench/decode.py --preset 8b --device cuda --prompt-rate 8192 --chunk "$chunk" \
+            --repeats 3 --no-reference
+        done
+      done
+      FLEET_PROMPT_ATTENTION=cudnn step test_cuda_exactness_cudnn 240 python3 -m pytest -q -x \
+        --tb=short -p no:cacheprovider -rs tests/pipeline/test_cuda_exactness.py ;;
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"

@@ -60,6 +60,9 @@ QUANT_MODES = ("auto", "packed", "dense")
 # How a PyTorch stage on CUDA attends decode rows over its KV cache
 # (engine.backends.pytorch.kv_cache): our Triton kernel, or SDPA under a mask.
 DECODE_ATTENTIONS = ("triton", "sdpa")
+# How a PyTorch stage on CUDA attends a prompt chunk over its slot
+# (engine.backends.pytorch.prompt_attention): SDPA's flash kernel, or cuDNN's.
+PROMPT_ATTENTIONS = ("flash", "cudnn")
 # Which kernel a PyTorch stage on CUDA runs a packed weight's matmul with
 # (engine.backends.pytorch.packed_linear): our Triton kernel, or PyTorch's int4 one.
 PACKED_KERNELS = ("triton", "int4")

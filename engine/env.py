@@ -19,6 +19,7 @@ from engine.backend_names import (
     DELTA_KERNELS,
     DRAFTERS,
     PACKED_KERNELS,
+    PROMPT_ATTENTIONS,
     QUANT_MODES,
 )
 from engine.hop_choice import HOP_TRANSPORTS
@@ -43,6 +44,7 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_HOP_TRANSPORT": "hop_transport",
           "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots",
           "FLEET_DECODE_ATTENTION": "decode_attention", "FLEET_PACKED_KERNEL": "packed_kernel",
+          "FLEET_PROMPT_ATTENTION": "prompt_attention",
           "FLEET_DRAFTER": "drafter", "FLEET_DRAFT_TOKENS": "draft_tokens"}
 # Every field's variable, for a caller that refuses a value by the name its sender set
 # (the agent's spawn checks). The master address is two variables, named as one.
@@ -61,7 +63,8 @@ VARIABLES = frozenset(name for variable in VARIABLE_OF.values() for name in vari
 # moment a kernel is picked, because that is where benches and tests set them: the decode
 # attention choice is made as each round's index is built (a test flips it within one
 # process), the packed matmul's per weight at load. field -> its spellings, default first.
-SWITCHES = {"decode_attention": DECODE_ATTENTIONS, "packed_kernel": PACKED_KERNELS}
+SWITCHES = {"decode_attention": DECODE_ATTENTIONS, "packed_kernel": PACKED_KERNELS,
+            "prompt_attention": PROMPT_ATTENTIONS}
 # The knobs that pick which kernels a stage runs its layers with, and the spellings of those
 # whose values are words (default first). fleet.yaml's `kernels:` and the calibration
 # requests check theirs against these, so a value the engine would refuse is refused there.
@@ -161,9 +164,11 @@ class EngineEnv:
     # (torch.distributed: NCCL between two torch-cuda stages, gloo between torch-cpu ones).
     hop_transport: str = "auto"
     # Kernel switches of a PyTorch stage on CUDA (SWITCHES: read at kernel choice time):
-    # decode attention by our Triton kernel or SDPA, a packed matmul by Triton or int4.
+    # decode attention by our Triton kernel or SDPA, a packed matmul by Triton or int4, a
+    # prompt chunk's attention by SDPA's flash kernel or cuDNN's.
     decode_attention: str = "triton"
     packed_kernel: str = "triton"
+    prompt_attention: str = "flash"
     # Rank 0's drafter (engine.lanes.drafting): off or ngram, and the most tokens a verify
     # round carries after a stream's newest one (1 to MAX_DRAFT_TOKENS).
     drafter: str = "off"

@@ -17,7 +17,8 @@ which is what the CPU and MPS always run.
 
 A prompt span on CUDA without a sliding window builds no mask: its rows are the last of
 the keys they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
-memory-efficient kernel. Elsewhere the span carries the explicit mask: the CPU would
+memory-efficient kernel, or (FLEET_PROMPT_ATTENTION=cudnn) as two cuDNN attentions merged
+(`prompt_attention`). Elsewhere the span carries the explicit mask: the CPU would
 expand `causal_lower_right` to the same mask anyway (the same bytes), and its module
 imports torch._dynamo, about 74 MB resident in a process that never compiles.
 """
@@ -94,6 +95,9 @@ class RoundIndex:
     # Where a slot holds several single rows (a verify entry on the decode path): the
     # steps a recurrent layer runs them in. None: one single row a slot.
     verify_steps: VerifySteps | None = None
+    # Prompt spans without a mask go through cuDNN (`prompt_attention`) rather than SDPA's
+    # flash kernel: FLEET_PROMPT_ATTENTION on CUDA, read as the round's index is built.
+    spans_by_cudnn: bool = False
 
     @classmethod
     def build(cls, layout: RowLayout, device: torch.device, sliding_window: int | None, *,
@@ -128,7 +132,8 @@ class RoundIndex:
         return cls(as_tensor(layout.positions), as_tensor(layout.slots),
                    as_tensor(layout.single_rows), as_tensor(layout.single_slots), single_mask,
                    spans, layout.single_run, layout.single_keys, single_lengths,
-                   sliding_window, steps)
+                   sliding_window, steps,
+                   device.type == "cuda" and read_switch("prompt_attention") == "cudnn")
 
 
 # Positions a slot's cache holds are the context rounded up to this, so every slot's and
@@ -318,11 +323,15 @@ class KVCache:
             k = self.k[layer, span.slot, :, :keys][None]  # [1, kv_heads, keys, head_dim]
             v = self.v[layer, span.slot, :, :keys][None]
             qs = q[span.start:span.stop].transpose(0, 1)[None]  # [1, heads, rows, head_dim]
-            mask = span.mask
-            if mask is None:
+            if span.mask is None and index.spans_by_cudnn:
+                from engine.backends.pytorch.prompt_attention import chunk_attention
+
+                o = chunk_attention(qs, k, v)
+            elif span.mask is None:
                 from torch.nn.attention.bias import causal_lower_right  # CUDA only: see above
 
-                mask = causal_lower_right(span.stop - span.start, keys)
-            o = attention(qs, k, v, mask)
+                o = attention(qs, k, v, causal_lower_right(span.stop - span.start, keys))
+            else:
+                o = attention(qs, k, v, span.mask)
             out[span.start:span.stop] = o[0].transpose(0, 1)
         return out
