@@ -20,6 +20,7 @@ from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
 from engine.families.kinds import VERIFY_STATES
+from engine.heap import release_freed
 from engine.rounds import Op, RoundPlan, RowLayout
 from engine.row_format import RowFormat
 from engine.sampling import SampledRows, SamplingBatch
@@ -137,8 +138,12 @@ class Stage(ABC):
              progress: Progress | None = None) -> Stage:
         """The device first (a missing one is named before any file is read), then the range."""
         device = cls._device(spec.backend)
-        return cls._build(spec, open_range(spec, checkpoint), device,
-                          layer_progress(spec, progress))
+        stage = cls._build(spec, open_range(spec, checkpoint), device,
+                           layer_progress(spec, progress))
+        # What loading freed (read buffers, unpacked codes) goes back to the system, or the
+        # process stays resident at its loading high-water mark (engine/heap.py).
+        release_freed()
+        return stage
 
     @property
     def state_nbytes(self) -> int:

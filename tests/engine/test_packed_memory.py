@@ -9,7 +9,6 @@ serving a 4-bit checkpoint against the same model dense, in separate processes.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,18 +94,14 @@ RoundDriver(LocalRunner(stage)).round({0: [1, 2, 3]})
 gc.collect()
 print(psutil.Process().memory_info().rss - before)
 """
-# Packing makes temporaries (a weight's codes, one at a time) that glibc keeps in its heap
-# once its adaptive mmap threshold has risen past their size, which for weights this small
-# it soon does: the process would show the allocator's high-water mark, not what the stage
-# holds. A fixed threshold returns every large block when it is freed, on both sides.
-# (An 8B model's weights are over glibc's 32 MB cap on that threshold: always returned.)
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# The process runs with glibc's allocator as it comes: packing's temporaries are freed and
+# handed back at load (engine/heap.py), so what is measured is what the stage holds. (Before
+# that, this test set MALLOC_MMAP_THRESHOLD_ to hide the allocator's high-water mark.)
 
 
 def resident_growth(model_dir: Path) -> int:
     done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model_dir)], check=True,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **ALLOCATOR})
+                          capture_output=True, text=True, timeout=120)
     return int(done.stdout.split()[-1])
 
 
