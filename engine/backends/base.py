@@ -146,6 +146,18 @@ class Stage(ABC):
         return stage
 
     @property
+    def weights_nbytes(self) -> int:
+        """Bytes of every weight this stage holds, a tied table counted once: what placement
+        charges for its weights (tests/engine/test_packed_memory.py checks it byte for byte),
+        and what `fleetctl status` sets its resident set against."""
+        model = self.model
+        weights = [w for layer in model.layers for w in vars(layer).values() if w is not None]
+        weights += [w for w in (model.embed, model.norm) if w is not None]
+        if model.head is not None and model.head is not model.embed:
+            weights.append(model.head)
+        return sum(int(w.nbytes) for w in weights)
+
+    @property
     def state_nbytes(self) -> int:
         """Bytes of per-slot state this stage holds: KV, and a hybrid's recurrent state."""
         return self.model.cache.nbytes

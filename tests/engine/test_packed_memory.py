@@ -32,16 +32,6 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=1, head_dim=18, seed=5)
 
 
-def held_bytes(stage) -> int:
-    """Bytes of every weight the stage holds (a tied table counted once)."""
-    model = stage.model
-    weights = [w for layer in model.layers for w in vars(layer).values() if w is not None]
-    weights += [w for w in (model.embed, model.norm) if w is not None]
-    if model.head is not None and model.head is not model.embed:
-        weights.append(model.head)
-    return sum(int(w.nbytes) for w in weights)
-
-
 def charged_bytes(model_dir: Path, backend: str, layers: tuple[int, int]) -> int:
     raw = json.loads((model_dir / "config.json").read_text())
     dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
@@ -63,7 +53,7 @@ def test_a_stage_holds_exactly_what_placement_charges(make_model, tmp_path, fami
     for backend in ("torch-cpu", "mlx-cpu"):
         for layers in [(0, n_layers), (1, n_layers)]:
             stage = load_stage(StageSpec(model_dir, layers, backend, 2, 64, 16))
-            assert held_bytes(stage) == charged_bytes(model_dir, backend, layers), \
+            assert stage.weights_nbytes == charged_bytes(model_dir, backend, layers), \
                 (backend, layers)
     # The torch stage runs bfloat16 packed, float32 dense (quant_policy's measured table).
     stage = load_stage(StageSpec(model_dir, (0, n_layers), "torch-cpu", 2, 64, 16))
