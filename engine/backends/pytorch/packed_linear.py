@@ -255,11 +255,11 @@ def int4_passes(stored: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor
             codes = F.pad(codes, (0, 0, 0, padded_rows - out_features))
         parts = (codes,) if nibbles == 1 else (codes & 15, codes >> NIBBLE)
         for i, part in enumerate(parts):
-            chunk = _pack_codes(part, device)  # dim 0 counts rows (CPU) or 8-row tiles
-            per_row = chunk.shape[0] / part.shape[0]
+            chunk = _pack_codes(part, device)
+            rows_each = part.shape[0] // chunk.shape[0]  # dim 0: rows (CPU) or 8-row tiles
             if packed[i] is None:  # the whole weight's int4pack, filled chunk by chunk
-                packed[i] = chunk.new_empty((int(padded_rows * per_row), *chunk.shape[1:]))
-            at = int(start * per_row)
+                packed[i] = chunk.new_empty((padded_rows // rows_each, *chunk.shape[1:]))
+            at = start // rows_each
             packed[i][at:at + chunk.shape[0]] = chunk
         del codes, parts  # before the next chunk's, so two are never held
     dtype = scales.dtype
