@@ -116,7 +116,8 @@ def test_a_tied_table_serves_lookups_and_the_head_and_a_bias_adds():
 def test_packing_in_chunks_of_rows_gives_the_bytes_of_packing_at_once(monkeypatch, device,
                                                                        bits):
     # 200 rows in chunks of 64 (the last, of 8, padded to 16): every chunk boundary and the
-    # padding, against the whole weight's codes packed in one call.
+    # padding, against the whole weight's codes packed in one call. (CUDA packs whole: there
+    # it checks the padding alone.)
     params = QuantParams(32, bits)
     words, scales, biases = stored(200, 128, params, torch.bfloat16, seed=bits)
     monkeypatch.setattr(packed_linear, "CHUNK_CODE_BYTES", 64 * 128 * 8)

@@ -212,9 +212,11 @@ def unpack_codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
 # its packed bytes: for a 128k x 1536 tied table, 2.4 GB at once and a 4.6 GB peak for a stage
 # whose weights are 335 MiB, and the allocator kept part of what was freed resident.
 CHUNK_CODE_BYTES = 16 << 20
-# Both int4pack layouts are blocked by rows (the CPU's by 64, CUDA's and MPS's by 8), so
-# chunks of a multiple of 64 rows packed one by one and laid end to end are the bytes of the
-# whole weight packed at once (tests/engine/test_packed_linear.py checks it).
+# The CPU's int4pack layout is blocked by 64 rows, so chunks of a multiple of 64 rows packed
+# one by one and laid end to end are the bytes of the whole weight packed at once
+# (tests/engine/test_packed_linear.py checks it). CUDA's and MPS's layouts were not checked
+# chunk by chunk on a GPU, so there a weight is still packed whole (on CUDA the default
+# Triton kernels hold the stored words and unpack nothing at load).
 CHUNK_ROWS = 64
 
 
@@ -245,7 +247,8 @@ def int4_passes(stored: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor
     x @ w.T, unpacked and packed CHUNK_CODE_BYTES of codes at a time."""
     out_features, in_features = stored.shape[0], stored.shape[1] * 8 // params.bits
     padded_rows = out_features + -out_features % PAD_ROWS
-    step = max(CHUNK_ROWS, CHUNK_CODE_BYTES // (in_features * 8) // CHUNK_ROWS * CHUNK_ROWS)
+    step = max(CHUNK_ROWS, CHUNK_CODE_BYTES // (in_features * 8) // CHUNK_ROWS * CHUNK_ROWS) \
+        if device.type == "cpu" else out_features
     nibbles = 1 if params.bits <= NIBBLE else 2
     packed: list[torch.Tensor | None] = [None] * nibbles
     for start in range(0, out_features, step):
@@ -256,7 +259,7 @@ def int4_passes(stored: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor
         parts = (codes,) if nibbles == 1 else (codes & 15, codes >> NIBBLE)
         for i, part in enumerate(parts):
             chunk = _pack_codes(part, device)
-            rows_each = part.shape[0] // chunk.shape[0]  # dim 0: rows (CPU) or 8-row tiles
+            rows_each = part.shape[0] // chunk.shape[0]  # dim 0: rows (CPU), tiles (CUDA)
             if packed[i] is None:  # the whole weight's int4pack, filled chunk by chunk
                 packed[i] = chunk.new_empty((padded_rows // rows_each, *chunk.shape[1:]))
             at = start // rows_each
