@@ -415,6 +415,18 @@ def _status(pid: int, create_time: float) -> str | None:
         return None
 
 
+def resident_bytes(pid: int, create_time: float) -> int | None:
+    """`pid`'s resident set while it is still the process that started at `create_time`
+    (psutil: Linux and macOS alike); None once it is gone or cannot be read."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > 1.0:
+            return None
+        return int(proc.memory_info().rss)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
 def is_stopped(pid: int, create_time: float) -> bool:
     """Is `pid`, still the process that started at `create_time`, stopped (SIGSTOP, a
     debugger's stop), so that no signal but SIGKILL acts on it?"""

@@ -21,7 +21,14 @@ from typing import Any
 
 import structlog
 
-from agent.child import ChildExit, ChildProcess, GracePeriods, RotatingLog, SpawnError
+from agent.child import (
+    ChildExit,
+    ChildProcess,
+    GracePeriods,
+    RotatingLog,
+    SpawnError,
+    resident_bytes,
+)
 from agent.config import AgentConfig
 from agent.pki import private_dir, write_private
 from agent.spawn import (
@@ -40,6 +47,7 @@ from agent.spawn import (
 log = structlog.get_logger()
 
 READY_EVENT = "ready"  # the engine's log line once it serves (rank 0) or joined its ring
+LOADED_EVENT = "loaded"  # its line once its range is loaded, with `weights_bytes`
 
 
 class EnginePhase(str, Enum):
@@ -64,6 +72,8 @@ class EngineView:
     ready_at: float | None = None
     drain_started_at: float | None = None
     exit: ChildExit | None = None
+    weights_bytes: int | None = None  # what its loaded line said its weights take
+    resident_bytes: int | None = None  # its resident set when this view was made
 
     def to_dict(self) -> dict[str, Any]:
         out = {"engine_id": self.spec.engine_id, "replica": self.spec.replica,
@@ -71,7 +81,8 @@ class EngineView:
                "started_at": self.started_at, "ready_at": self.ready_at,
                "drain_started_at": self.drain_started_at, "adopted": self.adopted,
                "log_path": self.log_path, "spec": self.spec.to_dict(),
-               "exit": self.exit.to_dict() if self.exit else None}
+               "exit": self.exit.to_dict() if self.exit else None,
+               "weights_bytes": self.weights_bytes, "resident_bytes": self.resident_bytes}
         return out
 
 
@@ -104,6 +115,7 @@ class RunRecord:
     agent_pid: int
     ready_at: float | None = None
     drain_started_at: float | None = None
+    weights_bytes: int | None = None  # kept, so an agent that adopts the engine still knows
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {
@@ -179,8 +191,12 @@ class _Engine:
 
     def view(self) -> EngineView:
         r = self.record
+        # Sampled now (a heartbeat's view), so status shows what the engine holds lately:
+        # a dense stage's weights are mmapped and only count once its rounds touched them.
+        resident = None if self.child.exit else resident_bytes(r.pid, r.create_time)
         return EngineView(r.spec, self.state, r.pid, r.started_at, r.log_path, self.adopted,
-                          r.ready_at, r.drain_started_at, self.child.exit)
+                          r.ready_at, r.drain_started_at, self.child.exit, r.weights_bytes,
+                          resident)
 
 
 class EngineManager:
@@ -255,6 +271,9 @@ class EngineManager:
         engine = self.engines.get(engine_id)
         if engine is None or event is None:
             return
+        if event.get("event") == LOADED_EVENT and isinstance(event.get("weights_bytes"), int):
+            engine.record = replace(engine.record, weights_bytes=event["weights_bytes"])
+            self._save(engine.record)
         if event.get("event") == READY_EVENT and engine.state == EnginePhase.STARTING:
             engine.record = replace(engine.record, ready_at=time.time())
             self._save(engine.record)

@@ -85,8 +85,10 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - a tokenizer that will not parse, say: one line
         log.error("exiting", code=1, reason=f"cannot start: {type(exc).__name__}: {exc}")
         return 1
+    # The agent reads weights_bytes from this line: `fleetctl status` sets each stage's
+    # resident set (which the agent samples) against it.
     log.info("loaded", layers=f"{spec.layer_range[0]}:{spec.layer_range[1]}",
-             backend=env.backend, kv_bytes=stage.state_nbytes)
+             backend=env.backend, kv_bytes=stage.state_nbytes, weights_bytes=stage.weights_nbytes)
     try:
         return run_stage(env, stage, codec, config)
     except Exception as exc:  # noqa: BLE001 - whatever escaped still exits with one line

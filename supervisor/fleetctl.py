@@ -182,7 +182,8 @@ def show_status(data: dict[str, Any]) -> None:
                                + (f"\n{line}" if (line := speed_line(r.get("speed"))) else "")
                                + f"\n{prompt_cache_line(r)}"),
                       caption_justify="left")
-        for col in ("rank", "node", "backend", "layers", "engine", "listen", "cache held"):
+        for col in ("rank", "node", "backend", "layers", "engine", "listen", "cache held",
+                    "resident / weights"):
             table.add_column(col)
         held = {st["rank"]: st["bytes_held"]
                 for st in (r.get("prompt_cache") or {}).get("stages", ())}
@@ -192,11 +193,21 @@ def show_status(data: dict[str, Any]) -> None:
                           f"{s['layer_range'][0]}:{s['layer_range'][1]}", s["engine_id"],
                           f"{s['host']}:{s['listen_port']}",
                           (format_bytes(held[s["rank"]]) if s["rank"] in held else "?")
-                          + (f" of {format_bytes(budget)}" if budget else ""))
+                          + (f" of {format_bytes(budget)}" if budget else ""),
+                          resident_text(s))
         out.print(table)
     if not data["replicas"]:
         out.print("no replicas" + ("" if data["models"] else " (nothing applied yet)"))
     out.print(f"front door: {data['front_door'] or 'fleet-front-door (its own process)'}")
+
+
+def resident_text(stage: dict[str, Any]) -> str:
+    """A stage's resident set against its weights' bytes, as its agent last reported them:
+    "1.1 GB / 832.2 MB (1.3x)"; "?" for what was not reported."""
+    resident, weights = stage.get("resident_bytes"), stage.get("weights_bytes")
+    text = (f"{format_bytes(resident) if resident else '?'} / "
+            f"{format_bytes(weights) if weights else '?'}")
+    return text + (f" ({resident / weights:.1f}x)" if resident and weights else "")
 
 
 def prompt_cache_line(r: dict[str, Any]) -> str:

@@ -53,11 +53,19 @@ class ReportedEngine:
     rank: int
     state: str  # starting, ready, draining, exited
     exit: Mapping[str, Any] | None = None
+    weights_bytes: int | None = None  # its weights, as the engine said once it loaded
+    resident_bytes: int | None = None  # its resident set at the agent's last heartbeat
 
     @classmethod
     def from_view(cls, view: Mapping[str, Any]) -> ReportedEngine:
         return cls(str(view["engine_id"]), str(view.get("replica", "")),
-                   int(view.get("rank", 0)), str(view["state"]), view.get("exit"))
+                   int(view.get("rank", 0)), str(view["state"]), view.get("exit"),
+                   _count(view.get("weights_bytes")), _count(view.get("resident_bytes")))
+
+
+def _count(value: Any) -> int | None:
+    """A byte count from an agent's report (anything else: not known)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,9 @@ def on_events(old: Member, events: list[Mapping[str, Any]]) -> Member:
         engines[engine_id] = ReportedEngine(
             engine_id, str(detail.get("replica") or (prior.replica if prior else "")),
             int(detail.get("rank", prior.rank if prior else 0)), str(event["state"]),
-            detail.get("exit") or (detail if event["state"] == "exited" else None))
+            detail.get("exit") or (detail if event["state"] == "exited" else None),
+            prior.weights_bytes if prior else None,  # events carry no memory: the last beat's
+            prior.resident_bytes if prior else None)
     return replace(old, engines=engines)
 
 

@@ -12,7 +12,7 @@ from supervisor import lifecycle as lc
 from supervisor.control_loop import Supervisor
 from supervisor.front_door import Route
 from supervisor.hops import reported_hops
-from supervisor.membership import engine_states, shown_state
+from supervisor.membership import ALIVE, engine_states, shown_state
 from supervisor.memory import ModelShape
 from supervisor.replica_secrets import API_SECRET
 from supervisor.route_table import ModelRoutes, ReplicaRoute, RouteTable
@@ -44,7 +44,8 @@ def status(supervisor: Supervisor) -> dict[str, Any]:
                     or r.generation > latest[r.model_id].generation - STATUS_HISTORY),
                    key=lambda r: (r.model_id, r.generation))
     health = supervisor.rank0_health
-    replicas = [dict(r.to_dict(), healthy=r.id in supervisor.healthy,
+    replicas = [dict(r.to_dict(), stages=stage_memory(supervisor, r),
+                     healthy=r.id in supervisor.healthy,
                      speed=speed(supervisor, r), hops=reported_hops(health.get(r.id)),
                      prompt_cache=reported_prompt_cache(health.get(r.id)))
                 | drain_view(supervisor, r) for r in shown]
@@ -57,6 +58,21 @@ def status(supervisor: Supervisor) -> dict[str, Any]:
             "front_door": supervisor.settings.front_door_url,
             "measured": supervisor.measurer.to_dict(),
             "events": supervisor.state.events(limit=15)}
+
+
+def stage_memory(supervisor: Supervisor, replica: lc.Replica) -> list[dict[str, Any]]:
+    """The replica's stages, each with its engine's resident set and weights' bytes as its
+    agent last reported them (None where not reported, or its node's reports are not
+    current: only an alive member's are)."""
+    stages = []
+    for stage in replica.stages:
+        member = supervisor.members.get(stage.node)
+        engine = member.engines.get(stage.engine_id) \
+            if member is not None and member.state == ALIVE else None
+        stages.append(stage.to_dict() | {
+            "resident_bytes": engine.resident_bytes if engine else None,
+            "weights_bytes": engine.weights_bytes if engine else None})
+    return stages
 
 
 def speed(supervisor: Supervisor, replica: lc.Replica) -> dict[str, Any] | None:

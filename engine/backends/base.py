@@ -20,6 +20,7 @@ from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
 from engine.families.kinds import VERIFY_STATES
+from engine.heap import release_freed
 from engine.rounds import Op, RoundPlan, RowLayout
 from engine.row_format import RowFormat
 from engine.sampling import SampledRows, SamplingBatch
@@ -137,8 +138,24 @@ class Stage(ABC):
              progress: Progress | None = None) -> Stage:
         """The device first (a missing one is named before any file is read), then the range."""
         device = cls._device(spec.backend)
-        return cls._build(spec, open_range(spec, checkpoint), device,
-                          layer_progress(spec, progress))
+        stage = cls._build(spec, open_range(spec, checkpoint), device,
+                           layer_progress(spec, progress))
+        # What loading freed (read buffers, unpacked codes) goes back to the system, or the
+        # process stays resident at its loading high-water mark (engine/heap.py).
+        release_freed()
+        return stage
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of every weight this stage holds, a tied table counted once: what placement
+        charges for its weights (tests/engine/test_packed_memory.py checks it byte for byte),
+        and what `fleetctl status` sets its resident set against."""
+        model = self.model
+        weights = [w for layer in model.layers for w in vars(layer).values() if w is not None]
+        weights += [w for w in (model.embed, model.norm) if w is not None]
+        if model.head is not None and model.head is not model.embed:
+            weights.append(model.head)
+        return sum(int(w.nbytes) for w in weights)
 
     @property
     def state_nbytes(self) -> int:

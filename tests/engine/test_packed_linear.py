@@ -111,6 +111,27 @@ def test_a_tied_table_serves_lookups_and_the_head_and_a_bias_adds():
         torch.matmul(x, weight)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_in_chunks_of_rows_gives_the_bytes_of_packing_at_once(monkeypatch, device,
+                                                                       bits):
+    # 200 rows in chunks of 64 (the last, of 8, padded to 16): every chunk boundary and the
+    # padding, against the whole weight's codes packed in one call. (CUDA packs whole: there
+    # it checks the padding alone.)
+    params = QuantParams(32, bits)
+    words, scales, biases = stored(200, 128, params, torch.bfloat16, seed=bits)
+    monkeypatch.setattr(packed_linear, "CHUNK_CODE_BYTES", 64 * 128 * 8)
+    device = torch.device(device)
+    chunked = pack_weight(words, scales.to(device), biases.to(device), params, device,
+                          matmul=True, lookup=False, kernel="int4")
+    raw = torch.from_numpy(words.view(np.uint8)).to(device)
+    codes = F.pad(packed_linear.unpack_codes(raw, bits).to(torch.int32), (0, 0, 0, 8))
+    nibbles = [codes] if bits == 4 else [codes & 15, codes >> 4]
+    assert len(chunked.passes) == len(nibbles)
+    for one, part in zip(chunked.passes, nibbles, strict=True):
+        assert torch.equal(one.packed, packed_linear._pack_codes(part, device))
+
+
 def test_a_lookup_only_weight_refuses_a_matmul_and_a_matmul_weight_a_lookup():
     params = QuantParams(32, 4)
     words, scales, biases = stored(16, 64, params, torch.float32, seed=2)

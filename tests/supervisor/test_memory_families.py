@@ -71,16 +71,6 @@ def made(tmp_path_factory):
     return make
 
 
-def held_bytes(stage) -> int:
-    """Bytes of every weight the stage holds (a tied table counted once)."""
-    model = stage.model
-    weights = [w for layer in model.layers for w in vars(layer).values() if w is not None]
-    weights += [w for w in (model.embed, model.norm) if w is not None]
-    if model.head is not None and model.head is not model.embed:
-        weights.append(model.head)
-    return sum(int(w.nbytes) for w in weights)
-
-
 def charged(model_dir: Path, backend: str, layers: tuple[int, int]):
     raw = json.loads((model_dir / "config.json").read_text())
     dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
@@ -105,7 +95,7 @@ def test_a_stage_loads_exactly_the_bytes_placement_charges(made, case, backend):
         stage = load_stage(StageSpec(model_dir, layers, backend, EXECUTION.parallel,
                                      EXECUTION.context, EXECUTION.chunk))
         memory = charged(model_dir, backend, layers)
-        assert held_bytes(stage) == memory.weights_bytes + memory.rank0_extras_bytes, layers
+        assert stage.weights_nbytes == memory.weights_bytes + memory.rank0_extras_bytes, layers
         assert stage.state_nbytes == memory.kv_bytes + memory.state_bytes, layers
 
 

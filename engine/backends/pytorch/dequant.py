@@ -74,18 +74,19 @@ def load_range_tensors(checkpoint: Any, shapes: dict[str, tuple[int, ...]], quan
         n: t.to(dtype) for n, t in checkpoint.load_tensors(dense, "pt", str(device)).items()}
     if not packing:
         return out
-    # numpy reads the packed words (torch's uint32 lacks shifts on some devices); scales and
-    # biases go through torch, which reads bfloat16.
-    words = checkpoint.load_tensors(list(packing), "numpy")
+    # numpy reads the packed words (torch's uint32 lacks shifts on some devices), one weight
+    # at a time, so a range's words are never all in memory beside what is packed from them;
+    # scales and biases go through torch, which reads bfloat16.
     groups = checkpoint.load_tensors([n.removesuffix(".weight") + part for n in packing
                                       for part in (".scales", ".biases")], "pt", str(device))
     lookups = lookups or {}
     for name, params in packing.items():
         layer = name.removesuffix(".weight")
         scales, biases = groups[layer + ".scales"].to(dtype), groups[layer + ".biases"].to(dtype)
+        words = checkpoint.load_tensors([name], "numpy")[name]
         if packed:
-            out[name] = pack_weight(words.pop(name), scales, biases, params, device,
+            out[name] = pack_weight(words, scales, biases, params, device,
                                     matmul=lookups.get(name, True), lookup=name in lookups)
         else:
-            out[name] = dequantize(words.pop(name), scales, biases, params)
+            out[name] = dequantize(words, scales, biases, params)
     return out

@@ -207,40 +207,73 @@ def unpack_codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(rows, width)
 
 
-def _pack_pass(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int, device: torch.device) -> Int4Pass:
-    """codes int32 [out, in] (0..15), scales and zeros [out, groups] -> one int4 pass."""
-    out_features, in_features = codes.shape
-    padded = -out_features % PAD_ROWS
-    if padded:  # zero rows (scale 0, zero 0) whose outputs are cut off again
-        codes = F.pad(codes, (0, 0, 0, padded))
-        scales, zeros = F.pad(scales, (0, 0, 0, padded)), F.pad(zeros, (0, 0, 0, padded))
-    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+# Codes are unpacked and packed this many bytes of int64 codes at a time (rows a multiple of
+# CHUNK_ROWS). Unpacking a whole weight at once made int64 and int32 temporaries 16 and 8 times
+# its packed bytes: for a 128k x 1536 tied table, 2.4 GB at once and a 4.6 GB peak for a stage
+# whose weights are 335 MiB, and the allocator kept part of what was freed resident.
+CHUNK_CODE_BYTES = 16 << 20
+# The CPU's int4pack layout is blocked by 64 rows, so chunks of a multiple of 64 rows packed
+# one by one and laid end to end are the bytes of the whole weight packed at once
+# (tests/engine/test_packed_linear.py checks it). CUDA's and MPS's layouts were not checked
+# chunk by chunk on a GPU, so there a weight is still packed whole (on CUDA the default
+# Triton kernels hold the stored words and unpack nothing at load).
+CHUNK_ROWS = 64
+
+
+def _pack_codes(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """codes int32 [rows, in] (0..15; rows a multiple of PAD_ROWS) -> the device's int4pack."""
     if device.type == "cpu":
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-    else:
-        # CUDA and MPS take two codes a byte, the even one in the high nibble, and tile K by
-        # inner_k_tiles * 16: the largest of 8, 4, 2 that divides the width.
-        pairs = ((codes[:, ::2] << NIBBLE) | codes[:, 1::2]).to(device, torch.uint8)
-        tiles = next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
-        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
-    return Int4Pass(packed.to(device), scales_and_zeros.to(device))
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    # CUDA and MPS take two codes a byte, the even one in the high nibble, and tile K by
+    # inner_k_tiles * 16: the largest of 8, 4, 2 that divides the width.
+    pairs = ((codes[:, ::2] << NIBBLE) | codes[:, 1::2]).to(device, torch.uint8)
+    tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (t * 16) == 0)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
 
 
-def int4_passes(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor,
+                      padded_rows: int) -> torch.Tensor:
+    """scales and zeros [out, groups] -> [groups, padded_rows, 2]; padded rows scale 0, zero 0
+    (their outputs are cut off again)."""
+    pad = padded_rows - scales.shape[0]
+    scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+    return torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_passes(stored: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
                 params: QuantParams, device: torch.device) -> tuple[Int4Pass, ...]:
-    """Affine codes [out, in] (any width up to 8 bits) with scales and biases [out, groups] in
-    the model dtype -> the int4 passes whose outputs add up to x @ w.T."""
-    codes = codes.to(torch.int32)
+    """mlx-lm's bytes uint8 [out, in * bits / 8] (any width up to 8 bits) with scales and
+    biases [out, groups] in the model dtype -> the int4 passes whose outputs add up to
+    x @ w.T, unpacked and packed CHUNK_CODE_BYTES of codes at a time."""
+    out_features, in_features = stored.shape[0], stored.shape[1] * 8 // params.bits
+    padded_rows = out_features + -out_features % PAD_ROWS
+    step = max(CHUNK_ROWS, CHUNK_CODE_BYTES // (in_features * 8) // CHUNK_ROWS * CHUNK_ROWS) \
+        if device.type == "cpu" else out_features
+    nibbles = 1 if params.bits <= NIBBLE else 2
+    packed: list[torch.Tensor | None] = [None] * nibbles
+    for start in range(0, out_features, step):
+        codes = unpack_codes(stored[start:start + step], params.bits).to(torch.int32)
+        rows = codes.shape[0]
+        if start + rows == out_features and padded_rows > out_features:  # the last chunk
+            codes = F.pad(codes, (0, 0, 0, padded_rows - out_features))
+        parts = (codes,) if nibbles == 1 else (codes & 15, codes >> NIBBLE)
+        for i, part in enumerate(parts):
+            chunk = _pack_codes(part, device)
+            rows_each = part.shape[0] // chunk.shape[0]  # dim 0: rows (CPU), tiles (CUDA)
+            if packed[i] is None:  # the whole weight's int4pack, filled chunk by chunk
+                packed[i] = chunk.new_empty((padded_rows // rows_each, *chunk.shape[1:]))
+            at = start // rows_each
+            packed[i][at:at + chunk.shape[0]] = chunk
+        del codes, parts  # before the next chunk's, so two are never held
     dtype = scales.dtype
     # zero = bias + 8 * scale, formed in float32 and rounded once to the dtype.
     low_zero = (biases.float() + 8 * scales.float()).to(dtype)
-    if params.bits <= NIBBLE:
-        return (_pack_pass(codes, scales, low_zero, params.group_size, device),)
+    low = Int4Pass(packed[0], _scales_and_zeros(scales, low_zero, padded_rows).to(device))
+    if nibbles == 1:
+        return (low,)
     high_scale = scales * 16  # a power of two: exact in every float dtype
-    low = _pack_pass(codes & 15, scales, low_zero, params.group_size, device)
-    high = _pack_pass(codes >> NIBBLE, high_scale, high_scale * 8, params.group_size, device)
-    return (low, high)
+    return (low, Int4Pass(packed[1], _scales_and_zeros(high_scale, high_scale * 8,
+                                                       padded_rows).to(device)))
 
 
 def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: QuantParams,
@@ -249,7 +282,8 @@ def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: 
     """mlx-lm's stored tensors (words: uint32 numpy [out, in * bits / 32]; scales and biases
     [out, groups] in the model dtype, on `device`) -> a PackedWeight with the forms asked.
     `kernel`: "triton" or "int4" for the matmul (None: `matmul_kernel`'s choice)."""
-    stored = torch.from_numpy(np.array(words).view("u1")).to(device)  # [out, in * bits / 8]
+    # No copy on the CPU: the array read from the checkpoint is this weight's own.
+    stored = torch.from_numpy(np.ascontiguousarray(words).view("u1")).to(device)
     out_features = stored.shape[0]
     in_features = stored.shape[1] * 8 // params.bits
     passes: tuple[Int4Pass, ...] = ()
@@ -259,8 +293,7 @@ def pack_weight(words: Any, scales: torch.Tensor, biases: torch.Tensor, params: 
         # The stored bytes as they are (a view: no copy); scales and biases contiguous.
         held_words = (stored.view(torch.int32), scales.contiguous(), biases.contiguous())
     elif matmul:
-        codes = unpack_codes(stored, params.bits)  # on the device: a GPU unpacks fast
-        passes = int4_passes(codes, scales, biases, params, device)
+        passes = int4_passes(stored, scales, biases, params, device)  # unpacked on the device
     rows = (stored, scales, biases) if lookup else None
     return PackedWeight(out_features, in_features, params, scales.dtype, passes, rows,
                         held_words)
