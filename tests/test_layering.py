@@ -19,6 +19,7 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     # config and checkpoint format, the hop choice, the link's error tree.
     ("engine", "engine.addresses", "engine.backend_names", "engine.hop_choice",
      "engine.rounds", "engine.slots", "engine.sampling", "engine.logs", "engine.signals",
+     "engine.heap",
      "engine.config",
      "engine.family", "engine.families", "engine.row_format", "engine.checkpoint", "engine.link.errors"),
     ("engine.link",),  # the wire: frames, messages, handshake, sockets
