@@ -223,8 +223,9 @@ def test_a_calibration_times_the_kernels_its_request_names(monkeypatch):
     assert defaults.key("0.1.0") == request().key("0.1.0")
     keys = {request(**{name: value}).key("0.1.0") for name, value in (
         ("quant_mode", "dense"), ("compile", "on"), ("delta_kernel", "fla"),
-        ("cuda_graphs", False), ("decode_attention", "sdpa"), ("packed_kernel", "int4"))}
-    assert len(keys | {request().key("0.1.0")}) == 7
+        ("cuda_graphs", False), ("decode_attention", "sdpa"), ("packed_kernel", "int4"),
+        ("prompt_attention", "cudnn"))}
+    assert len(keys | {request().key("0.1.0")}) == 8
     with pytest.raises(CalibrationError, match=r"^decode_attention='flash': expected one of "
                                                r"triton, sdpa$"):
         request(decode_attention="flash")

@@ -62,7 +62,8 @@ def test_a_models_kernels_reach_every_stages_contract(tmp_path):
     supervisor = Supervisor(SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0),
                             AgentClient(ssl.create_default_context()))
     kernels = (("quant", "dense"), ("compile", "off"), ("delta_kernel", "torch"),
-               ("decode_attention", "sdpa"), ("packed_kernel", "int4"), ("cuda_graphs", False))
+               ("decode_attention", "sdpa"), ("packed_kernel", "int4"),
+               ("prompt_attention", "cudnn"), ("cuda_graphs", False))
     desired = config()
     spec = dataclasses.replace(desired.models[0], kernels=kernels)
     supervisor.desired = dataclasses.replace(desired, models=(spec,))

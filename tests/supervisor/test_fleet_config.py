@@ -237,11 +237,12 @@ def test_kernels_are_the_engines_knobs_kept_only_where_they_differ_from_its_defa
 
     every = ("      packed_kernel: int4\n      quant: dense\n      compile: off\n"
              "      delta_kernel: torch\n      cuda_graphs: false\n"
-             "      decode_attention: sdpa\n")
+             "      decode_attention: sdpa\n      prompt_attention: cudnn\n")
     # In the engine's order whatever the file's; `off` read as written, not as YAML's false.
     assert model(every).kernels == (("quant", "dense"), ("compile", "off"),
                                     ("delta_kernel", "torch"), ("decode_attention", "sdpa"),
-                                    ("packed_kernel", "int4"), ("cuda_graphs", False))
+                                    ("packed_kernel", "int4"), ("prompt_attention", "cudnn"),
+                                    ("cuda_graphs", False))
     assert [attr for attr, _ in model(every).kernels] == list(KERNEL_KNOBS)
     assert model("      compile: on\n").kernels == (("compile", "on"),)
     # Every knob at the engine's default is no setting at all: the spec (and its digest) of
@@ -279,7 +280,7 @@ def test_kernels_are_the_engines_knobs_kept_only_where_they_differ_from_its_defa
     ("      cuda_graph: false\n",
      ("fleet.yaml:9: models[0].kernels.cuda_graph: unknown field (did you mean "
       "'cuda_graphs'?); known fields: quant, compile, delta_kernel, decode_attention, "
-      "packed_kernel, cuda_graphs")),
+      "packed_kernel, prompt_attention, cuda_graphs")),
     ("      - quant\n",
      "fleet.yaml:9: models[0].kernels: expected a mapping, got a list"),
 ])

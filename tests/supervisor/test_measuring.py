@@ -147,7 +147,8 @@ def test_a_models_kernels_are_what_its_calibrations_time(fleet):
     from agent.calibrate import CalibrationRequest
 
     kernels = (("quant", "dense"), ("compile", "off"), ("delta_kernel", "torch"),
-               ("decode_attention", "sdpa"), ("packed_kernel", "int4"), ("cuda_graphs", False))
+               ("decode_attention", "sdpa"), ("packed_kernel", "int4"),
+               ("prompt_attention", "cudnn"), ("cuda_graphs", False))
     spec = dataclasses.replace(fleet.model("m"), kernels=kernels)
     desired = dataclasses.replace(fleet, models=(spec,))
     asked = []
@@ -169,8 +170,8 @@ def test_a_models_kernels_are_what_its_calibrations_time(fleet):
     asyncio.run(measure())
     request = CalibrationRequest.from_dict(asked[0])
     assert (request.quant_mode, request.compile, request.delta_kernel, request.cuda_graphs,
-            request.decode_attention, request.packed_kernel) == (
-        "dense", "off", "torch", False, "sdpa", "int4")
+            request.decode_attention, request.packed_kernel, request.prompt_attention) == (
+        "dense", "off", "torch", False, "sdpa", "int4", "cudnn")
     key = timing_key(spec, "a", "torch-cpu")
     assert key in measurer.timings and key != timing_key(fleet.model("m"), "a", "torch-cpu")
     # a model without kernel settings asks for the defaults by sending none
@@ -181,4 +182,4 @@ def test_a_models_kernels_are_what_its_calibrations_time(fleet):
     assert CalibrationRequest.from_dict(asked[0]).stage_options() == \
         CalibrationRequest(config={}).stage_options()
     assert not set(asked[0]) & {"quant_mode", "compile", "delta_kernel", "cuda_graphs",
-                                "decode_attention", "packed_kernel"}
+                                "decode_attention", "packed_kernel", "prompt_attention"}
