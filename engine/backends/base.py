@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.backend_names import BACKENDS, drafts
+from engine.backend_names import BACKENDS, HEAD_DRAFTERS, drafts
 from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
@@ -26,6 +26,7 @@ from engine.sampling import SampledRows, SamplingBatch
 from engine.slots import SlotTable
 
 if TYPE_CHECKING:
+    from engine.draft_head import DraftHead
     from engine.env import EngineEnv
 
 if sys.byteorder != "little":  # rows and frames are little-endian raw values
@@ -57,6 +58,9 @@ class StageSpec:
     compile: str = "auto"  # FLEET_COMPILE: one of COMPILE_MODES
     # Rank 0 drafts (FLEET_DRAFTER): a hybrid's stages keep a recurrent state per verify row.
     drafting: bool = False
+    # Rank 0 drafts with the checkpoint's draft head (FLEET_DRAFTER=mtp): its first stage
+    # loads the head (engine.draft_head) beside the embeddings.
+    draft_head: bool = False
 
     @property
     def verify_states(self) -> int:
@@ -69,7 +73,8 @@ class StageSpec:
         """The stage an engine's environment contract asks for, of a model of `n_layers`."""
         return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.slots,
                    env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
-                   quant=env.quant, compile=env.compile, drafting=drafts(env.drafter))
+                   quant=env.quant, compile=env.compile, drafting=drafts(env.drafter),
+                   draft_head=env.drafter in HEAD_DRAFTERS)
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,8 @@ class Stage(ABC):
         self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
         self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid,
                                chunk=spec.chunk, keeps_verify_rows=spec.drafting)
+        # The checkpoint's draft head (engine.draft_head) where rank 0 drafts with it.
+        self.draft_head: DraftHead | None = None
 
     @classmethod
     def load(cls, spec: StageSpec, checkpoint: Checkpoint | None = None,
@@ -222,6 +229,18 @@ class Stage(ABC):
             if batch.keep_logits:
                 sampled = replace(sampled, logits=self._to_numpy(logits))
             return sampled
+
+    def draft_rows(self, rows: Any) -> Any:
+        """What the draft head reads of a round's returned rows (their final norm), held
+        apart from the stage's buffers so the drafter may read them after the next launch."""
+        with self._computing():
+            return self._settle(self.draft_head.normed(rows))
+
+    def draft(self, slot: int, kept: int, hidden: Any, rows: Sequence[int],
+              tokens: Sequence[int], position: int, count: int) -> tuple[int, ...]:
+        """The draft head's proposals for one stream (engine.draft_head.DraftHead.draft)."""
+        with self._computing():
+            return self.draft_head.draft(slot, kept, hidden, rows, tokens, position, count)
 
     def rows_from_bytes(self, data: bytes | bytearray | memoryview, n_rows: int) -> Any:
         """Rows from a neighbour's bytes in this stage's row format, bit for bit.
