@@ -149,8 +149,10 @@ class Stage(ABC):
 
     @property
     def state_nbytes(self) -> int:
-        """Bytes of per-slot state this stage holds: KV, and a hybrid's recurrent state."""
-        return self.model.cache.nbytes
+        """Bytes of per-slot state this stage holds: KV, and a hybrid's recurrent state
+        (and on rank 0, a draft head's weights and KV)."""
+        head = self.draft_head.nbytes if self.draft_head is not None else 0
+        return self.model.cache.nbytes + head
 
     def kv_capacity_rows(self) -> int:
         """Positions one slot can hold."""

@@ -90,11 +90,6 @@ class TorchStage(Stage):
             stage.draft_head = load_draft_head(config, spec, load, model)
         return stage
 
-    @property
-    def state_nbytes(self) -> int:
-        head = self.draft_head.nbytes if self.draft_head is not None else 0
-        return super().state_nbytes + head
-
     def recurrent_states(self) -> int:
         if self.model.recurrent is not None:  # what was preallocated, not what was asked for
             return self.model.recurrent.slots
