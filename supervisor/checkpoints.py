@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.backend_names import drafts
+from engine.backend_names import HEAD_DRAFTERS, drafts
 from engine.config import ConfigError, ModelConfig
 from engine.row_format import RowFormat
 from supervisor.fleet_config import ModelSpec
@@ -36,7 +36,8 @@ def read_config(spec: ModelSpec) -> tuple[dict[str, Any], ModelShape] | str:
             dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
             # A drafting hybrid's stages keep a recurrent state per verify row too.
             return raw, model_shape_from_config(raw, dtype_bytes, spec.backends,
-                                                drafting=drafts(spec.drafter))
+                                                drafting=drafts(spec.drafter),
+                                                draft_head=spec.drafter in HEAD_DRAFTERS)
         except (ShapeError, ConfigError, TypeError) as exc:
             return f"{config_path}: {exc}"
     return (f"no checkpoint path of {spec.id} has a readable config.json on the supervisor's "
