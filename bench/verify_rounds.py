@@ -18,9 +18,9 @@ break-even acceptance (each time is the median round's): a verify round of ratio
 
 With `--mtp` (a hybrid with the checkpoint's MTP head, engine.draft_head) it also times
 what drafting with the head costs rank 0 each round: for every stream, the k + 1 rows a
-fully kept verify round hands the head, then its k drafts (k - 1 more head steps), as the
-model drafter runs them (engine.lanes.model_drafting), on the head's cache `--prompt`
-entries deep. An MTP round is that plus the verify round, against the same plain round.
+fully kept verify round hands the head (one stream at a time), then its k drafts (k - 1
+more head steps, step j of every stream as one batch), as the model drafter runs them
+(engine.lanes.model_drafting), on the head's cache `--prompt` entries deep. An MTP round is that plus the verify round, against the same plain round.
 The head's input rows are the stage's own final norm of random rows: its cost does not
 depend on their values. `--small` is a small hybrid (hidden 256) for a CPU run.
 """
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import checkpoint, n_layers, table
 from engine.backends.base import StageSpec, load_stage
+from engine.draft_head import DraftAsk
 from engine.harness.driver import RoundDriver
 from engine.pipeline.runner import LocalRunner
 from engine.rounds import MAX_DRAFT_TOKENS
@@ -78,9 +79,11 @@ def head_ms(stage, streams: int, k: int, rounds: int, deep: int, vocab: int, syn
                                           device=stage.device))
     tokens = rng.integers(3, vocab, k + 1).tolist()
 
+    asks = [DraftAsk(slot, deep, hidden, tuple(range(k + 1)), tuple(tokens), deep, k)
+            for slot in range(streams)]
+
     def one_round() -> None:
-        for slot in range(streams):
-            stage.draft(slot, deep, hidden, range(k + 1), tokens, deep, k)
+        stage.draft(asks)
 
     for _ in range(3):
         one_round()

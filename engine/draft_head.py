@@ -20,7 +20,25 @@ back to rank 0 (only a prompt's last row does) attends over what it has.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class DraftAsk:
+    """One stream's turn at the head: cut `slot`'s cache back to its first `kept` entries;
+    feed it `hidden[rows]` (the normed rows that scored `tokens`, the first of them at
+    `position`) with the embeddings of `tokens`, one entry each; then propose `count`
+    tokens (greedy), each after the last of `tokens`, writing an entry for every draft but
+    the last. `count` 0 only feeds."""
+
+    slot: int
+    kept: int
+    hidden: Any
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    position: int
+    count: int
 
 
 class DraftHead(Protocol):
@@ -32,9 +50,8 @@ class DraftHead(Protocol):
         """The final norm of a round's returned rows [rows, hidden]: what the head reads. A
         new tensor, so the stage may reuse its output buffers for the next round."""
 
-    def draft(self, slot: int, kept: int, hidden: Any, rows: Sequence[int],
-              tokens: Sequence[int], position: int, count: int) -> tuple[int, ...]:
-        """Cut `slot`'s cache back to its first `kept` entries; feed it `hidden[rows]` (the
-        normed rows that scored `tokens`, the first of them at `position`) with the
-        embeddings of `tokens`, one entry each; then propose `count` tokens (greedy), each
-        after the last of `tokens`, writing an entry for every draft but the last."""
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        """Each ask's drafts, in order. The streams' feeds run one stream at a time (each
+        its own rows); their draft steps run together, step j of every stream as one batch
+        of rows, so a round of streams x k drafts reads the head's weights and the
+        vocabulary's head k times, not streams x k."""

@@ -26,7 +26,7 @@ from engine.sampling import SampledRows, SamplingBatch
 from engine.slots import SlotTable
 
 if TYPE_CHECKING:
-    from engine.draft_head import DraftHead
+    from engine.draft_head import DraftAsk, DraftHead
     from engine.env import EngineEnv
 
 if sys.byteorder != "little":  # rows and frames are little-endian raw values
@@ -238,11 +238,10 @@ class Stage(ABC):
         with self._computing():
             return self._settle(self.draft_head.normed(rows))
 
-    def draft(self, slot: int, kept: int, hidden: Any, rows: Sequence[int],
-              tokens: Sequence[int], position: int, count: int) -> tuple[int, ...]:
-        """The draft head's proposals for one stream (engine.draft_head.DraftHead.draft)."""
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        """The draft head's proposals for a round's streams (engine.draft_head)."""
         with self._computing():
-            return self.draft_head.draft(slot, kept, hidden, rows, tokens, position, count)
+            return self.draft_head.draft(asks)
 
     def rows_from_bytes(self, data: bytes | bytearray | memoryview, n_rows: int) -> Any:
         """Rows from a neighbour's bytes in this stage's row format, bit for bit.

@@ -207,12 +207,12 @@ class Stream:
                         resume=self.resume)
         return Lane((self.generated[-1], *self.draft), self.position, accepted=self.keep_rows)
 
-    def propose(self, context: int) -> None:
-        """Choose the drafts of this stream's next round, once per round it rides."""
+    def draft_room(self, context: int) -> int | None:
+        """How many drafts this stream's next round has room for, when it is to choose
+        them now (once per round it rides); None when not."""
         if self.drafting is None or self.busy_in or self.draft or not self.decoding:
-            return
-        room = min(self.request.max_tokens - len(self.generated), context - self.position) - 1
-        self.draft = self.drafting.propose(room)
+            return None
+        return min(self.request.max_tokens - len(self.generated), context - self.position) - 1
 
 
 class LaneHost:
@@ -274,7 +274,7 @@ class LaneHost:
         was_idle = self.idle()
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
         if self.drafts is not None and self.drafts.head:
-            stream.drafting = ModelDrafting(self.runner.stage, self.drafts.most)
+            stream.drafting = ModelDrafting(self.drafts.most)
         elif self.drafts is not None:
             stream.drafting = Drafting(self.drafts.lookup, self.drafts.most, request.prompt_ids,
                                        len(request.prompt_ids) + request.max_tokens)
@@ -463,9 +463,21 @@ class LaneHost:
         await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     def _propose(self) -> None:
+        """Each stream's drafts: prompt lookup's at once, the draft head's together."""
+        asks = []
         for stream in self.slots:
-            if stream is not None:
-                stream.propose(self.context)
+            room = None if stream is None else stream.draft_room(self.context)
+            if room is None:
+                continue
+            if isinstance(stream.drafting, ModelDrafting):
+                if (ask := stream.drafting.ask(room)) is not None:
+                    asks.append((stream, ask))
+            else:
+                stream.draft = stream.drafting.propose(room)
+        if asks:
+            drafts = self.runner.stage.draft([ask for _, ask in asks])
+            for (stream, _), draft in zip(asks, drafts, strict=True):
+                stream.draft = draft
 
     def _round_failed(self, plan: RoundPlan, exc: Exception) -> None:
         log.error("round failed", round=plan.round_no, error=str(exc))

@@ -26,22 +26,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from engine.draft_head import DraftAsk
 from engine.lanes.drafting import DraftLength
 
 
 class HeadStage(Protocol):
     """Rank 0's stage, which runs its draft head in its own compute context."""
 
-    def draft(self, slot: int, kept: int, hidden: Any, rows: Sequence[int],
-              tokens: Sequence[int], position: int, count: int) -> tuple[int, ...]: ...
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]: ...
 
 
 class ModelDrafting:
     """One stream's drafting with rank 0's draft head: what it has fed the head, and how
-    many drafts it may carry."""
+    many drafts it may carry. The lane host gathers every stream's `ask` of a round and
+    hands them to the head at once (their draft steps run batched)."""
 
-    def __init__(self, stage: HeadStage, most: int) -> None:
-        self.stage = stage
+    def __init__(self, most: int) -> None:
         self.length = DraftLength(most)
         self.drafted = 0  # tokens proposed in verify rounds, all told
         self.accepted = 0  # of them, the ones kept
@@ -56,17 +56,17 @@ class ModelDrafting:
             raise RuntimeError("a stream's drafter was handed two rounds' rows at once")
         self.pending = (slot, hidden, tuple(rows), tuple(tokens), position)
 
-    def propose(self, room: int) -> tuple[int, ...]:
-        """Feed the rows of the last round to the head and draft at most `room` tokens (and
-        no more than the stream's draft length allows)."""
+    def ask(self, room: int) -> DraftAsk | None:
+        """The head's work for this stream's next round: feed the rows of the last round,
+        then draft at most `room` tokens (and no more than its draft length allows); None
+        when no round has landed since the last ask."""
         allowed = min(self.length.allowed(), room)
         if self.pending is None:
-            return ()
+            return None
         (slot, hidden, rows, tokens, position), self.pending = self.pending, None
-        drafts = self.stage.draft(slot, self.fed, hidden, rows, tokens, position,
-                                  max(allowed, 0))
+        ask = DraftAsk(slot, self.fed, hidden, rows, tokens, position, max(allowed, 0))
         self.fed += len(tokens)
-        return drafts
+        return ask
 
     def took(self, token_id: int) -> None:
         """The head learns of the token with its row (`landed`), not alone."""

@@ -22,6 +22,7 @@ import pytest
 
 from engine.backends.base import StageSpec, load_stage
 from engine.config import ModelConfig
+from engine.draft_head import DraftAsk
 from tests.requirements import require
 
 PROMPT = 14
@@ -95,7 +96,7 @@ def test_head_matches_transformers_components(model_dir: Path, backend: str) -> 
             last = mtp(seq_h, seq_t, 0)[-1:]
 
     config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    stage = load_stage(StageSpec(model_dir, (0, config.num_hidden_layers), backend, parallel=2,
+    stage = load_stage(StageSpec(model_dir, (0, config.num_hidden_layers), backend, parallel=4,
                                  context=64, chunk=64, drafting=True, draft_head=True))
     head = stage.draft_head
     rows = _to_backend(backend, hidden.float().numpy())
@@ -105,22 +106,34 @@ def test_head_matches_transformers_components(model_dir: Path, backend: str) -> 
         """Rows [first, stop) run again after the slot's first `count` entries."""
         with stage._computing():
             head.count[slot] = count
-            out = head.forward(slot, rows[first:stop], _ids(backend, tokens[first + 1:stop + 1]),
-                               first)
+            out = head.forward([slot] * (stop - first), rows[first:stop],
+                               _ids(backend, tokens[first + 1:stop + 1]),
+                               list(range(first, stop)))
             return _to_numpy(backend, head.logits(out))
+
+    def draft(slot: int, kept: int, first: int, stop: int, count: int) -> tuple[int, ...]:
+        return stage.draft([ask(slot, kept, first, stop, count)])[0]
+
+    def ask(slot: int, kept: int, first: int, stop: int, count: int) -> DraftAsk:
+        return DraftAsk(slot, kept, rows, tuple(range(first, stop)),
+                        tuple(tokens[first + 1:stop + 1]), first, count)
 
     # Fed in one call from nothing: every position's output.
     assert np.abs(logits(0, 0, 0, n) - want_logits).max() < ATOL
 
     # Fed in pieces, 2 drafts after each (their entries cut back by the next call): a chunk
     # of 9 rows, then one row at a time; the last row's output over what the pieces wrote.
-    stage.draft(1, 0, rows, list(range(9)), tokens[1:10], 0, 2)
+    draft(1, 0, 0, 9, 2)
     for i in range(9, n):
-        stage.draft(1, i, rows, [i], [tokens[i + 1]], i, 2)
+        draft(1, i, i, i + 1, 2)
     assert np.abs(logits(1, n - 1, n - 1, n) - want_logits[n - 1:]).max() < ATOL
 
-    # The drafts: the reference's own greedy chain.
-    assert list(stage.draft(0, 0, rows, list(range(n)), tokens[1:n + 1], 0, 3)) == chain
+    # The drafts: the reference's own greedy chain, alone and beside other streams whose
+    # draft steps run in the same batches (one feeding only, one drafting fewer).
+    assert list(draft(0, 0, 0, n, 3)) == chain
+    together = stage.draft([ask(1, 0, 0, 5, 0), ask(0, 0, 0, n, 3), ask(2, 0, 0, 8, 1)])
+    assert list(together[0]) == [] and list(together[1]) == chain and len(together[2]) == 1
+    assert together[2] == draft(3, 0, 0, 8, 1)
 
 
 def test_no_head_is_refused_by_name(make_model) -> None:

@@ -57,17 +57,21 @@ class KnownHead:
     def __getattr__(self, name):
         return getattr(self.stage, name)
 
-    def draft(self, slot, kept, hidden, rows, tokens, position, count):
-        real = self.stage.draft(slot, kept, hidden, rows, tokens, position, count)
-        assert len(real) == count
+    def draft(self, asks):
+        real = self.stage.draft(asks)
         self.calls += 1
-        self.fed_rows = max(self.fed_rows, len(rows))
-        done = position + len(tokens) - len(prompts(1)[0]) + 1  # tokens generated so far
-        reply = next(r for r in self.replies if r[done - len(tokens):done] == list(tokens))
-        guess = list(reply[done:done + count])
-        if done % 3 == 1 and len(guess) > 1:
-            guess[1] = (guess[1] + 1) % 300
-        return tuple(guess)
+        guesses = []
+        for ask, drafts in zip(asks, real, strict=True):
+            assert len(drafts) == ask.count
+            self.fed_rows = max(self.fed_rows, len(ask.rows))
+            done = ask.position + len(ask.tokens) - len(prompts(1)[0]) + 1  # generated so far
+            reply = next(r for r in self.replies
+                         if r[done - len(ask.tokens):done] == list(ask.tokens))
+            guess = list(reply[done:done + ask.count])
+            if done % 3 == 1 and len(guess) > 1:
+                guess[1] = (guess[1] + 1) % 300
+            guesses.append(tuple(guess))
+        return guesses
 
 
 def with_known_head(runner, plain):

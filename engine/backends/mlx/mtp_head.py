@@ -17,6 +17,7 @@ from engine.backends.mlx.llama import linear, mlp
 from engine.backends.mlx.quant import Weight
 from engine.backends.mlx.qwen3_5 import one_plus
 from engine.config import ModelConfig
+from engine.draft_head import DraftAsk
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
 
 
@@ -54,45 +55,66 @@ class MtpHead:
     def normed(self, rows: mx.array) -> mx.array:
         return mx.fast.rms_norm(rows, self.model.norm, self.config.rms_norm_eps)
 
-    def draft(self, slot: int, kept: int, hidden: mx.array, rows: Sequence[int],
-              tokens: Sequence[int], position: int, count: int) -> tuple[int, ...]:
-        self.count[slot] = kept
-        h = hidden[mx.array(list(rows), dtype=mx.int32)]
-        out = self.forward(slot, h, mx.array(list(tokens), dtype=mx.int32), position)[-1:]
-        position += len(tokens)
-        drafts: list[int] = []
-        for step in range(count):
-            token = mx.argmax(self.logits(out), axis=-1)  # [1]
-            drafts.append(int(token.item()))
-            if step + 1 < count:
-                out = self.forward(slot, out, token.astype(mx.int32), position)
-                position += 1
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        last, next_position = [], []
+        for a in asks:  # each stream's feed: its own rows, in its own slot
+            self.count[a.slot] = a.kept
+            h = a.hidden[mx.array(a.rows, dtype=mx.int32)]
+            last.append(self.forward([a.slot] * len(a.tokens), h,
+                                     mx.array(a.tokens, dtype=mx.int32),
+                                     list(range(a.position, a.position + len(a.tokens))))[-1:])
+            next_position.append(a.position + len(a.tokens))
+        drafts: list[list[int]] = [[] for _ in asks]
+        live = [i for i, a in enumerate(asks) if a.count > 0]
+        out = mx.concatenate([last[i] for i in live]) if live else None
+        step = 0
+        while live:  # step j of every stream still drafting, as one batch of rows
+            tokens = mx.argmax(self.logits(out), axis=-1).astype(mx.int32)  # [streams]
+            for i, token in zip(live, tokens.tolist(), strict=True):
+                drafts[i].append(token)
+            step += 1
+            going = [j for j, i in enumerate(live) if asks[i].count > step]
+            if not going:
+                break
+            pick = mx.array(going, dtype=mx.int32)
+            live = [live[j] for j in going]
+            out = self.forward([asks[i].slot for i in live], out[pick], tokens[pick],
+                               [next_position[i] + step - 1 for i in live])
         mx.eval(self.k, self.v)
-        return tuple(drafts)
+        return [tuple(d) for d in drafts]
 
     def logits(self, out: mx.array) -> mx.array:
         """The model's head over the head's output rows: [rows, vocab] float32."""
         return linear(out, self.model.head).astype(mx.float32)
 
-    def forward(self, slot: int, hidden: mx.array, token_ids: mx.array,
-                position: int) -> mx.array:
-        """Rows [n, hidden] (normed) and their next tokens [n], the first at `position`:
-        the head's output rows [n, hidden] after `mtp.norm`, their entries written."""
+    def forward(self, slots: Sequence[int], hidden: mx.array, token_ids: mx.array,
+                positions: Sequence[int]) -> mx.array:
+        """Rows [n, hidden] (normed), each of slot `slots[i]` at `positions[i]`, and their
+        next tokens [n]: the head's output rows [n, hidden] after `mtp.norm`. Each row's entry
+        is written after its slot's last (rows of one slot in order), and it attends over
+        its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
+        entries = []  # each row's entry index in its slot's cache
+        for slot in slots:
+            entries.append(self.count[slot])
+            self.count[slot] += 1
+        if max(entries) >= self.k.shape[2]:
+            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
+                             f"a row would be entry {max(entries)}")
+        at = (mx.array(list(slots), dtype=mx.int32), mx.array(entries, dtype=mx.int32),
+              mx.array(list(positions), dtype=mx.int32), max(entries) + 1)
         e = mx.fast.rms_norm(self.model.embed_tokens(token_ids), self.w.embed_norm, eps)
         h = mx.fast.rms_norm(hidden, self.w.hidden_norm, eps)
         x = linear(mx.concatenate((e, h), axis=-1), self.w.fc)
-        positions = mx.arange(position, position + token_ids.shape[0], dtype=mx.int32)
         for layer, w in enumerate(self.w.layers):
-            x = x + self._attention(layer, slot, mx.fast.rms_norm(x, w.input_norm, eps), w,
-                                    positions)
+            x = x + self._attention(layer, mx.fast.rms_norm(x, w.input_norm, eps), w, at)
             x = x + mlp(mx.fast.rms_norm(x, w.post_norm, eps), w)
-        self.count[slot] += token_ids.shape[0]
         return mx.fast.rms_norm(x, self.w.norm, eps)
 
-    def _attention(self, layer: int, slot: int, x: mx.array, w: LayerWeights,
-                   positions: mx.array) -> mx.array:
+    def _attention(self, layer: int, x: mx.array, w: LayerWeights,
+                   at: tuple[mx.array, mx.array, mx.array, int]) -> mx.array:
         c = self.config
+        slots, entries, positions, span = at
         rows, d, heads = x.shape[0], c.head_dim, c.num_attention_heads
         q_and_gate = linear(x, w.q).reshape(rows, heads, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(rows, heads * d)
@@ -101,20 +123,16 @@ class MtpHead:
         rope = self.model.rope
         q = rope.apply(mx.fast.rms_norm(q, w.q_norm, c.rms_norm_eps), positions)
         k = rope.apply(mx.fast.rms_norm(k, w.k_norm, c.rms_norm_eps), positions)
-        start = self.count[slot]
-        end = start + rows
-        if end > self.k.shape[2]:
-            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
-                             f"slot {slot} would need {end}")
-        self.k[layer, slot, start:end] = k.astype(self.k.dtype)
-        self.v[layer, slot, start:end] = v.astype(self.v.dtype)
-        keys = self.k[layer, slot, :end].transpose(1, 0, 2)[None]  # [1, kv heads, end, d]
-        values = self.v[layer, slot, :end].transpose(1, 0, 2)[None]
-        # row i (entry start + i) sees entries up to its own
-        mask = mx.arange(end)[None, :] <= (start + mx.arange(rows))[:, None]
-        out = mx.fast.scaled_dot_product_attention(q.transpose(1, 0, 2)[None], keys, values,
-                                                   scale=d ** -0.5, mask=mask)
-        out = out[0].transpose(1, 0, 2).reshape(rows, heads * d)
+        # Every row's K and V first, so rows of one slot see the earlier rows of the call.
+        self.k[layer, slots, entries] = k.astype(self.k.dtype)
+        self.v[layer, slots, entries] = v.astype(self.v.dtype)
+        keys = self.k[layer, slots, :span].transpose(0, 2, 1, 3)  # [rows, kv heads, span, d]
+        values = self.v[layer, slots, :span].transpose(0, 2, 1, 3)
+        seen = mx.arange(span)[None, :] <= entries[:, None]  # [rows, span]
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                                   scale=d ** -0.5,
+                                                   mask=seen[:, None, None, :])
+        out = out.reshape(rows, heads * d)  # [rows, heads, 1, d] -> [rows, q width]
         return linear(out * mx.sigmoid(gate), w.o)
 
 

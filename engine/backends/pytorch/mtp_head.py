@@ -10,6 +10,7 @@ layer, over a KV cache of the head's own per slot whose entries are stored compa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from engine.backends.pytorch.llama import Rope, mlp
 from engine.backends.pytorch.qwen3_5 import partial_rope, rms_norm
 from engine.config import ModelConfig
+from engine.draft_head import DraftAsk
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
 
 
@@ -50,70 +52,98 @@ class MtpHead:
     def normed(self, rows: torch.Tensor) -> torch.Tensor:
         return rms_norm(rows, self.final_norm, self.config.rms_norm_eps)
 
-    def draft(self, slot: int, kept: int, hidden: torch.Tensor, rows: Sequence[int],
-              tokens: Sequence[int], position: int, count: int) -> tuple[int, ...]:
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
         device = self.embed.device
-        self.count[slot] = kept
-        h = hidden[torch.tensor(list(rows), dtype=torch.int64, device=device)]
-        token_ids = torch.tensor(list(tokens), dtype=torch.int64, device=device)
-        out = self.forward(slot, h, token_ids, position)[-1:]  # [1, hidden]
-        position += len(tokens)
-        drafts: list[int] = []
-        for step in range(count):
-            token = self.logits(out).argmax(-1)  # [1]
-            drafts.append(int(token))
-            if step + 1 < count:
-                out = self.forward(slot, out, token, position)
-                position += 1
-        return tuple(drafts)
+        last, next_position = [], []
+        for a in asks:  # each stream's feed: its own rows, in its own slot
+            self.count[a.slot] = a.kept
+            h = a.hidden[torch.tensor(a.rows, dtype=torch.int64, device=device)]
+            token_ids = torch.tensor(a.tokens, dtype=torch.int64, device=device)
+            last.append(self.forward([a.slot] * len(a.tokens), h, token_ids,
+                                     list(range(a.position, a.position + len(a.tokens))))[-1:])
+            next_position.append(a.position + len(a.tokens))
+        drafts: list[list[int]] = [[] for _ in asks]
+        live = [i for i, a in enumerate(asks) if a.count > 0]
+        out = torch.cat([last[i] for i in live]) if live else None
+        step = 0
+        while live:  # step j of every stream still drafting, as one batch of rows
+            tokens = self.logits(out).argmax(-1)  # [streams]
+            for i, token in zip(live, tokens.tolist(), strict=True):
+                drafts[i].append(token)
+            step += 1
+            going = [j for j, i in enumerate(live) if asks[i].count > step]
+            if not going:
+                break
+            pick = torch.tensor(going, dtype=torch.int64, device=device)
+            live = [live[j] for j in going]
+            out = self.forward([asks[i].slot for i in live], out[pick], tokens[pick],
+                               [next_position[i] + step - 1 for i in live])
+        return [tuple(d) for d in drafts]
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's head over the head's output rows: [rows, vocab] float32."""
         return F.linear(out, self.head).float()
 
-    def forward(self, slot: int, hidden: torch.Tensor, token_ids: torch.Tensor,
-                position: int) -> torch.Tensor:
-        """Rows [n, hidden] (normed) and their next tokens [n], the first at `position`:
-        the head's output rows [n, hidden] after `mtp.norm`, their entries written."""
+    def forward(self, slots: Sequence[int], hidden: torch.Tensor, token_ids: torch.Tensor,
+                positions: Sequence[int]) -> torch.Tensor:
+        """Rows [n, hidden] (normed), each of slot `slots[i]` at `positions[i]`, and their
+        next tokens [n]: the head's output rows [n, hidden] after `mtp.norm`. Each row's entry
+        is written after its slot's last (rows of one slot in order), and it attends over
+        its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
+        entries = []  # each row's entry index in its slot's cache
+        for slot in slots:
+            entries.append(self.count[slot])
+            self.count[slot] += 1
+        if max(entries) >= self.k.shape[2]:
+            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
+                             f"a row would be entry {max(entries)}")
+        device = hidden.device
+        at = _RowsAt(torch.tensor(list(slots), dtype=torch.int64, device=device),
+                     torch.tensor(entries, dtype=torch.int64, device=device),
+                     torch.tensor(list(positions), dtype=torch.int64, device=device),
+                     max(entries) + 1)
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
-        positions = torch.arange(position, position + len(token_ids), device=x.device)
         for layer, w in enumerate(self.w.layers):
-            x = x + self._attention(layer, slot, rms_norm(x, w.input_norm, eps), w, positions)
+            x = x + self._attention(layer, rms_norm(x, w.input_norm, eps), w, at)
             x = x + mlp(rms_norm(x, w.post_norm, eps), w)
-        self.count[slot] += len(token_ids)
         return rms_norm(x, self.w.norm, eps)
 
-    def _attention(self, layer: int, slot: int, x: torch.Tensor, w: LayerWeights,
-                   positions: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights,
+                   at: _RowsAt) -> torch.Tensor:
         c = self.config
         rows, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
         q, gate = F.linear(x, w.q).view(rows, c.num_attention_heads, 2 * d).chunk(2, dim=-1)
         k = F.linear(x, w.k).view(rows, c.num_key_value_heads, d)
         v = F.linear(x, w.v).view(rows, c.num_key_value_heads, d)
-        q = partial_rope(rms_norm(q, w.q_norm, eps), self.rope, positions)
-        k = partial_rope(rms_norm(k, w.k_norm, eps), self.rope, positions)
-        start = self.count[slot]
-        end = start + rows
-        if end > self.k.shape[2]:
-            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
-                             f"slot {slot} would need {end}")
-        self.k[layer, slot, start:end] = k
-        self.v[layer, slot, start:end] = v
-        keys = self.k[layer, slot, :end].transpose(0, 1)  # [kv heads, end, d]
-        values = self.v[layer, slot, :end].transpose(0, 1)
+        q = partial_rope(rms_norm(q, w.q_norm, eps), self.rope, at.positions)
+        k = partial_rope(rms_norm(k, w.k_norm, eps), self.rope, at.positions)
+        # Every row's K and V first, so rows of one slot see the earlier rows of the call.
+        self.k[layer, at.slots, at.entries] = k
+        self.v[layer, at.slots, at.entries] = v
         groups = c.num_attention_heads // c.num_key_value_heads
-        keys = keys.repeat_interleave(groups, dim=0)
-        values = values.repeat_interleave(groups, dim=0)
-        # row i (entry start + i) sees entries up to its own
-        mask = (torch.arange(end, device=x.device)[None, :]
-                <= (start + torch.arange(rows, device=x.device))[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                             scale=d ** -0.5)  # [heads, rows, d]
-        out = out.transpose(0, 1).reshape(rows, c.q_width)
+        # [rows, heads, span, d]: each row's slot's entries
+        keys = self.k[layer, at.slots, :at.span].transpose(1, 2).repeat_interleave(groups, 1)
+        values = self.v[layer, at.slots, :at.span].transpose(1, 2).repeat_interleave(groups, 1)
+        seen = torch.arange(at.span, device=x.device)[None, :] <= at.entries[:, None]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                             attn_mask=seen[:, None, None, :],
+                                             scale=d ** -0.5)  # [rows, heads, 1, d]
+        out = out.reshape(rows, c.q_width)
         return F.linear(out * torch.sigmoid(gate.reshape(rows, c.q_width)), w.o)
+
+
+@dataclass(frozen=True)
+class _RowsAt:
+    """Where a call's rows sit: slot, entry in the slot's cache, rotary position [rows]
+    each, and the longest span of entries a row attends over."""
+
+    slots: torch.Tensor
+    entries: torch.Tensor
+    positions: torch.Tensor
+    span: int
 
 
 def _tensors(w: DraftHeadWeights[torch.Tensor]) -> list[torch.Tensor]:
