@@ -8,14 +8,15 @@ drafter, so a reply is the one it would be without a drafter (docs/drafting.md).
 
 After every round that hands a stream tokens, the host gives its drafter the rows that
 scored them (`landed`): the rows of the tokens handed out, normed, still on the head's
-device. The next `propose` feeds them to the head, which keeps one cache entry per row of
-the stream's own, and drafts after the last one. The head's draft entries are cut back
+device. The stream's next `ask`, which the lane host hands the head with the round's
+other streams' asks, feeds them to the head, which keeps one cache entry per row of the
+stream's own, and drafts after the last one. The head's draft entries are cut back
 at the next call, whatever the ring kept of the drafts: the kept tokens' own rows come
 back from the ring and are fed then. A stream whose round hands out no draft (its
 length paused, or no room left) still feeds its rows, so the head's cache stays whole.
 
-The rows are those that came back to rank 0: every row of a verify entry, the one row of
-a decode entry, the last row of a prompt. The head never sees the other prompt rows,
+The rows are those that came back to rank 0: the kept rows of a verify entry, the one row
+of a decode entry, the last row of a prompt. The head never sees the other prompt rows,
 which stay on the last stage; what it attends over begins at the prompt's last token.
 
 How many to draft adapts to what is accepted, as for prompt lookup (`DraftLength`).
@@ -24,16 +25,10 @@ How many to draft adapts to what is accepted, as for prompt lookup (`DraftLength
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from engine.draft_head import DraftAsk
 from engine.lanes.drafting import DraftLength
-
-
-class HeadStage(Protocol):
-    """Rank 0's stage, which runs its draft head in its own compute context."""
-
-    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]: ...
 
 
 class ModelDrafting:
