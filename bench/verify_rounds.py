@@ -18,11 +18,13 @@ break-even acceptance (each time is the median round's): a verify round of ratio
 
 With `--mtp` (a hybrid with the checkpoint's MTP head, engine.draft_head) it also times
 what drafting with the head costs rank 0 each round: for every stream, the k + 1 rows a
-fully kept verify round hands the head (one stream at a time), then its k drafts (k - 1
-more head steps, step j of every stream as one batch), as the model drafter runs them
-(engine.lanes.model_drafting), on the head's cache `--prompt` entries deep. An MTP round is that plus the verify round, against the same plain round.
-The head's input rows are the stage's own final norm of random rows: its cost does not
-depend on their values. `--small` is a small hybrid (hidden 256) for a CPU run.
+fully kept verify round hands the head, then its k drafts (k - 1 more head steps), as
+the drafter runs them (engine.lanes.model_drafting: every stream's rows as one batch, then
+step j of every stream as one batch), on the head's cache `--prompt` entries deep; and
+the same asks one stream at a time, alternating with it, for what batching saves. An MTP
+round is the head plus the verify round, against the same plain round. The head's input
+rows are the stage's own final norm of random rows: its cost does not depend on their
+values. `--small` is a small hybrid (hidden 256) for a CPU run.
 """
 
 from __future__ import annotations

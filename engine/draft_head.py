@@ -51,7 +51,7 @@ class DraftHead(Protocol):
         new tensor, so the stage may reuse its output buffers for the next round."""
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
-        """Each ask's drafts, in order. The streams' feeds run one stream at a time (each
-        its own rows); their draft steps run together, step j of every stream as one batch
-        of rows, so a round of streams x k drafts reads the head's weights and the
-        vocabulary's head k times, not streams x k."""
+        """Each ask's drafts, in order. Every stream's feed runs as one batch of rows (each
+        row in its own slot, after that slot's kept entries), then the draft steps, step j
+        of every stream still drafting as one batch, so a round of streams x k drafts
+        reads the head's weights and the vocabulary's head k times, not streams x k."""

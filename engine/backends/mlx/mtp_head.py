@@ -8,6 +8,7 @@ cache of the head's own per slot, entries stored compactly (engine.draft_head).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,17 +57,21 @@ class MtpHead:
         return mx.fast.rms_norm(rows, self.model.norm, self.config.rms_norm_eps)
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
-        last, next_position = [], []
-        for a in asks:  # each stream's feed: its own rows, in its own slot
+        if not asks:
+            return []
+        for a in asks:  # each slot's cache back to the stream's own rows
             self.count[a.slot] = a.kept
-            h = a.hidden[mx.array(a.rows, dtype=mx.int32)]
-            last.append(self.forward([a.slot] * len(a.tokens), h,
-                                     mx.array(a.tokens, dtype=mx.int32),
-                                     list(range(a.position, a.position + len(a.tokens))))[-1:])
-            next_position.append(a.position + len(a.tokens))
+        # Every stream's rows in one batch, each stream's in order after its kept entries.
+        h = mx.concatenate([a.hidden[mx.array(a.rows, dtype=mx.int32)] for a in asks])
+        token_ids = mx.array([t for a in asks for t in a.tokens], dtype=mx.int32)
+        fed = self.forward([a.slot for a in asks for _ in a.tokens], h, token_ids,
+                           [p for a in asks for p in range(a.position,
+                                                           a.position + len(a.tokens))])
+        ends = list(itertools.accumulate(len(a.tokens) for a in asks))
+        next_position = [a.position + len(a.tokens) for a in asks]
         drafts: list[list[int]] = [[] for _ in asks]
         live = [i for i, a in enumerate(asks) if a.count > 0]
-        out = mx.concatenate([last[i] for i in live]) if live else None
+        out = fed[mx.array([ends[i] - 1 for i in live], dtype=mx.int32)]
         step = 0
         while live:  # step j of every stream still drafting, as one batch of rows
             tokens = mx.argmax(self.logits(out), axis=-1).astype(mx.int32)  # [streams]

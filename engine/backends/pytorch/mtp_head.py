@@ -9,6 +9,7 @@ layer, over a KV cache of the head's own per slot whose entries are stored compa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,18 +54,24 @@ class MtpHead:
         return rms_norm(rows, self.final_norm, self.config.rms_norm_eps)
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        if not asks:
+            return []
         device = self.embed.device
-        last, next_position = [], []
-        for a in asks:  # each stream's feed: its own rows, in its own slot
+        for a in asks:  # each slot's cache back to the stream's own rows
             self.count[a.slot] = a.kept
-            h = a.hidden[torch.tensor(a.rows, dtype=torch.int64, device=device)]
-            token_ids = torch.tensor(a.tokens, dtype=torch.int64, device=device)
-            last.append(self.forward([a.slot] * len(a.tokens), h, token_ids,
-                                     list(range(a.position, a.position + len(a.tokens))))[-1:])
-            next_position.append(a.position + len(a.tokens))
+        # Every stream's rows in one batch, each stream's in order after its kept entries.
+        h = torch.cat([a.hidden[torch.tensor(a.rows, dtype=torch.int64, device=device)]
+                       for a in asks])
+        token_ids = torch.tensor([t for a in asks for t in a.tokens], dtype=torch.int64,
+                                 device=device)
+        fed = self.forward([a.slot for a in asks for _ in a.tokens], h, token_ids,
+                           [p for a in asks for p in range(a.position,
+                                                           a.position + len(a.tokens))])
+        ends = list(itertools.accumulate(len(a.tokens) for a in asks))
+        next_position = [a.position + len(a.tokens) for a in asks]
         drafts: list[list[int]] = [[] for _ in asks]
         live = [i for i, a in enumerate(asks) if a.count > 0]
-        out = torch.cat([last[i] for i in live]) if live else None
+        out = fed[torch.tensor([ends[i] - 1 for i in live], dtype=torch.int64, device=device)]
         step = 0
         while live:  # step j of every stream still drafting, as one batch of rows
             tokens = self.logits(out).argmax(-1)  # [streams]
