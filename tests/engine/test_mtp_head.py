@@ -168,3 +168,18 @@ def _ids(backend: str, ids: list[int]):
 
 def _to_numpy(backend: str, x) -> np.ndarray:
     return np.array(x) if backend.startswith("mlx") else x.float().numpy()
+
+
+@pytest.mark.parametrize("backend", ["torch-cpu", "mlx-cpu"])
+def test_the_head_drafts_in_bfloat16(make_model, backend: str) -> None:
+    """A bfloat16 checkpoint's head loads and drafts on both backends (its cache in the
+    model's dtype); what it drafts is held to the reference in float32 above."""
+    require("mlx.core" if backend.startswith("mlx") else "torch")
+    model_dir = make_model("qwen3_5", mtp=True, dtype="bfloat16", seed=31)
+    stage = load_stage(StageSpec(model_dir, (0, 4), backend, parallel=2, context=32, chunk=32,
+                                 drafting=True, draft_head=True))
+    rows = stage.draft_rows(stage._embed([5, 6, 7]))  # any rows of the model's dtype
+    drafts = stage.draft([DraftAsk(0, 0, rows, (0, 1, 2), (6, 7, 8), 0, 3),
+                          DraftAsk(1, 0, rows, (2,), (9,), 4, 2)])
+    assert [len(d) for d in drafts] == [3, 2]
+    assert all(0 <= t < stage.config.vocab_size for d in drafts for t in d)
