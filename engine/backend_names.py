@@ -66,9 +66,12 @@ PROMPT_ATTENTIONS = ("flash", "cudnn")
 # Which kernel a PyTorch stage on CUDA runs a packed weight's matmul with
 # (engine.backends.pytorch.packed_linear): our Triton kernel, or PyTorch's int4 one.
 PACKED_KERNELS = ("triton", "int4")
-# What rank 0 drafts a decoding stream's next tokens with (engine.lanes.drafting): nothing,
-# or prompt lookup (n-grams of the stream's own tokens).
-DRAFTERS = ("off", "ngram")
+# What rank 0 drafts a decoding stream's next tokens with: nothing, prompt lookup (n-grams
+# of the stream's own tokens, engine.lanes.drafting), or the checkpoint's MTP head
+# (engine.lanes.model_drafting; a Qwen3.5 checkpoint with `mtp.*` tensors).
+DRAFTERS = ("off", "ngram", "mtp")
+# The drafters that run a head of the checkpoint's on rank 0 (its bytes charged there).
+HEAD_DRAFTERS = ("mtp",)
 
 
 def drafts(drafter: str) -> bool:

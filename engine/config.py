@@ -54,6 +54,9 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0  # the share of head_dim that RoPE rotates
     weight_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
+    # Decoder layers of the checkpoint's multi-token-prediction head (`mtp.*`, Qwen3.5):
+    # 0 where it has none. Only a drafter reads them (engine.draft_head).
+    mtp_num_hidden_layers: int = 0
     # Derived in __post_init__.
     attention_bias: bool = field(default=False)
     qk_norm: bool = field(default=False)

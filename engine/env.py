@@ -169,7 +169,8 @@ class EngineEnv:
     decode_attention: str = "triton"
     packed_kernel: str = "triton"
     prompt_attention: str = "flash"
-    # Rank 0's drafter (engine.lanes.drafting): off or ngram, and the most tokens a verify
+    # Rank 0's drafter: off, ngram (engine.lanes.drafting) or mtp (the checkpoint's MTP
+    # head, engine.lanes.model_drafting), and the most tokens a verify
     # round carries after a stream's newest one (1 to MAX_DRAFT_TOKENS).
     drafter: str = "off"
     draft_tokens: int = 5

@@ -106,3 +106,35 @@ def load_range(config: ModelConfig, layer_range: tuple[int, int],
     loaded = load(end_tensor_shapes(config))
     ends = {t.field: loaded[tensor_name(config, t)] for t in config.family.end_tensors(config)}
     return layers, (ends["embed"], ends["norm"], ends.get("head", ends["embed"]))
+
+
+@dataclass
+class DraftHeadWeights(Generic[W]):
+    """A checkpoint's draft head (Qwen3.5's MTP head): the fc over [embedding; hidden], its
+    two input norms, its decoder layers (full attention) and its output norm."""
+
+    fc: W  # [hidden, 2 x hidden]
+    embed_norm: W
+    hidden_norm: W
+    layers: list[LayerWeights[W]]
+    norm: W
+
+
+def load_draft_head(config: ModelConfig,
+                    load: Callable[[dict[str, tuple[int, ...]]], dict[str, W]],
+                    ) -> DraftHeadWeights[W]:
+    """The draft head's weights through a backend's `load`; a CheckpointError from `load`
+    names a missing tensor, and a ValueError says the family or config has no head."""
+    tensors = config.family.draft_head_tensors(config)
+    if not tensors:
+        raise ValueError(f"{config.model_type} checkpoint has no draft head "
+                         f"(config.json: mtp_num_hidden_layers is {config.mtp_num_hidden_layers})")
+    loaded = load({t.name: t.shape for t in tensors})
+    by_field = {t.field: loaded[t.name] for t in tensors}
+    layers = []
+    for layer in range(config.mtp_num_hidden_layers):
+        prefix = f"layer{layer}."
+        layers.append(LayerWeights(**{f[len(prefix):]: w for f, w in by_field.items()
+                                      if f.startswith(prefix)}))
+    return DraftHeadWeights(by_field["fc"], by_field["embed_norm"], by_field["hidden_norm"],
+                            layers, by_field["norm"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -107,6 +108,9 @@ class SamplingBatch:
     bias_token: np.ndarray  # [m] int64
     bias_value: np.ndarray  # [m] float32
     keep_logits: bool = False  # also bring every returned row's logits to the host
+    # Also keep the returned rows as the draft head reads them (engine.draft_head), for
+    # rank 0's drafter: they stay on the head's device.
+    keep_hidden: bool = False
     greedy: np.ndarray = field(init=False)  # batch positions, each kind ascending
     plain: np.ndarray = field(init=False)
     cut: np.ndarray = field(init=False)
@@ -119,7 +123,8 @@ class SamplingBatch:
         object.__setattr__(self, "cut", np.flatnonzero(cut))
 
     @classmethod
-    def of(cls, draws: Sequence[RowDraw], *, keep_logits: bool = False) -> SamplingBatch:
+    def of(cls, draws: Sequence[RowDraw], *, keep_logits: bool = False,
+           keep_hidden: bool = False) -> SamplingBatch:
         bias = [(i, t, b) for i, d in enumerate(draws) for t, b in d.params.logit_bias]
         return cls(
             rows=np.array([d.row for d in draws], dtype=np.int64),
@@ -132,7 +137,7 @@ class SamplingBatch:
             bias_at=np.array([b[0] for b in bias], dtype=np.int64),
             bias_token=np.array([b[1] for b in bias], dtype=np.int64),
             bias_value=np.array([b[2] for b in bias], dtype=np.float32),
-            keep_logits=keep_logits)
+            keep_logits=keep_logits, keep_hidden=keep_hidden)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -157,6 +162,8 @@ class SampledRows:
     top_logprobs: np.ndarray  # [n, max_top] float32
     finite: np.ndarray  # [n] bool: the row's logits were all finite
     logits: np.ndarray | None = None  # [returned rows, vocab] float32, when the batch asked
+    # [returned rows, hidden], the draft head's input, on the device, when the batch asked
+    hidden: Any = None
 
     @classmethod
     def empty(cls, logits: np.ndarray | None = None) -> SampledRows:

@@ -24,6 +24,7 @@ from engine.backend_names import BACKENDS
 from engine.backends.quant_policy import held_bytes, packed_params, runs_packed
 from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.config import FULL_ATTENTION, ConfigError, ModelConfig
+from engine.families.description import draft_head_bytes
 from engine.family import end_tensor_shapes, layer_tensor_shapes
 
 # The most kept slots a byte budget buys: past it a slot table is long for rank 0 to search
@@ -76,6 +77,10 @@ class ModelShape:
     hidden_size: int
     row_bytes: int  # one hidden row as it travels the ring
     vocab_size: int
+    # Rank 0's draft head where the model drafts with one (`drafter: mtp`): its weights and
+    # its KV per cached position (engine.draft_head); 0 elsewhere.
+    draft_head_weight_bytes: int = 0
+    draft_head_kv_bytes_per_position: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -147,10 +152,12 @@ class StageMemory:
     final_norm_bytes: int = 0
     head_bytes: int = 0
     state_bytes: int = 0  # recurrent states of its DeltaNet layers, one per stream
+    draft_head_bytes: int = 0  # rank 0's draft head: weights and KV for every slot
 
     @property
     def rank0_extras_bytes(self) -> int:
-        return self.embedding_bytes + self.final_norm_bytes + self.head_bytes
+        return (self.embedding_bytes + self.final_norm_bytes + self.head_bytes
+                + self.draft_head_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -202,9 +209,12 @@ def fixed_bytes(shape: ModelShape, execution: ExecutionShape, is_rank0: bool) ->
     if not is_rank0:
         return StageMemory(weights_bytes=0, kv_bytes=0, staging_bytes=staging)
     logits = execution.parallel * shape.vocab_size * LOGIT_BYTES
+    draft_head = (shape.draft_head_weight_bytes + shape.draft_head_kv_bytes_per_position
+                  * execution.context * execution.slots)
     return StageMemory(weights_bytes=0, kv_bytes=0, staging_bytes=staging + logits,
                        embedding_bytes=shape.embedding_bytes,
-                       final_norm_bytes=shape.final_norm_bytes, head_bytes=shape.head_bytes)
+                       final_norm_bytes=shape.final_norm_bytes, head_bytes=shape.head_bytes,
+                       draft_head_bytes=draft_head)
 
 
 def stage_memory(shape: ModelShape, execution: ExecutionShape, layer_range: tuple[int, int],
@@ -217,7 +227,8 @@ def stage_memory(shape: ModelShape, execution: ExecutionShape, layer_range: tupl
         kv_bytes=shape.range_sum("kv_bytes_per_position", layer_range) * streams_positions,
         state_bytes=shape.range_sum("state_bytes_per_slot", layer_range) * execution.slots,
         staging_bytes=fixed.staging_bytes, embedding_bytes=fixed.embedding_bytes,
-        final_norm_bytes=fixed.final_norm_bytes, head_bytes=fixed.head_bytes)
+        final_norm_bytes=fixed.final_norm_bytes, head_bytes=fixed.head_bytes,
+        draft_head_bytes=fixed.draft_head_bytes)
 
 
 def layers_that_fit(shape: ModelShape, execution: ExecutionShape, usable_memory_bytes: int,
@@ -239,7 +250,8 @@ def format_bytes(count: float) -> str:
 
 
 def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
-                            backends: Sequence[str] = (), drafting: bool = False) -> ModelShape:
+                            backends: Sequence[str] = (), drafting: bool = False,
+                            draft_head: bool = False) -> ModelShape:
     """Byte counts of a decoder from its Hugging Face `config.json`, per layer type.
 
     Every count is the family's description's (`engine.families`): each layer kind's tensors
@@ -247,7 +259,9 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
     layer's conv window and delta-rule state); the embeddings, the final norm, and the head
     unless `tie_word_embeddings`. Every weight is taken to be `dtype_bytes` per element,
     unless the checkpoint is mlx-lm-quantized: then each packed weight counts what the stage
-    will hold (`packed_weight_bytes`).
+    will hold (`packed_weight_bytes`). With `draft_head` (`drafter: mtp`), rank 0 also
+    holds the checkpoint's draft head (the description's `draft_head_tensors`, counted at
+    `dtype_bytes` each, as the stage loads them dense) and its KV.
     """
     if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
         raise ShapeError(f"dtype_bytes = {dtype_bytes!r}: expected a positive integer")
@@ -277,7 +291,18 @@ def model_shape_from_config(config_json: dict[str, Any], dtype_bytes: int,
         hidden_size=config.hidden_size,
         row_bytes=config.hidden_size * dtype_bytes,
         vocab_size=config.vocab_size,
+        **(_draft_head_bytes(config, dtype_bytes) if draft_head else {}),
     )
+
+
+def _draft_head_bytes(config: ModelConfig, dtype_bytes: int) -> dict[str, int]:
+    """The draft head's weights and KV per position, as engine.families.description's
+    `draft_head_bytes` counts them; a model with none drafts with none (the engine refuses
+    `drafter: mtp` on it by name)."""
+    weights = draft_head_bytes(config, 0, dtype_bytes, 0)
+    per_position = draft_head_bytes(config, 1, dtype_bytes, 1) - weights
+    return {"draft_head_weight_bytes": weights,
+            "draft_head_kv_bytes_per_position": per_position}
 
 
 def packed_weight_bytes(config: ModelConfig, quant: QuantConfig, dtype_bytes: int,

@@ -21,7 +21,8 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
      "engine.rounds", "engine.slots", "engine.sampling", "engine.logs", "engine.signals",
      "engine.heap",
      "engine.config",
-     "engine.family", "engine.families", "engine.row_format", "engine.checkpoint", "engine.link.errors"),
+     "engine.family", "engine.families", "engine.row_format", "engine.checkpoint", "engine.link.errors",
+     "engine.draft_head"),  # the draft head's contract: what a backend's head offers
     ("engine.link",),  # the wire: frames, messages, handshake, sockets
     ("engine.env",),  # the stage contract (reads the handshake's default deadline)
     ("engine.backends",),  # one layer range on one framework

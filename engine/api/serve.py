@@ -93,8 +93,8 @@ async def serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
 async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
                  config: ModelConfig) -> int:
     install_repeated_errors(asyncio.get_running_loop(), RepeatedLog())
-    drafts = (DraftPolicy(PromptLookup(), env.draft_tokens) if env.drafter == "ngram"
-              else None)
+    drafts = {"ngram": DraftPolicy(PromptLookup(), env.draft_tokens),
+              "mtp": DraftPolicy(None, env.draft_tokens)}.get(env.drafter)
     host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting,
                     streams=env.parallel, drafts=drafts)
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.backend_names import BACKENDS, drafts
+from engine.backend_names import BACKENDS, HEAD_DRAFTERS, drafts
 from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.checkpoint.reader import Checkpoint, open_checkpoint
 from engine.config import ConfigError, ModelConfig
@@ -27,6 +27,7 @@ from engine.sampling import SampledRows, SamplingBatch
 from engine.slots import SlotTable
 
 if TYPE_CHECKING:
+    from engine.draft_head import DraftAsk, DraftHead
     from engine.env import EngineEnv
 
 if sys.byteorder != "little":  # rows and frames are little-endian raw values
@@ -58,6 +59,9 @@ class StageSpec:
     compile: str = "auto"  # FLEET_COMPILE: one of COMPILE_MODES
     # Rank 0 drafts (FLEET_DRAFTER): a hybrid's stages keep a recurrent state per verify row.
     drafting: bool = False
+    # Rank 0 drafts with the checkpoint's draft head (FLEET_DRAFTER=mtp): its first stage
+    # loads the head (engine.draft_head) beside the embeddings.
+    draft_head: bool = False
 
     @property
     def verify_states(self) -> int:
@@ -70,7 +74,8 @@ class StageSpec:
         """The stage an engine's environment contract asks for, of a model of `n_layers`."""
         return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.slots,
                    env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
-                   quant=env.quant, compile=env.compile, drafting=drafts(env.drafter))
+                   quant=env.quant, compile=env.compile, drafting=drafts(env.drafter),
+                   draft_head=env.drafter in HEAD_DRAFTERS)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class Stage(ABC):
         self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
         self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid,
                                chunk=spec.chunk, keeps_verify_rows=spec.drafting)
+        # The checkpoint's draft head (engine.draft_head) where rank 0 drafts with it.
+        self.draft_head: DraftHead | None = None
 
     @classmethod
     def load(cls, spec: StageSpec, checkpoint: Checkpoint | None = None,
@@ -159,8 +166,10 @@ class Stage(ABC):
 
     @property
     def state_nbytes(self) -> int:
-        """Bytes of per-slot state this stage holds: KV, and a hybrid's recurrent state."""
-        return self.model.cache.nbytes
+        """Bytes of per-slot state this stage holds: KV, and a hybrid's recurrent state
+        (and on rank 0, a draft head's weights and KV)."""
+        head = self.draft_head.nbytes if self.draft_head is not None else 0
+        return self.model.cache.nbytes + head
 
     def kv_capacity_rows(self) -> int:
         """Positions one slot can hold."""
@@ -239,6 +248,17 @@ class Stage(ABC):
             if batch.keep_logits:
                 sampled = replace(sampled, logits=self._to_numpy(logits))
             return sampled
+
+    def draft_rows(self, rows: Any) -> Any:
+        """What the draft head reads of a round's returned rows (their final norm), held
+        apart from the stage's buffers so the drafter may read them after the next launch."""
+        with self._computing():
+            return self._settle(self.draft_head.normed(rows))
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        """The draft head's proposals for a round's streams (engine.draft_head)."""
+        with self._computing():
+            return self.draft_head.draft(asks)
 
     def rows_from_bytes(self, data: bytes | bytearray | memoryview, n_rows: int) -> Any:
         """Rows from a neighbour's bytes in this stage's row format, bit for bit.

@@ -53,6 +53,7 @@ _OVERRIDES: dict[str, str] = {
     "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
     "multimodal": "multimodal",
+    "mtp": "mtp",
     "full_attention_interval": "full_attention_interval",
 }
 
@@ -88,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--multimodal", action=argparse.BooleanOptionalAction, default=None,
                       help="qwen3_5 only: the conditional-generation layout (text weights "
                            "under model.language_model., a tiny vision tower, MTP tensors)")
+    make.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                      help="qwen3_5 only: a whole MTP head (mtp.*), which `drafter: mtp` "
+                           "drafts with")
     make.add_argument("--full-attention-interval", type=int,
                       help="qwen3_5 only: every n-th layer is full attention (default 4)")
     make.add_argument("--quantize", type=int, choices=AFFINE_BITS,

@@ -11,7 +11,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -115,6 +115,8 @@ class CheckpointSpec:
     full_attention_interval: int = 4  # every n-th layer is full attention, the rest DeltaNet
     partial_rotary_factor: float = 0.25
     multimodal: bool = False  # the conditional-generation layout (vision tower, MTP tensors)
+    # qwen3_5 only: a whole MTP head (`mtp.*`, one decoder layer), which a drafter reads.
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -163,6 +165,9 @@ class CheckpointSpec:
             if self.multimodal:
                 raise SpecError("multimodal", self.multimodal,
                                 f"only the qwen3_5 family has that layout, not {self.family}")
+            if self.mtp:
+                raise SpecError("mtp", self.mtp,
+                                f"only the qwen3_5 family has an MTP head, not {self.family}")
             return
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim",
@@ -284,6 +289,25 @@ def tensor_plan(spec: CheckpointSpec) -> list[TensorPlan]:
         plan.append(_linear_plan(tensor_name(config, ends["head"]), ends["head"].shape))
     if spec.family == "qwen3_5" and spec.multimodal:
         plan += qwen3_5_layout.beside_text_plan(spec, TensorPlan)
+    if spec.mtp:
+        plan += _draft_head_plan(config, residual_scale)
+    return plan
+
+
+def _draft_head_plan(config: ModelConfig, residual_scale: float) -> list[TensorPlan]:
+    """The MTP head (the family description's `draft_head_tensors`): its decoder layer drawn
+    as the model's own, its fc as a projection, its norms as the (1 + weight) norms are."""
+    plan = []
+    for t in config.family.draft_head_tensors(config):
+        if t.field == "fc":
+            plan.append(_linear_plan(t.name, t.shape))
+        elif "." in t.field:  # layerN.<field>: a full-attention layer's tensor
+            field_ = t.field.split(".", 1)[1]
+            plan.append(_layer_tensor_plan(config, replace(t, field=field_), t.name,
+                                           residual_scale))
+        else:  # embed_norm, hidden_norm, norm
+            plan.append(TensorPlan(t.name, t.shape, NORM_NOISE_STD,
+                                   mean=0.0 if config.norm_adds_one else 1.0))
     return plan
 
 

@@ -61,6 +61,8 @@ def text_config_json(spec: CheckpointSpec) -> dict:
         "eos_token_id": EOS_TOKEN_ID,
         "initializer_range": 0.02,
         "use_cache": True,
+        **({"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+           if spec.mtp else {}),
     }
 
 
@@ -82,7 +84,8 @@ def config_json(spec: CheckpointSpec) -> dict:
 def beside_text_plan(spec: CheckpointSpec, plan_type: type[TensorPlan]) -> list[TensorPlan]:
     """What the conditional-generation layout holds besides the text model (whose tensors
     are the family description's, as for every family: maker.tensor_plan)."""
-    return _vision_plan(spec, plan_type) + _mtp_plan(spec, plan_type)
+    # A whole MTP head (spec.mtp) is the maker's, from the family's description.
+    return _vision_plan(spec, plan_type) + ([] if spec.mtp else _mtp_plan(spec, plan_type))
 
 
 def _vision_plan(spec: CheckpointSpec, plan_type: type[TensorPlan]) -> list[TensorPlan]:

@@ -135,6 +135,10 @@ class FamilyDescription:
     # A nested config.json made flat (the conditional-generation layout); identity otherwise.
     unnest: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda raw: raw)
     check_config: Callable[[ModelConfig], None] = field(default=lambda config: None)
+    # The checkpoint's draft head (Qwen3.5's MTP head, `mtp.*`), absolute names: () where the
+    # family or the checkpoint has none. Rank 0 reads it only where the model drafts with it.
+    draft_head_tensors: Callable[[ModelConfig], tuple[Tensor, ...]] = field(
+        default=lambda config: ())
 
     def kind(self, name: str) -> LayerKind:
         for kind in self.layer_kinds:
@@ -166,6 +170,17 @@ def tensor_name(config: ModelConfig, tensor: Tensor, layer: int | None = None) -
     if layer is None:
         return config.weight_prefix + tensor.name
     return layer_prefix(config, layer) + tensor.name
+
+
+def draft_head_bytes(config: ModelConfig, context: int, itemsize: int,
+                     parallel: int) -> int:
+    """What the draft head adds on rank 0: its weights (the embeddings and head are the
+    model's own) and its KV for `context` positions per slot, for `parallel` slots."""
+    tensors = config.family.draft_head_tensors(config)
+    if not tensors:
+        return 0
+    kv = config.kv_bytes_per_position(itemsize) * config.mtp_num_hidden_layers
+    return sum(t.elements for t in tensors) * itemsize + kv * context * parallel
 
 
 def slot_state_bytes(config: ModelConfig, layer_range: tuple[int, int], context: int,

@@ -10,8 +10,9 @@ from engine.families.description import (
     ConfigError,
     FamilyDescription,
     ModelTypeTraits,
+    Tensor,
 )
-from engine.families.kinds import ATTENTION, DELTANET, end_tensors
+from engine.families.kinds import ATTENTION, DELTANET, attention_tensors, end_tensors
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -79,6 +80,31 @@ def check_config(config: ModelConfig) -> None:
             f"a multiple of linear_num_key_heads {config.linear_num_key_heads}")
 
 
+MTP_PREFIX = "mtp."
+
+
+def mtp_tensors(config: ModelConfig) -> tuple[Tensor, ...]:
+    """The multi-token-prediction head, as the Hub's Qwen3.5 checkpoints store it beside the
+    text model (and vLLM's Qwen3_5MultiTokenPredictor reads it): `fc` [hidden, 2 x hidden]
+    over [pre_fc_norm_embedding(embed(next token)); pre_fc_norm_hidden(hidden)], then
+    `mtp_num_hidden_layers` gated full-attention decoder layers (`mtp.layers.N.`, the
+    model's own attention layer's tensors), then the norm `mtp.norm`; the embeddings and
+    the head are the model's. Fields: `fc`, `embed_norm`, `hidden_norm`, `norm`, and
+    `layerN.<the attention layer's field>`."""
+    if config.mtp_num_hidden_layers <= 0:
+        return ()
+    h = config.hidden_size
+    p = MTP_PREFIX
+    out = [Tensor("fc", p + "fc.weight", (h, 2 * h), absolute=True),
+           Tensor("embed_norm", p + "pre_fc_norm_embedding.weight", (h,), absolute=True),
+           Tensor("hidden_norm", p + "pre_fc_norm_hidden.weight", (h,), absolute=True)]
+    for layer in range(config.mtp_num_hidden_layers):
+        out += [Tensor(f"layer{layer}.{t.field}", f"{p}layers.{layer}.{t.name}", t.shape,
+                       absolute=True) for t in attention_tensors(config)]
+    out.append(Tensor("norm", p + "norm.weight", (h,), absolute=True))
+    return tuple(out)
+
+
 FAMILY = FamilyDescription(
     name="qwen3_5",
     model_types=MODEL_TYPES,
@@ -88,4 +114,5 @@ FAMILY = FamilyDescription(
     read_config=read_config,
     unnest=unnest,
     check_config=check_config,
+    draft_head_tensors=mtp_tensors,
 )

@@ -38,6 +38,7 @@ import numpy as np
 import structlog
 
 from engine.lanes.drafting import Drafting, PromptLookup
+from engine.lanes.model_drafting import ModelDrafting
 from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot, resume_point
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
@@ -92,8 +93,14 @@ class GenerationRequest:
 class DraftPolicy:
     """A model's drafting (fleet.yaml `drafter`, `draft_tokens`): how, and at most how many."""
 
-    lookup: PromptLookup
+    lookup: PromptLookup | None  # prompt lookup (`ngram`); None: rank 0's draft head
     most: int  # drafts a verify round carries at most
+
+    @property
+    def head(self) -> bool:
+        """Whether rank 0's draft head drafts (`mtp`): it runs on the round thread and
+        reads each landed round's rows."""
+        return self.lookup is None
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,9 @@ class Launched:
     # stream id -> its draws' positions in the batch, in row order (a verify entry draws
     # once a row), for each stream whose rows predict its next tokens
     drawn: dict[int, range]
+    # stream id -> (the returned rows its draws score, the position of the first of them):
+    # what a draft head reads of the round (engine.lanes.model_drafting)
+    scored: dict[int, tuple[tuple[int, ...], int]]
     decode_rows: int  # its rows, when all are decode rows (else 0): the metrics' measure
     started_s: float
 
@@ -155,7 +165,7 @@ class Stream:
     busy_in: int = 0
     resume: int = 0  # prompt positions its slot's kept state restored (the prompt cache)
     chunks: ChunkRecord | None = None  # how much of its state a later request may reuse
-    drafting: Drafting | None = None  # None: it decodes one row a round
+    drafting: Drafting | ModelDrafting | None = None  # None: one row a round
     draft: tuple[int, ...] = ()  # the drafts its next round carries after its newest token
     verifying: tuple[int, ...] = ()  # the drafts of its round in flight
     # Rows of its last round its state keeps (None: all): a verify round's accepted path.
@@ -197,12 +207,12 @@ class Stream:
                         resume=self.resume)
         return Lane((self.generated[-1], *self.draft), self.position, accepted=self.keep_rows)
 
-    def propose(self, context: int) -> None:
-        """Choose the drafts of this stream's next round, once per round it rides."""
+    def draft_room(self, context: int) -> int | None:
+        """How many drafts this stream's next round has room for, when it is to choose
+        them now (once per round it rides); None when not."""
         if self.drafting is None or self.busy_in or self.draft or not self.decoding:
-            return
-        room = min(self.request.max_tokens - len(self.generated), context - self.position) - 1
-        self.draft = self.drafting.propose(room)
+            return None
+        return min(self.request.max_tokens - len(self.generated), context - self.position) - 1
 
 
 class LaneHost:
@@ -263,7 +273,9 @@ class LaneHost:
             raise Busy("the engine is draining: it takes no new requests")
         was_idle = self.idle()
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
-        if self.drafts is not None:
+        if self.drafts is not None and self.drafts.head:
+            stream.drafting = ModelDrafting(self.drafts.most)
+        elif self.drafts is not None:
             stream.drafting = Drafting(self.drafts.lookup, self.drafts.most, request.prompt_ids,
                                        len(request.prompt_ids) + request.max_tokens)
         if self._closing_slot_reuses_more(stream):
@@ -378,6 +390,7 @@ class LaneHost:
             last: tuple[Launched, Callable[[], None]] | None = None  # fills the ring
             while len(in_flight) < self.depth and not self.failure:
                 self._admit_waiting()
+                await self._propose_drafts()
                 built = build_round(self._round_inputs())
                 self._apply(built)
                 if built.plan is None:
@@ -432,6 +445,40 @@ class LaneHost:
         except Exception as exc:
             raise RoundFailed(round_.plan) from exc
 
+    async def _propose_drafts(self) -> None:
+        """Each stream's drafts for the round about to be built. A draft head computes on
+        rank 0's device, so it runs on the round thread, between the rounds it launches and
+        lands; prompt lookup runs here."""
+        if self.drafts is None or not self.drafts.head:
+            self._propose()
+            return
+
+        def run() -> None:
+            try:
+                self._propose()
+            finally:
+                self._round_calls_done += 1
+
+        self._round_calls_handed += 1
+        await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    def _propose(self) -> None:
+        """Each stream's drafts: prompt lookup's at once, the draft head's together."""
+        asks = []
+        for stream in self.slots:
+            room = None if stream is None else stream.draft_room(self.context)
+            if room is None:
+                continue
+            if isinstance(stream.drafting, ModelDrafting):
+                if (ask := stream.drafting.ask(room)) is not None:
+                    asks.append((stream, ask))
+            else:
+                stream.draft = stream.drafting.propose(room)
+        if asks:
+            drafts = self.runner.stage.draft([ask for _, ask in asks])
+            for (stream, _), draft in zip(asks, drafts, strict=True):
+                stream.draft = draft
+
     def _round_failed(self, plan: RoundPlan, exc: Exception) -> None:
         log.error("round failed", round=plan.round_no, error=str(exc))
         self.fail(f"round {plan.round_no} failed: {exc}")
@@ -443,6 +490,7 @@ class LaneHost:
         whose returned row predicts its next token: a decode row, or a prompt's last chunk)."""
         draws: list[RowDraw] = []
         drawn: dict[int, range] = {}
+        scored: dict[int, tuple[tuple[int, ...], int]] = {}
         returned = plan.returned_by_stream()
         decode_only = True
         for entry in plan.entries:
@@ -460,24 +508,25 @@ class LaneHost:
                     stream.busy_in = 0  # a mid-prompt chunk: the next chunk may follow it
                     continue
                 rows = rows[-1:]  # a prompt's tail predicts one token: its last row's
+                first = entry.first + entry.rows - 1
             else:
                 stream.verifying, stream.draft = stream.draft[:entry.rows - 1], ()
                 stream.keep_rows = None
+                first = entry.first
             if not (stream.cancelled or stream.finished):
                 drawn[entry.stream_id] = range(len(draws), len(draws) + len(rows))
+                scored[entry.stream_id] = (tuple(rows), first)
                 draws.extend(stream.sampler.draw(row, stream.request.top_logprobs, ahead=i)
                              for i, row in enumerate(rows))
-        batch = SamplingBatch.of(draws, keep_logits=self.on_round is not None)
+        batch = SamplingBatch.of(draws, keep_logits=self.on_round is not None,
+                                 keep_hidden=self.drafts is not None and self.drafts.head)
         decode_rows = len(plan.returned_rows()) if decode_only else 0
-        return Launched(plan, drawn, decode_rows, time.monotonic()), batch
+        return Launched(plan, drawn, scored, decode_rows, time.monotonic()), batch
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _round_inputs(self) -> RoundInputs:
-        for stream in self.slots:
-            if stream is not None:
-                stream.propose(self.context)
         decode_rows = None
         if self.depth > 1:  # groups of decode rows, one per stage, to keep every stage busy
             decoding = sum(s is not None and s.decoding for s in self.slots)
@@ -515,7 +564,8 @@ class LaneHost:
             if stream.cancelled or stream.finished or entry.stream_id not in at:
                 continue  # ended meanwhile, or a mid-prompt chunk: nothing to hand out
             try:
-                self._take_verified(stream, sampled, at[entry.stream_id], now)
+                self._take_verified(stream, sampled, at[entry.stream_id], now,
+                                    launched.scored[entry.stream_id])
             except Exception as exc:  # noqa: BLE001 - one stream's fault ends that stream only
                 log.warning("stream failed", round=launched.plan.round_no,
                             stream=entry.stream_id, error=f"{type(exc).__name__}: {exc}")
@@ -538,7 +588,7 @@ class LaneHost:
             self._settled.set()
 
     def _take_verified(self, stream: Stream, sampled: SampledRows, draws: range,
-                       now: float) -> None:
+                       now: float, scored: tuple[tuple[int, ...], int]) -> None:
         """Hand out a landed entry's tokens: the first draw's, then while each draw equals
         the draft it scored (the draft is confirmed), the next draw's, until a draft is
         refused or the stream ends. Its next entry keeps the rows that ran the tokens handed
@@ -553,6 +603,10 @@ class LaneHost:
             accepted += confirmed
             if reason or not confirmed:
                 break
+        if isinstance(stream.drafting, ModelDrafting) and not reason:
+            rows, first = scored  # the rows that scored the tokens handed out
+            stream.drafting.landed(stream.slot, sampled.hidden, rows[:taken],
+                                   stream.generated[-taken:], first)
         if drafts:
             stream.keep_rows = taken
             stream.drafting.verified(len(drafts), accepted)

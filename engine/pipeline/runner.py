@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,6 +36,8 @@ def head_of(stage: Stage, plan: RoundPlan, batch: SamplingBatch | None) -> Head:
         return lambda _rows: nothing
     if batch is None:
         return stage.logits
+    if batch.keep_hidden:  # rank 0's draft head reads them after the round lands
+        return lambda rows: replace(stage.sample(rows, batch), hidden=stage.draft_rows(rows))
     return lambda rows: stage.sample(rows, batch)
 
 

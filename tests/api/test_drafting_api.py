@@ -73,3 +73,25 @@ def test_a_drafting_ring_answers_as_a_plain_one_and_counts_its_drafts(make_model
     assert drafted_total == 2 * (details.accepted_prediction_tokens
                                  + details.rejected_prediction_tokens)
     assert counter(plain_metrics, "ringfleet_drafted_tokens_total") == 0
+
+
+def test_a_ring_drafting_with_the_mtp_head_answers_as_a_plain_one(make_model, tmp_path):
+    """`drafter: mtp` through real engine processes: rank 0 (torch) loads the checkpoint's
+    MTP head, an MLX follower does not, and the reply is the plain ring's. On random
+    weights its drafts are refused but for chance, so only that it drafted is checked."""
+    model_dir = make_model("qwen3_5", mtp=True, seed=12)
+    stages, backends = [(0, 2), (2, 4)], ["torch-cpu", "mlx-cpu"]
+    runs = {}
+    for drafter in ("off", "mtp"):
+        with launch(model_dir, stages, backends, context=CONTEXT, parallel=2, chunk=CHUNK,
+                    run_dir=tmp_path / drafter, extra_env={"FLEET_DRAFTER": drafter,
+                                                           "FLEET_DRAFT_TOKENS": "3"}) as fleet:
+            fleet.wait_ready()
+            runs[drafter] = completions(fleet)
+    (plain, _, _), (drafted, chunks, metrics) = runs["off"], runs["mtp"]
+    assert drafted.choices[0].text == plain.choices[0].text
+    assert drafted.choices[0].logprobs.tokens == plain.choices[0].logprobs.tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    details = drafted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    assert counter(metrics, "ringfleet_drafted_tokens_total") > 0

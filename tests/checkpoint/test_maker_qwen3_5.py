@@ -80,3 +80,28 @@ def test_config_refuses_a_bad_layer_pattern_by_name():
         ModelConfig.from_dict(dict(raw, linear_num_key_heads=0))
     older = {k: v for k, v in raw.items() if k != "layer_types"} | {"full_attention_interval": 2}
     assert ModelConfig.from_dict(older).layer_types == (LINEAR_ATTENTION, FULL_ATTENTION)
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "conditional"])
+def test_a_whole_mtp_head_is_what_the_description_names_and_transformers_skips(made,
+                                                                               multimodal):
+    """--mtp: the head's tensors are exactly the description's (names and shapes, as the
+    Hub's checkpoints and vLLM's predictor have them), in either layout; transformers
+    loads the model with nothing missing or unexpected (it ignores `mtp.*` by design), as
+    it loads a Hub file."""
+    spec = family_spec("qwen3_5", multimodal=multimodal, mtp=True)
+    model_dir = made(spec)
+    checkpoint = open_checkpoint(model_dir)
+    config = ModelConfig.from_dict(checkpoint.config)
+    assert config.mtp_num_hidden_layers == 1
+    head = {t.name: t.shape for t in config.family.draft_head_tensors(config)}
+    assert set(head) == {n for n in checkpoint.tensor_names() if n.startswith("mtp.")}
+    for name, shape in head.items():
+        checkpoint.check_shape(name, shape)
+    h = config.hidden_size
+    assert head["mtp.fc.weight"] == (h, 2 * h)
+    assert head["mtp.layers.0.self_attn.q_proj.weight"] == (2 * config.q_width, h)
+    cls = (transformers.Qwen3_5ForConditionalGeneration if multimodal
+           else transformers.Qwen3_5ForCausalLM)
+    _, info = cls.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}

@@ -38,3 +38,17 @@ def test_a_dtype_the_engine_cannot_load_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(raw))
     reason = read_shape(spec_for(tmp_path))
     assert isinstance(reason, str) and "int8" in reason and "config.json" in reason
+
+
+def test_drafting_with_an_mtp_head_a_checkpoint_lacks_is_named(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from engine.checkpoint.maker import CheckpointSpec
+
+    (tmp_path / "config.json").write_text(json.dumps(config_json(PRESETS["tiny"])))
+    reason = read_shape(replace(spec_for(tmp_path), drafter="mtp"))
+    assert isinstance(reason, str) and "mtp_num_hidden_layers is 0" in reason
+    hybrid = config_json(CheckpointSpec(family="qwen3_5", mtp=True))
+    (tmp_path / "config.json").write_text(json.dumps(hybrid))
+    shape = read_shape(replace(spec_for(tmp_path), drafter="mtp"))
+    assert not isinstance(shape, str) and shape.draft_head_weight_bytes > 0

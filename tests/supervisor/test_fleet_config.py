@@ -309,9 +309,10 @@ def test_a_models_drafter_is_read_as_written_and_bounded_by_the_verify_round():
     assert model("    drafter: off\n") == unset  # YAML's false, read as the word written
     spec = model("    drafter: ngram\n    draft_tokens: 7\n")
     assert (spec.drafter, spec.draft_tokens) == ("ngram", 7)
+    assert model("    drafter: mtp\n    draft_tokens: 3\n").drafter == "mtp"
     for lines, message in (
-            ("    drafter: mtp\n",
-             "models[0].drafter: unknown drafter 'mtp' (expected one of off, ngram)"),
+            ("    drafter: eagle\n",
+             "models[0].drafter: unknown drafter 'eagle' (expected one of off, ngram, mtp)"),
             ("    drafter: ngram\n    draft_tokens: 8\n",
              "models[0].draft_tokens: a verify round carries at most 7 drafts, not 8"),
             ("    draft_tokens: 0\n", "models[0].draft_tokens: expected a positive integer, got 0")):

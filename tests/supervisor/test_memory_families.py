@@ -151,3 +151,22 @@ def test_qwen2_attention_bias_is_charged_and_loaded_without_an_o_proj_bias(made)
         {"q_proj", "k_proj", "v_proj"}
     assert model_shape_from_config(raw, 4).layers[0].weight_bytes == \
         4 * sum(math.prod(shape) for shape in names.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank0s_draft_head_is_charged_the_bytes_it_holds(tmp_path, backend):
+    """`drafter: mtp`: rank 0 loads the checkpoint's MTP head (weights, and its KV for every
+    slot) and placement charges exactly that there, and nothing on another stage."""
+    needs_backend(backend)
+    model_dir = make_checkpoint(tmp_path / "mtp", CheckpointSpec(**HYBRID, mtp=True))
+    raw = json.loads((model_dir / "config.json").read_text())
+    shape = model_shape_from_config(raw, 4, drafting=True, draft_head=True)
+    stage = load_stage(StageSpec(model_dir, (0, 2), backend, EXECUTION.slots, EXECUTION.context,
+                                 EXECUTION.chunk, drafting=True, draft_head=True))
+    charged = stage_memory(shape, EXECUTION, (0, 2), is_rank0=True)
+    assert stage.draft_head.nbytes == charged.draft_head_bytes > 0
+    assert stage_memory(shape, EXECUTION, (2, 4), is_rank0=False).draft_head_bytes == 0
+    plain = model_shape_from_config(raw, 4, drafting=True)
+    assert (stage_memory(shape, EXECUTION, (0, 2), is_rank0=True).total_bytes
+            - stage_memory(plain, EXECUTION, (0, 2), is_rank0=True).total_bytes
+            == charged.draft_head_bytes)

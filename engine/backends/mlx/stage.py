@@ -97,7 +97,10 @@ class MlxStage(Stage):
         # different devices without touching the process-wide default.
         with mx.stream(device):
             model = family.build_range(config, spec, load, dtype, on_layer)
-        return cls(spec, config, model, device)
+            stage = cls(spec, config, model, device)
+            if spec.draft_head and stage.is_first:
+                stage.draft_head = load_draft_head(config, spec, load, model, dtype)
+        return stage
 
     def _computing(self) -> Any:
         return mx.stream(self.device)
@@ -137,3 +140,17 @@ class MlxStage(Stage):
 
     def _sample(self, logits: mx.array, batch: SamplingBatch) -> SampledRows:
         return sampling.sample(logits, batch)
+
+
+def load_draft_head(config: ModelConfig, spec: StageSpec,
+                    load: Callable[[dict[str, tuple[int, ...]]], dict[str, Weight]],
+                    model: Any, dtype: mx.Dtype) -> Any:
+    """The checkpoint's MTP head on the first stage, sharing its embeddings, final norm,
+    head and rotary; a BackendError where the checkpoint has none."""
+    from engine.backends.mlx.mtp_head import MtpHead
+
+    if not config.family.draft_head_tensors(config):
+        raise BackendError(f"FLEET_DRAFTER=mtp needs a checkpoint with an MTP head: "
+                           f"{spec.model_dir}/config.json gives mtp_num_hidden_layers "
+                           f"{config.mtp_num_hidden_layers} for model_type {config.model_type}")
+    return MtpHead.load(config, load, model, spec.parallel, spec.context, dtype)

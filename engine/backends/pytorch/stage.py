@@ -85,7 +85,10 @@ class TorchStage(Stage):
         family = family_module("engine.backends.pytorch", config)
         model = family.build_range(config, spec, load, device, dtype, on_layer)
         int4_packed = packed and not packed_linear.traceable(model.layers)
-        return cls(spec, config, model, device, int4_packed=int4_packed)
+        stage = cls(spec, config, model, device, int4_packed=int4_packed)
+        if spec.draft_head and stage.is_first:
+            stage.draft_head = load_draft_head(config, spec, load, model)
+        return stage
 
     def recurrent_states(self) -> int:
         if self.model.recurrent is not None:  # what was preallocated, not what was asked for
@@ -151,3 +154,19 @@ class TorchStage(Stage):
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
         return sampling.sample(logits, batch)
+
+
+def load_draft_head(config: ModelConfig, spec: StageSpec,
+                    load: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
+                    model: Any) -> Any:
+    """The checkpoint's MTP head on the first stage, sharing its embeddings, final norm,
+    head and rotary tables; a BackendError where the checkpoint has none."""
+    from engine.backends.pytorch.mtp_head import MtpHead
+
+    if not config.family.draft_head_tensors(config):
+        raise BackendError(f"FLEET_DRAFTER=mtp needs a checkpoint with an MTP head: "
+                           f"{spec.model_dir}/config.json gives mtp_num_hidden_layers "
+                           f"{config.mtp_num_hidden_layers} for model_type {config.model_type}")
+    with torch.inference_mode():
+        return MtpHead.load(config, load, model.embed, model.head, model.norm, model.rope,
+                            spec.parallel, spec.context)

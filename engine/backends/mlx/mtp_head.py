@@ -1,0 +1,148 @@
+"""The Qwen3.5 MTP head on MLX: the draft head (engine.draft_head) of a hybrid's rank 0.
+
+The twin of the PyTorch head (engine/backends/pytorch/mtp_head.py), its maths the MLX
+family file's: (1 + weight) norms shifted once at load so `mx.fast.rms_norm` runs them,
+the gated full-attention layer with RoPE on the first `rotary_dim` channels, and a KV
+cache of the head's own per slot, entries stored compactly (engine.draft_head).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from engine.backends.mlx.llama import linear, mlp
+from engine.backends.mlx.quant import Weight
+from engine.backends.mlx.qwen3_5 import one_plus
+from engine.config import ModelConfig
+from engine.draft_head import DraftAsk
+from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
+
+
+class MtpHead:
+    """The head's weights, its KV cache [layers, slots, context, kv heads, head dim] and
+    each slot's entry count; `model` is the first stage's range (embeddings, final norm,
+    head, rotary), which the head shares."""
+
+    def __init__(self, config: ModelConfig, weights: DraftHeadWeights[Weight], model: Any,
+                 parallel: int, context: int, dtype: mx.Dtype) -> None:
+        self.config = config
+        self.model = model
+        weights.embed_norm = one_plus(weights.embed_norm)
+        weights.hidden_norm = one_plus(weights.hidden_norm)
+        weights.norm = one_plus(weights.norm)
+        for w in weights.layers:
+            for name in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                setattr(w, name, one_plus(getattr(w, name)))
+        self.w = weights
+        shape = (len(weights.layers), parallel, context, config.num_key_value_heads,
+                 config.head_dim)
+        self.k = mx.zeros(shape, dtype=dtype)
+        self.v = mx.zeros(shape, dtype=dtype)
+        self.count = [0] * parallel  # entries each slot holds
+        arrays = _arrays(weights)
+        mx.eval(arrays, self.k, self.v)
+        self.nbytes = sum(a.nbytes for a in arrays) + self.k.nbytes + self.v.nbytes
+
+    @classmethod
+    def load(cls, config: ModelConfig,
+             load: Callable[[dict[str, tuple[int, ...]]], dict[str, Weight]], model: Any,
+             parallel: int, context: int, dtype: mx.Dtype) -> MtpHead:
+        return cls(config, load_draft_head(config, load), model, parallel, context, dtype)
+
+    def normed(self, rows: mx.array) -> mx.array:
+        return mx.fast.rms_norm(rows, self.model.norm, self.config.rms_norm_eps)
+
+    def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+        if not asks:
+            return []
+        for a in asks:  # each slot's cache back to the stream's own rows
+            self.count[a.slot] = a.kept
+        # Every stream's rows in one batch, each stream's in order after its kept entries.
+        h = mx.concatenate([a.hidden[mx.array(a.rows, dtype=mx.int32)] for a in asks])
+        token_ids = mx.array([t for a in asks for t in a.tokens], dtype=mx.int32)
+        fed = self.forward([a.slot for a in asks for _ in a.tokens], h, token_ids,
+                           [p for a in asks for p in range(a.position,
+                                                           a.position + len(a.tokens))])
+        ends = list(itertools.accumulate(len(a.tokens) for a in asks))
+        next_position = [a.position + len(a.tokens) for a in asks]
+        drafts: list[list[int]] = [[] for _ in asks]
+        live = [i for i, a in enumerate(asks) if a.count > 0]
+        out = fed[mx.array([ends[i] - 1 for i in live], dtype=mx.int32)]
+        step = 0
+        while live:  # step j of every stream still drafting, as one batch of rows
+            tokens = mx.argmax(self.logits(out), axis=-1).astype(mx.int32)  # [streams]
+            for i, token in zip(live, tokens.tolist(), strict=True):
+                drafts[i].append(token)
+            step += 1
+            going = [j for j, i in enumerate(live) if asks[i].count > step]
+            if not going:
+                break
+            pick = mx.array(going, dtype=mx.int32)
+            live = [live[j] for j in going]
+            out = self.forward([asks[i].slot for i in live], out[pick], tokens[pick],
+                               [next_position[i] + step - 1 for i in live])
+        mx.eval(self.k, self.v)
+        return [tuple(d) for d in drafts]
+
+    def logits(self, out: mx.array) -> mx.array:
+        """The model's head over the head's output rows: [rows, vocab] float32."""
+        return linear(out, self.model.head).astype(mx.float32)
+
+    def forward(self, slots: Sequence[int], hidden: mx.array, token_ids: mx.array,
+                positions: Sequence[int]) -> mx.array:
+        """Rows [n, hidden] (normed), each of slot `slots[i]` at `positions[i]`, and their
+        next tokens [n]: the head's output rows [n, hidden] after `mtp.norm`. Each row's entry
+        is written after its slot's last (rows of one slot in order), and it attends over
+        its slot's entries up to its own."""
+        eps = self.config.rms_norm_eps
+        entries = []  # each row's entry index in its slot's cache
+        for slot in slots:
+            entries.append(self.count[slot])
+            self.count[slot] += 1
+        if max(entries) >= self.k.shape[2]:
+            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
+                             f"a row would be entry {max(entries)}")
+        at = (mx.array(list(slots), dtype=mx.int32), mx.array(entries, dtype=mx.int32),
+              mx.array(list(positions), dtype=mx.int32), max(entries) + 1)
+        e = mx.fast.rms_norm(self.model.embed_tokens(token_ids), self.w.embed_norm, eps)
+        h = mx.fast.rms_norm(hidden, self.w.hidden_norm, eps)
+        x = linear(mx.concatenate((e, h), axis=-1), self.w.fc)
+        for layer, w in enumerate(self.w.layers):
+            x = x + self._attention(layer, mx.fast.rms_norm(x, w.input_norm, eps), w, at)
+            x = x + mlp(mx.fast.rms_norm(x, w.post_norm, eps), w)
+        return mx.fast.rms_norm(x, self.w.norm, eps)
+
+    def _attention(self, layer: int, x: mx.array, w: LayerWeights,
+                   at: tuple[mx.array, mx.array, mx.array, int]) -> mx.array:
+        c = self.config
+        slots, entries, positions, span = at
+        rows, d, heads = x.shape[0], c.head_dim, c.num_attention_heads
+        q_and_gate = linear(x, w.q).reshape(rows, heads, 2 * d)
+        q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(rows, heads * d)
+        k = linear(x, w.k).reshape(rows, c.num_key_value_heads, d)
+        v = linear(x, w.v).reshape(rows, c.num_key_value_heads, d)
+        rope = self.model.rope
+        q = rope.apply(mx.fast.rms_norm(q, w.q_norm, c.rms_norm_eps), positions)
+        k = rope.apply(mx.fast.rms_norm(k, w.k_norm, c.rms_norm_eps), positions)
+        # Every row's K and V first, so rows of one slot see the earlier rows of the call.
+        self.k[layer, slots, entries] = k.astype(self.k.dtype)
+        self.v[layer, slots, entries] = v.astype(self.v.dtype)
+        keys = self.k[layer, slots, :span].transpose(0, 2, 1, 3)  # [rows, kv heads, span, d]
+        values = self.v[layer, slots, :span].transpose(0, 2, 1, 3)
+        seen = mx.arange(span)[None, :] <= entries[:, None]  # [rows, span]
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                                   scale=d ** -0.5,
+                                                   mask=seen[:, None, None, :])
+        out = out.reshape(rows, heads * d)  # [rows, heads, 1, d] -> [rows, q width]
+        return linear(out * mx.sigmoid(gate), w.o)
+
+
+def _arrays(w: DraftHeadWeights[Weight]) -> list[mx.array]:
+    out = [a for a in (w.fc, w.embed_norm, w.hidden_norm, w.norm) if isinstance(a, mx.array)]
+    for layer in w.layers:
+        out += [a for a in vars(layer).values() if isinstance(a, mx.array)]
+    return out
