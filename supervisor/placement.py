@@ -7,7 +7,9 @@ for each the best layer ranges: in closed form when every layer has one type (a 
 family's layers all cost the same on a node), by a dynamic program over layer prefixes when
 they differ (a hybrid's DeltaNet and full-attention layers: `supervisor/boundaries.py`).
 `supervisor/ring_cost.py` costs each ring order and finds its best ranges; this module
-chooses among them and explains the choice. docs/placement.md explains the cost model and
+chooses among them and explains the choice. With several streams decoding, a cut is priced
+by the rounds rank 0 keeps in flight and searched by a cap on each stage's work
+(`supervisor/decode_groups.py`). docs/placement.md explains the cost model and
 why both are optimal; tests/supervisor/test_placement.py and test_placement_by_layer_type.py
 check them against a brute force over every boundary.
 """
@@ -94,7 +96,9 @@ class Placement:
     parallel: int
     prompt_tokens: int
     stages: tuple[Stage, ...]  # rank 0 first
-    decode_ms_per_token: float  # one round with `parallel` streams: each gets one token
+    # `parallel` streams decoding: the period of their groups in flight (one round per stage,
+    # supervisor/decode_groups.py), in which each stream gets one token
+    decode_ms_per_token: float
     decode_ms_per_token_single: float  # one stream alone
     prompt_ms: float  # a prompt of `prompt_tokens` tokens, chunk by chunk
     explicit: bool
