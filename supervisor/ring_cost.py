@@ -167,6 +167,8 @@ class RingCosts:
             (layer_bytes(layer, self.execution) for layer in shape.layers), initial=0))
         self._time_prefix: dict[tuple[str, object], list[float]] = {}
         self._group_fills: dict[tuple, tuple[int, ...] | None] = {}
+        # (node, decode groups' rows) -> layer type -> ms per layer summed over the groups
+        self._group_type_ms: dict[tuple[str, tuple[int, ...]], dict[str, float]] = {}
         self._stage_times: dict[frozenset[str], list[float]] = {}
 
     def fit(self, node: NodeSnapshot, is_rank0: bool) -> int:
@@ -198,13 +200,14 @@ class RingCosts:
         if isinstance(kind, str):
             return self._type_ms[kind][name]
         key = (name, kind)
-        if key not in self._type_ms:
+        if key not in self._group_type_ms:
             node, batch = self.nodes[name], self.spec.parallel
-            self._type_ms[key] = {t.name: sum(rows_ms(node.ms_per_layer(t.name, "single"),
-                                                      node.ms_per_layer(t.name, "batch"),
-                                                      batch, rows) for rows in kind)
-                                  for t in self.shape.types}
-        return self._type_ms[key]
+            self._group_type_ms[key] = {
+                t.name: sum(rows_ms(node.ms_per_layer(t.name, "single"),
+                                    node.ms_per_layer(t.name, "batch"), batch, rows)
+                            for rows in kind)
+                for t in self.shape.types}
+        return self._group_type_ms[key]
 
     def stage_ms(self, name: str, kind: str | tuple[int, ...],
                  layer_range: tuple[int, int]) -> float:
