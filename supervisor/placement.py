@@ -105,7 +105,8 @@ class Placement:
     runner_up: Alternative | None
     why: tuple[str, ...]
     prompt_cache_slots: int = 0  # kept past `parallel` on every stage: set, or bought
-    head_ms: float = 0.0  # rank 0's final norm, head and sampling, in each decode round
+    # rank 0's final norm, head and sampling, in each decode round (the largest group's rows)
+    head_ms: float = 0.0
 
     @property
     def objective_ms(self) -> float:
@@ -504,4 +505,4 @@ def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], exp
                      decode_ms_per_token_single=problem.decode_ms(ring, counts, 1),
                      prompt_ms=problem.prompt_ms(ring, counts), explicit=explicit,
                      runner_up=runner_up, why=(*why, cache_why), prompt_cache_slots=kept,
-                     head_ms=problem.head_ms(ring[0], spec.parallel))
+                     head_ms=problem.head_ms(ring[0], max(problem.decode_groups(ring))))
