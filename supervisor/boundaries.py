@@ -22,18 +22,24 @@ TIME_TOLERANCE = 1e-9  # ms: a stage time equal to a bottleneck candidate is wit
 
 def min_total_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
                  bytes_prefix: Sequence[int],
-                 time_cap_ms: float = math.inf) -> tuple[float, tuple[int, ...]] | None:
+                 time_cap_ms: float | Sequence[float] = math.inf,
+                 cap_prefix: Sequence[Sequence[float]] | None = None,
+                 ) -> tuple[float, tuple[int, ...]] | None:
     """The least sum of stage times over every cut of the layers into `len(rooms)` non-empty
-    contiguous ranges, in order, each within its room and within `time_cap_ms`; with the layer
-    counts that reach it. None when no cut fits."""
+    contiguous ranges, in order, each within its room and within `time_cap_ms` (one cap, or
+    one per stage); with the layer counts that reach it. None when no cut fits. The cap holds
+    each stage's time, or with `cap_prefix` another running sum per stage (a decode stage's
+    work over every group in flight, while the sum is of one group's trip)."""
     n_layers, stages = len(bytes_prefix) - 1, len(rooms)
     if stages < 1 or stages > n_layers:
         return None
+    caps = [time_cap_ms] * stages if isinstance(time_cap_ms, (int, float)) else time_cap_ms
+    capped = cap_prefix or time_prefix
     best = [0.0] + [math.inf] * n_layers  # best[e]: layers [0, e) on the stages so far
     starts: list[list[int]] = []
     for j, (prefix, room) in enumerate(zip(time_prefix, rooms, strict=True)):
         best, start = next_stage(best, prefix, room, bytes_prefix, j,
-                                 n_layers - (stages - 1 - j), time_cap_ms)
+                                 n_layers - (stages - 1 - j), caps[j], capped[j])
         starts.append(start)
     if best[n_layers] == math.inf:
         return None
@@ -42,10 +48,13 @@ def min_total_ms(time_prefix: Sequence[Sequence[float]], rooms: Sequence[int],
 
 def next_stage(best: Sequence[float], prefix: Sequence[float], room: int,
                bytes_prefix: Sequence[int], j: int, last: int,
-               time_cap_ms: float = math.inf) -> tuple[list[float], list[int]]:
+               time_cap_ms: float = math.inf,
+               cap_prefix: Sequence[float] | None = None) -> tuple[list[float], list[int]]:
     """One more stage (the `j`-th, 0-based) after stages whose least sums for layers [0, s)
     are `best[s]`: the least sums for [0, e) with this stage holding [s, e), e up to `last`,
-    and each e's start s (-1: none)."""
+    and each e's start s (-1: none). `time_cap_ms` bounds `prefix`'s range, or
+    `cap_prefix`'s when given (another non-decreasing running sum)."""
+    capped = prefix if cap_prefix is None else cap_prefix
     n_layers = len(bytes_prefix) - 1
     here, start = [math.inf] * (n_layers + 1), [-1] * (n_layers + 1)
     # The hot loop of every search: plain locals, each start's value computed once.
@@ -63,8 +72,8 @@ def next_stage(best: Sequence[float], prefix: Sequence[float], room: int,
                 window.append(added)
                 values.append(value)
             added += 1
-        floor_bytes, floor_ms = bytes_prefix[e] - room, prefix[e] - limit
-        while low < e and (bytes_prefix[low] < floor_bytes or prefix[low] < floor_ms):
+        floor_bytes, floor_ms = bytes_prefix[e] - room, capped[e] - limit
+        while low < e and (bytes_prefix[low] < floor_bytes or capped[low] < floor_ms):
             low += 1
         while window and window[0] < low:
             window.popleft()
@@ -90,13 +99,13 @@ def stage_times(prefix: Sequence[float]) -> list[float]:
 
 
 class PromptCost:
-    """The prompt cost of a cut: sum(stage times) + sum(hops) + (chunks - 1) x max(stage
-    times and hops)."""
+    """The prompt cost of a cut: sum(stage times) + sum(hops) + rank 0's head (`head_ms`, on
+    the last chunk's row) + (chunks - 1) x max(stage times and hops)."""
 
     def __init__(self, time_prefix: Sequence[Sequence[float]], chunks: int,
-                 hop_ms: Sequence[float]) -> None:
+                 hop_ms: Sequence[float], head_ms: float = 0.0) -> None:
         self.time_prefix, self.chunks, self.hop_ms = time_prefix, chunks, list(hop_ms)
-        self.hop_sum = sum(hop_ms)
+        self.hop_sum = sum(hop_ms) + head_ms  # what every cut of the ring pays once
 
     def stage_ms(self, counts: tuple[int, ...]) -> list[float]:
         times, s = [], 0

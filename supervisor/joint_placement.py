@@ -54,9 +54,17 @@ class Candidate:
     stage_ms: tuple[float, ...] = ()  # each stage's time for the objective, alone
     hop_ms: tuple[float, ...] = ()
     chunks: int = 1  # the prompt objective's chunks (decode: one round)
+    decode: bool = False  # objective_ms is a decode period (supervisor/decode_groups.py)
 
     def shared_ms(self, replicas_on: Mapping[str, int]) -> float:
         """The objective when each node's compute is shared by `replicas_on[node]` replicas."""
+        if self.decode:  # its period alone, and every other replica's turn on a shared node
+            return self.objective_ms + sum(ms * (replicas_on.get(n, 1) - 1)
+                                           for n, ms in zip(self.ring, self.stage_ms))
+        # What sharing adds to the prompt time alone (which also holds rank 0's head).
+        return self.objective_ms + self._prompt_ms(replicas_on) - self._prompt_ms({})
+
+    def _prompt_ms(self, replicas_on: Mapping[str, int]) -> float:
         stages = [ms * replicas_on.get(n, 1) for n, ms in zip(self.ring, self.stage_ms)]
         return (sum(stages) + sum(self.hop_ms)
                 + (self.chunks - 1) * max(stages + list(self.hop_ms)))
@@ -151,7 +159,7 @@ def candidates(spec: ModelSpec, shape: ModelShape,
             stage_ms = tuple(problem.stage_ms(n, kind, r) for n, r in zip(ring, ranges))
             hops = tuple(problem.hops_ms(ring, spec.parallel if decode else spec.chunk) or ())
             out.append(Candidate(ring, counts, cost, tuple(zip(ring, need)), stage_ms, hops,
-                                 1 if decode else problem.chunks))
+                                 1 if decode else problem.chunks, decode))
     order = {n.name: i for i, n in enumerate(nodes)}
     out.sort(key=lambda c: (c.objective_ms, len(c.ring), [order[n] for n in c.ring], c.counts))
     return out

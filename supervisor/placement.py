@@ -7,7 +7,9 @@ for each the best layer ranges: in closed form when every layer has one type (a 
 family's layers all cost the same on a node), by a dynamic program over layer prefixes when
 they differ (a hybrid's DeltaNet and full-attention layers: `supervisor/boundaries.py`).
 `supervisor/ring_cost.py` costs each ring order and finds its best ranges; this module
-chooses among them and explains the choice. docs/placement.md explains the cost model and
+chooses among them and explains the choice. With several streams decoding, a cut is priced
+by the rounds rank 0 keeps in flight and searched by a cap on each stage's work
+(`supervisor/decode_groups.py`). docs/placement.md explains the cost model and
 why both are optimal; tests/supervisor/test_placement.py and test_placement_by_layer_type.py
 check them against a brute force over every boundary.
 """
@@ -94,14 +96,17 @@ class Placement:
     parallel: int
     prompt_tokens: int
     stages: tuple[Stage, ...]  # rank 0 first
-    decode_ms_per_token: float  # one round with `parallel` streams: each gets one token
+    # `parallel` streams decoding: the period of their groups in flight (one round per stage,
+    # supervisor/decode_groups.py), in which each stream gets one token
+    decode_ms_per_token: float
     decode_ms_per_token_single: float  # one stream alone
     prompt_ms: float  # a prompt of `prompt_tokens` tokens, chunk by chunk
     explicit: bool
     runner_up: Alternative | None
     why: tuple[str, ...]
     prompt_cache_slots: int = 0  # kept past `parallel` on every stage: set, or bought
-    head_ms: float = 0.0  # rank 0's final norm, head and sampling, in each decode round
+    # rank 0's final norm, head and sampling, in each decode round (the largest group's rows)
+    head_ms: float = 0.0
 
     @property
     def objective_ms(self) -> float:
@@ -500,4 +505,4 @@ def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], exp
                      decode_ms_per_token_single=problem.decode_ms(ring, counts, 1),
                      prompt_ms=problem.prompt_ms(ring, counts), explicit=explicit,
                      runner_up=runner_up, why=(*why, cache_why), prompt_cache_slots=kept,
-                     head_ms=problem.head_ms(ring[0], spec.parallel))
+                     head_ms=problem.head_ms(ring[0], max(problem.decode_groups(ring))))

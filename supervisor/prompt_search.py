@@ -57,9 +57,10 @@ class RingPrompt:
         self.times = [problem.time_prefix(n, "prefill") for n in ring]
         self.rooms = problem.rooms(ring)
         hops = problem.hops_ms(ring, problem.spec.chunk) or []
-        self.hop_sum, self.hop_max = sum(hops), max(hops, default=0.0)
         self.chunks = problem.chunks
-        self.cost = PromptCost(self.times, self.chunks, hops)
+        self.cost = PromptCost(self.times, self.chunks, hops, problem.head_ms(ring[0], 1))
+        # hop_sum: the hops and rank 0's head, what every cut of the ring pays once
+        self.hop_sum, self.hop_max = self.cost.hop_sum, max(hops, default=0.0)
         self.loose_sum = loose[0]
         self.best: Cut = (self.cost(loose[1]), loose[1])
         # No cut has a stage slower than the slowest hop cheaper than at that hop's time, nor
@@ -147,7 +148,7 @@ class RingPrompt:
 
 
 def least_sum_cuts(problem: RingCosts, rings: Sequence[Ring],
-                   kind: str = "prefill") -> dict[Ring, Cut]:
+                   kind: str | tuple[int, ...] = "prefill") -> dict[Ring, Cut]:
     """Each ring's cut of least sum of stage times (no cap; `kind` as `RingCosts.stage_ms`
     takes it: prompt chunks by default), for the rings that fit; over a tree of prefixes, so
     rings that start alike share their first stages (a decode search uses it too)."""

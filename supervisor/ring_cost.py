@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.hop_choice import choose
 from supervisor.boundaries import TIME_TOLERANCE, min_total_ms, stage_times
+from supervisor.decode_groups import groups_for, period_ms, rows_ms, search_cap
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
     MAX_BUDGET_SLOTS,
@@ -164,7 +165,10 @@ class RingCosts:
             for t in shape.types}
         self.bytes_prefix = list(itertools.accumulate(
             (layer_bytes(layer, self.execution) for layer in shape.layers), initial=0))
-        self._time_prefix: dict[tuple[str, str], list[float]] = {}
+        self._time_prefix: dict[tuple[str, object], list[float]] = {}
+        self._group_fills: dict[tuple, tuple[int, ...] | None] = {}
+        # (node, decode groups' rows) -> layer type -> ms per layer summed over the groups
+        self._group_type_ms: dict[tuple[str, tuple[int, ...]], dict[str, float]] = {}
         self._stage_times: dict[frozenset[str], list[float]] = {}
 
     def fit(self, node: NodeSnapshot, is_rank0: bool) -> int:
@@ -190,15 +194,31 @@ class RingCosts:
         memory = stage_memory(self.shape, self.execution, layer_range, is_rank0)
         return memory.total_bytes + self.cache_charge[name]
 
-    def stage_ms(self, name: str, kind: str, layer_range: tuple[int, int]) -> float:
-        """ms of `name` running the layers of `layer_range` (kind as for `layer_ms`)."""
-        a, b = layer_range
-        return sum((prefix[b] - prefix[a]) * self._type_ms[kind][name][t]
-                   for t, prefix in self._type_prefix.items())
+    def type_ms(self, name: str, kind: str | tuple[int, ...]) -> dict[str, float]:
+        """ms per layer of each type on `name`: `kind` as for `layer_ms`, or a tuple of decode
+        groups' rows, summed over them (`supervisor/decode_groups.py`)."""
+        if isinstance(kind, str):
+            return self._type_ms[kind][name]
+        key = (name, kind)
+        if key not in self._group_type_ms:
+            node, batch = self.nodes[name], self.spec.parallel
+            self._group_type_ms[key] = {
+                t.name: sum(rows_ms(node.ms_per_layer(t.name, "single"),
+                                    node.ms_per_layer(t.name, "batch"), batch, rows)
+                            for rows in kind)
+                for t in self.shape.types}
+        return self._group_type_ms[key]
 
-    def time_prefix(self, name: str, kind: str) -> list[float]:
+    def stage_ms(self, name: str, kind: str | tuple[int, ...],
+                 layer_range: tuple[int, int]) -> float:
+        """ms of `name` running the layers of `layer_range` (kind as for `type_ms`)."""
+        a, b = layer_range
+        ms = self.type_ms(name, kind)
+        return sum((prefix[b] - prefix[a]) * ms[t] for t, prefix in self._type_prefix.items())
+
+    def time_prefix(self, name: str, kind: str | tuple[int, ...]) -> list[float]:
         if (name, kind) not in self._time_prefix:
-            ms = self._type_ms[kind][name]
+            ms = self.type_ms(name, kind)
             self._time_prefix[(name, kind)] = list(itertools.accumulate(
                 (ms[layer.name] for layer in self.shape.layers), initial=0.0))
         return self._time_prefix[(name, kind)]
@@ -232,25 +252,50 @@ class RingCosts:
             out.append(ms)
         return out
 
-    def layer_ms(self, name: str, kind: str) -> float:
-        """ms per layer: "decode" (a round of `parallel` rows), "single" (one row), "prefill"."""
-        return self._layer_ms[kind][name]
+    def layer_ms(self, name: str, kind: str | tuple[int, ...]) -> float:
+        """A uniform model's ms per layer: "decode" (a round of `parallel` rows), "single" (one
+        row), "prefill", or decode groups' rows (as for `type_ms`)."""
+        if isinstance(kind, str):
+            return self._layer_ms[kind][name]
+        return self.type_ms(name, kind)[self._one_type]
 
-    def decode_ms(self, ring: tuple[str, ...], counts: Sequence[int], rows: int) -> float:
-        kind = "decode" if rows == self.spec.parallel else "single"
-        hops = self.hops_ms(ring, rows) or []
-        return (sum(self.stage_ms(n, kind, r) for n, r in zip(ring, layer_ranges(counts)))
-                + sum(hops) + self.head_ms(ring[0], rows))
+    def decode_ms(self, ring: tuple[str, ...], counts: Sequence[int], streams: int) -> float:
+        """A stream's ms per token with `streams` streams decoding at once: the period of
+        the decode groups rank 0 keeps in flight (`supervisor/decode_groups.py`)."""
+        groups = groups_for(streams, len(ring))
+        ranges = layer_ranges(counts)
+        largest = (max(groups),)
+        trip = (sum(self.stage_ms(n, largest, r) for n, r in zip(ring, ranges))
+                + sum(self.hops_ms(ring, largest[0]) or []) + self.head_ms(ring[0], largest[0]))
+        work = [self.stage_ms(n, groups, r) for n, r in zip(ring, ranges)]
+        work[0] += sum(self.head_ms(ring[0], rows) for rows in groups)
+        links = [sum(ms) for ms in zip(*(self.hops_ms(ring, rows) or [] for rows in groups))]
+        return period_ms(trip, work, links)
 
     def head_ms(self, rank0: str, rows: int) -> float:
         """Rank 0's final norm, head and sampling in a decode round of `rows` rows."""
         node = self.nodes[rank0]
-        return node.head_batch_ms if rows == self.spec.parallel > 1 else node.head_ms
+        return rows_ms(node.head_ms, node.head_batch_ms, self.spec.parallel, rows)
+
+    def decode_groups(self, ring: Sequence[str]) -> tuple[int, ...]:
+        """The rows of the decode rounds in flight with `parallel` streams on this ring."""
+        return groups_for(self.spec.parallel, len(ring))
+
+    def _trip_constant(self, ring: tuple[str, ...], groups: tuple[int, ...]) -> float:
+        """The part of the largest group's trip no cut changes: its hops and rank 0's head."""
+        rows = max(groups)
+        return sum(self.hops_ms(ring, rows) or []) + self.head_ms(ring[0], rows)
+
+    def _rank0_head_work(self, ring: tuple[str, ...], groups: tuple[int, ...]) -> float:
+        return sum(self.head_ms(ring[0], rows) for rows in groups)
 
     def prompt_ms(self, ring: tuple[str, ...], counts: Sequence[int]) -> float:
+        """The time to first token of a `prompt_tokens` prompt: its chunks overlapped across
+        the stages, then rank 0's head on the last chunk's one returned row."""
         stages = [self.stage_ms(n, "prefill", r) for n, r in zip(ring, layer_ranges(counts))]
         hops = self.hops_ms(ring, self.spec.chunk) or []
-        return sum(stages) + sum(hops) + (self.chunks - 1) * max(stages + hops)
+        return (sum(stages) + sum(hops) + (self.chunks - 1) * max(stages + hops)
+                + self.head_ms(ring[0], 1))
 
     def best_counts(self, ring: tuple[str, ...],
                     give_up_ms: float = math.inf) -> tuple[int, ...] | None:
@@ -260,15 +305,48 @@ class RingCosts:
         caps = dict(zip(ring, self.caps(ring)))
         if min(caps.values()) < 1 or sum(caps.values()) < self.shape.n_layers:
             return None
-        if self.spec.objective == "decode":  # the fill depends on the set, not the order
+        if self.spec.objective == "decode":
+            groups = self.decode_groups(ring)
+            if len(groups) > 1:  # several rounds in flight: a stage's work may bind
+                return self._group_counts(ring, caps, groups)
+            # One round: the least sum, which depends on the set, not the order.
             key = (ring[0], frozenset(ring))
             if key not in self._decode_fills:
-                self._decode_fills[key] = self._fill(self._by_speed(ring, "decode"), caps)
+                self._decode_fills[key] = self._fill(self._by_speed(ring, groups), caps)
             counts = self._decode_fills[key]
         else:
             hops = self.hops_ms(ring, self.spec.chunk)
             counts = None if hops is None else self._prompt_counts(ring, caps, max(hops, default=0))
         return None if counts is None else tuple(counts[n] for n in ring)
+
+    def _group_counts(self, ring: tuple[str, ...], caps: dict[str, int],
+                      groups: tuple[int, ...]) -> tuple[int, ...] | None:
+        """A uniform model's best counts with several decode groups in flight: the least
+        trip under a cap on every stage's work, the cap found by binary search."""
+        if ring not in self._group_fills:
+            trip = {n: self.layer_ms(n, (max(groups),)) for n in ring}
+            work = {n: self.layer_ms(n, groups) for n in ring}
+            head = {n: self._rank0_head_work(ring, groups) if i == 0 else 0.0
+                    for i, n in enumerate(ring)}
+            fastest_first = sorted(ring, key=lambda n: (trip[n], self.order[n]))
+
+            def least_trip(cap_ms: float):
+                fill = self._fill(fastest_first, {
+                    n: min(caps[n], math.floor((cap_ms - head[n] + TIME_TOLERANCE) / work[n]))
+                    for n in ring})
+                return None if fill is None else (sum(c * trip[n] for n, c in fill.items()),
+                                                  tuple(fill[n] for n in ring))
+
+            found = search_cap([c * work[n] + head[n] for n in ring
+                                for c in range(1, caps[n] + 1)],
+                               self._trip_constant(ring, groups), least_trip,
+                               lambda counts: self.decode_ms(ring, counts, self.spec.parallel))
+            self._group_fills[ring] = None if found is None else found[1]
+        return self._group_fills[ring]
+
+    @property
+    def _one_type(self) -> str:
+        return self.shape.types[0].name
 
     def rooms(self, ring: Sequence[str]) -> list[int]:
         return [self.room(n, i == 0) for i, n in enumerate(ring)]
@@ -278,12 +356,38 @@ class RingCosts:
         """A hybrid's best ranges for this ring order, by the dynamic program (for the prompt
         objective, by `supervisor/prompt_search.py`'s search of caps, only sought below
         `give_up_ms`)."""
-        kind = "decode" if self.spec.objective == "decode" else "prefill"
-        found = min_total_ms([self.time_prefix(n, kind) for n in ring], self.rooms(ring),
+        if self.spec.objective == "decode":
+            found = self.searched_decode_cut(ring)
+            return None if found is None else found[1]
+        found = min_total_ms([self.time_prefix(n, "prefill") for n in ring], self.rooms(ring),
                              self.bytes_prefix)
-        if found is None or kind == "decode" or self.hops_ms(ring, 1) is None:
+        if found is None or self.hops_ms(ring, 1) is None:
             return None if found is None else found[1]
         return RingPrompt(self, ring, found).solve(give_up_ms)[1]
+
+    def searched_decode_cut(self, ring: tuple[str, ...]) -> tuple[float, tuple[int, ...]] | None:
+        """A hybrid's best decode cut for this ring, (its period, counts): the least sum at
+        one round in flight; with several, the least trip under a cap on every stage's work
+        (the dynamic program with a second running sum for the cap), the cap found by
+        binary search."""
+        groups = self.decode_groups(ring)
+        trips = [self.time_prefix(n, (max(groups),)) for n in ring]
+        rooms = self.rooms(ring)
+        if len(groups) == 1:
+            found = min_total_ms(trips, rooms, self.bytes_prefix)
+            return None if found is None else (
+                self.decode_ms(ring, found[1], self.spec.parallel), found[1])
+        works = [self.time_prefix(n, groups) for n in ring]
+        head = self._rank0_head_work(ring, groups)
+
+        def least_trip(cap_ms: float):
+            return min_total_ms(trips, rooms, self.bytes_prefix,
+                                [cap_ms - head] + [cap_ms] * (len(ring) - 1), works)
+
+        caps = [t + (head if i == 0 else 0.0) for i, prefix in enumerate(works)
+                for t in stage_times(prefix)]
+        return search_cap(caps, self._trip_constant(ring, groups), least_trip,
+                          lambda counts: self.decode_ms(ring, counts, self.spec.parallel))
 
     def ring_stage_times(self, ring: tuple[str, ...]) -> list[float]:
         """Every time a prompt chunk's stage on a node of `ring` can take, ascending: the caps
@@ -294,7 +398,7 @@ class RingCosts:
                                              for t in stage_times(self.time_prefix(n, "prefill"))})
         return self._stage_times[key]
 
-    def _by_speed(self, names: Sequence[str], kind: str) -> list[str]:
+    def _by_speed(self, names: Sequence[str], kind: str | tuple[int, ...]) -> list[str]:
         return sorted(names, key=lambda n: (self.layer_ms(n, kind), self.order[n]))
 
     def _fill(self, fastest_first: Sequence[str], caps: dict[str, int]) -> dict[str, int] | None:
@@ -380,9 +484,23 @@ def search_rings(problem: RingCosts, rings: list[tuple[str, ...]]) -> tuple[list
     if problem.uniform:
         results = [r for ring in rings if (r := problem.ring_result(ring)) is not None]
         return results, len(results)
-    if problem.spec.objective == "decode":  # every ring's least sum, over shared prefixes
-        cuts = least_sum_cuts(problem, rings, "decode")
-        return [problem.result_for(ring, counts) for ring, (_, counts) in cuts.items()], len(cuts)
+    if problem.spec.objective == "decode":
+        # One round in flight (one stream, one stage): every ring's least sum, over shared
+        # prefixes. Several: each ring's own search of caps.
+        single = [r for r in rings if len(problem.decode_groups(r)) == 1]
+        cuts = {}
+        for length in sorted({len(r) for r in single}):
+            same = [r for r in single if len(r) == length]
+            rows = (max(problem.decode_groups(same[0])),)
+            cuts.update(least_sum_cuts(problem, same, rows))
+        results = [problem.result_for(ring, counts) for ring, (_, counts) in cuts.items()]
+        for ring in rings:
+            if len(problem.decode_groups(ring)) > 1 and len(ring) <= problem.shape.n_layers \
+                    and problem.hops_ms(ring, 1) is not None:
+                found = problem.searched_decode_cut(ring)
+                if found is not None:
+                    results.append(problem.result_for(ring, found[1]))
+        return results, len(results)
     searched, fitting = search_prompt_rings(problem, rings)
     return [problem.result_for(ring, counts) for ring, counts in searched], fitting
 

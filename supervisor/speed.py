@@ -5,10 +5,16 @@ and `bench/placement.py`; and the time to first token it predicts for the model'
 length (its chunks overlapped across the stages), which `bench/placement.py` measures
 from a client.
 
-The two are the same quantity: one decode round of `rows` rows around the ring, every
-stage's layers and every hop, and rank 0's final norm, head and sampling. Rank 0's figure
-also holds what the model leaves out (the embeddings' lookup, building and handing off the
-round on the host), which is part of the error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
+The two are the same quantity: a stream's ms per token, which rank 0 measures as a decode
+round's time from launch to landing. One stream alone: one round of one row around the
+ring, every stage's layers and every hop, and rank 0's final norm, head and sampling.
+`parallel` streams: rank 0 keeps one round per stage in flight, each a group of the streams
+(`supervisor/decode_groups.py`), so a round's time from launch to landing is the period of
+the groups: the largest group's trip, or the busiest stage's or link's work over every
+group, whichever is longest. Rank 0's rounds are counted by their rows, a group's (on a ring
+of as many stages as streams, 1: the same label as one stream alone). Rank 0's figure also
+holds what the model leaves out (the embeddings' lookup, building and handing off the round
+on the host), which is part of the error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class Predicted:
     """The cost model's decode ms per token for one layout, and its time to first token."""
 
     single_ms: float  # one stream alone: a round of one row
-    parallel_ms: float  # `parallel` streams at once: a round of `parallel` rows
+    parallel_ms: float  # `parallel` streams at once: the period of their groups in flight
     parallel: int
     nominal: tuple[str, ...] = ()  # inputs that were guesses, not measurements
     prompt_ms: float | None = None  # a prompt of `prompt_tokens`, its chunks overlapped
@@ -118,9 +124,9 @@ def speed_report(predicted: Predicted | str | None,
                        prompt_tokens=predicted.prompt_tokens)
         for rows, seen in out["measured"].items():
             expected = predicted.ms_for_rows(int(rows))
-            if expected:
-                seen["predicted_ms_per_token"] = round(expected, 3)
-                seen["error_pct"] = round((expected - seen["ms_per_token"])
+            if expected:  # the error of the figures shown, so a reader can check it
+                seen["predicted_ms_per_token"] = shown = round(expected, 3)
+                seen["error_pct"] = round((shown - seen["ms_per_token"])
                                           / seen["ms_per_token"] * 100, 1)
     elif predicted:
         out["no_prediction"] = predicted

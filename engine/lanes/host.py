@@ -25,7 +25,6 @@ or a bug in the loop itself fails the engine.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,7 +41,13 @@ from engine.lanes.model_drafting import ModelDrafting
 from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot, resume_point
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
-from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
+from engine.pipeline.round_builder import (
+    BuiltRound,
+    Lane,
+    RoundInputs,
+    build_round,
+    decode_rows_per_round,
+)
 from engine.pipeline.runner import RoundRunner
 from engine.rounds import Op, RoundPlan
 from engine.sampling import Choice, RowDraw, SampledRows, SamplingBatch, SamplingParams
@@ -527,10 +532,9 @@ class LaneHost:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _round_inputs(self) -> RoundInputs:
-        decode_rows = None
-        if self.depth > 1:  # groups of decode rows, one per stage, to keep every stage busy
-            decoding = sum(s is not None and s.decoding for s in self.slots)
-            decode_rows = max(1, math.ceil(decoding / self.depth))
+        # Groups of decode rows, one per stage, to keep every stage busy.
+        decoding = sum(s is not None and s.decoding for s in self.slots)
+        decode_rows = decode_rows_per_round(decoding, self.depth)
         return RoundInputs(
             round_no=self.round_no + 1,
             lanes=tuple(None if s is None else s.lane(self.chunk) for s in self.slots),

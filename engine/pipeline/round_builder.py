@@ -13,6 +13,7 @@ of the round, in arrival order, and ride the same round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.rounds import Op, RoundPlan, StreamEntry
@@ -61,6 +62,27 @@ class BuiltRound:
     taken: int  # waiters that leave the queue: the admitted and the ended ones before them
     admitted: tuple[tuple[int, int], ...]  # (index in `waiting`, slot) for each admission
     released: tuple[int, ...]  # lanes to empty now: their streams ended before their slot opened
+
+
+def decode_rows_per_round(decoding: int, depth: int) -> int | None:
+    """The decode rows a round may carry when `decoding` streams decode and `depth` rounds
+    may be in flight: ceil(decoding / depth), so the streams go round in `depth` groups and
+    every stage has one (None: depth 1, one round takes every stream). The lane host builds
+    its rounds with it and the supervisor prices a cut by it (`decode_groups`)."""
+    if depth <= 1:
+        return None
+    return max(1, math.ceil(decoding / depth))
+
+
+def decode_groups(streams: int, depth: int) -> tuple[int, ...]:
+    """The rows of each round in flight once `streams` streams all decode with `depth` rounds
+    allowed: groups of `decode_rows_per_round` in slot order, the last one what is left
+    (5 streams at depth 4: 2, 2, 1; the fourth round finds every stream busy)."""
+    if streams < 1:
+        return ()
+    per_round = decode_rows_per_round(streams, depth) or streams
+    full, rest = divmod(streams, per_round)
+    return (per_round,) * full + ((rest,) if rest else ())
 
 
 def build_round(inputs: RoundInputs) -> BuiltRound:

@@ -170,3 +170,38 @@ def test_every_plan_built_is_one_a_stages_slot_table_accepts(inputs):
     assert built.taken <= len(inputs.waiting)
     assert all(inputs.lanes[slot].ending and not inputs.slots[slot].open
                for slot in built.released)
+
+
+def groups_in_flight(streams: int, depth: int, rounds: int = 12) -> list[int]:
+    """The lane host's loop in miniature: fill up to `depth` rounds (a busy stream rides
+    nothing), land the oldest, again; the rows of the rounds in flight once it settles."""
+    from collections import deque
+
+    from engine.pipeline.round_builder import decode_rows_per_round
+
+    busy: set[int] = set()
+    flying: deque[tuple[int, ...]] = deque()
+    seen: list[int] = []
+    for round_no in range(1, rounds + 1):
+        while len(flying) < depth:
+            lanes = tuple(Lane((), 5) if s in busy else Lane((7,), 5) for s in range(streams))
+            built = build_round(RoundInputs(round_no, lanes, tuple(opened(5)
+                                                                   for _ in range(streams)),
+                                            chunk=None,
+                                            decode_rows=decode_rows_per_round(streams, depth)))
+            if built.plan is None:
+                break
+            ids = tuple(e.stream_id for e in built.plan.entries)
+            busy.update(ids)
+            flying.append(ids)
+        seen = sorted((len(ids) for ids in flying), reverse=True)
+        busy.difference_update(flying.popleft())
+    return seen
+
+
+@pytest.mark.parametrize("streams,depth", [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (4, 2),
+                                           (5, 2), (5, 4), (6, 3), (7, 3), (8, 8), (3, 8)])
+def test_decode_groups_are_the_rounds_the_builder_keeps_in_flight(streams, depth):
+    from engine.pipeline.round_builder import decode_groups
+
+    assert list(decode_groups(streams, depth)) == groups_in_flight(streams, depth)

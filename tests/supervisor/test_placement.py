@@ -12,6 +12,7 @@ import random
 import pytest
 
 from engine.checkpoint.maker import CheckpointSpec, config_json, tensor_plan
+from engine.pipeline.round_builder import decode_groups
 from supervisor.fleet_config import BACKENDS, CheckpointPaths, ExplicitStage, ModelSpec
 from supervisor.memory import (
     ExecutionShape,
@@ -117,18 +118,44 @@ def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
                            > by_name[n].usable_memory_bytes
                            for i, (n, r) in enumerate(zip(ring, ranges))):
                         continue
-                    batch = "decode_batch_ms_per_layer" if s.parallel > 1 \
-                        else "decode_ms_per_layer"
-                    head = by_name[r0].head_batch_ms if s.parallel > 1 else by_name[r0].head_ms
-                    decode = (sum(ms(by_name[n], shape, r, batch) for n, r in zip(ring, ranges))
-                              + sum(hops_decode) + head)
+                    decode = decode_period(s, shape, [by_name[n] for n in ring], ranges,
+                                           lambda rows, ring=ring: hops(ring, rows))
                     stages = [ms(by_name[n], shape, r, "prefill_ms_per_layer")
                               for n, r in zip(ring, ranges)]
-                    prompt = (sum(stages) + sum(hops_chunk)
+                    prompt = (sum(stages) + sum(hops_chunk) + by_name[r0].head_ms
                               + (chunks - 1) * max(stages + hops_chunk))
                     cost = decode if s.objective == "decode" else prompt
                     best = cost if best is None else min(best, cost)
     return best
+
+
+def at_rows(single: float, batch: float, parallel: int, rows: int) -> float:
+    """A figure timed at 1 and `parallel` rows, at `rows` rows: on the line through them."""
+    if rows == 1 or parallel == 1:
+        return single
+    return single + (batch - single) * (rows - 1) / (parallel - 1)
+
+
+def decode_period(s: ModelSpec, shape: ModelShape, ring: list[NodeSnapshot],
+                  ranges: list[tuple[int, int]], hops) -> float:
+    """A stream's ms per token with `parallel` streams, straight from the design: the rounds
+    in flight are the lane host's groups (one round per stage), and a token comes as often
+    as the slowest of the largest group's trip, a stage's work over every group, a link's."""
+    groups = decode_groups(s.parallel, len(ring))
+
+    def stage(node, r, rows):
+        return at_rows(ms(node, shape, r, "decode_ms_per_layer"),
+                       ms(node, shape, r, "decode_batch_ms_per_layer"), s.parallel, rows)
+
+    def head(rows):
+        return at_rows(ring[0].head_ms, ring[0].head_batch_ms, s.parallel, rows)
+
+    big = max(groups)
+    trip = sum(stage(n, r, big) for n, r in zip(ring, ranges)) + sum(hops(big)) + head(big)
+    work = [sum(stage(n, r, rows) + (head(rows) if i == 0 else 0.0) for rows in groups)
+            for i, (n, r) in enumerate(zip(ring, ranges))]
+    links = [sum(hops(rows)[k] for rows in groups) for k in range(len(hops(big)))]
+    return max([trip, *work, *links])
 
 
 def random_case(rng: random.Random):
@@ -269,12 +296,25 @@ def test_prompt_and_decode_objectives_choose_differently():
 
 def test_prompt_objective_balances_stages_for_many_chunks():
     # Two equal nodes: with many chunks, the pipeline pays the slowest stage per chunk,
-    # so the prompt objective splits evenly where decode keeps one node.
+    # so the prompt objective splits evenly where decode of one stream keeps one node (a
+    # second stage only adds its hop to a lone stream's trip).
     a, b = node("a", 500, prefill=10.0), node("b", 500, prefill=10.0)
     nodes = mesh([a, b], rtt_ms=0.01, bandwidth=1e12)
     p = place(spec(objective="prompt", context=4000), SHAPE, nodes)
     assert [st.layer_range for st in p.stages] == [(0, 4), (4, 8)]
-    assert place(spec(objective="decode"), SHAPE, nodes).ring == ("a",)
+    assert place(spec(objective="decode", parallel=1), SHAPE, nodes).ring == ("a",)
+
+
+def test_two_streams_on_two_equal_nodes_split_evenly_one_group_on_each():
+    # A round of both streams on one node: 8 layers x 1.5 ms = 12 ms a token. Split, rank 0
+    # keeps one stream's round on each stage: every layer at one row, 8 x 1.0 ms a trip, and
+    # each stage runs both groups' 4 layers, 8 ms: 8 ms a token, at an even cut only.
+    a, b = node("a", 500, decode=1.0, batch=1.5), node("b", 500, decode=1.0, batch=1.5)
+    nodes = mesh([a, b], rtt_ms=0.0, bandwidth=1e15)
+    p = place(spec(objective="decode", parallel=2), SHAPE, nodes)
+    assert [st.layer_range for st in p.stages] == [(0, 4), (4, 8)]
+    assert p.decode_ms_per_token == pytest.approx(8.0, rel=1e-6)
+    assert p.decode_ms_per_token_single == pytest.approx(8.0, rel=1e-6)
 
 
 def test_a_slow_node_is_left_out_and_explained():
