@@ -19,6 +19,7 @@ back to rank 0 (only a prompt's last row does) attends over what it has.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,3 +56,71 @@ class DraftHead(Protocol):
         row in its own slot, after that slot's kept entries), then the draft steps, step j
         of every stream still drafting as one batch, so a round of streams x k drafts
         reads the head's weights and the vocabulary's head k times, not streams x k."""
+
+
+class HeadSteps(Protocol):
+    """What a backend's head gives the draft loop both backends share (`draft_in_batches`):
+    its entry counts and the few array operations the loop needs, in that backend's arrays."""
+
+    count: list[int]  # entries each slot's cache holds
+
+    def forward(self, slots: Sequence[int], hidden: Any, token_ids: Any,
+                positions: Sequence[int]) -> Any:
+        """Rows [n, hidden] with their next tokens [n], each written as its slot's next
+        entry: the head's output rows [n, hidden]."""
+
+    def fed_rows(self, asks: Sequence[DraftAsk]) -> Any:
+        """Every ask's `hidden[rows]`, in order, as one batch [rows, hidden]."""
+
+    def ids(self, values: Sequence[int]) -> Any:
+        """Token ids as the backend's index array."""
+
+    def take(self, x: Any, indices: Sequence[int]) -> Any:
+        """The rows of `x` at `indices`."""
+
+    def greedy(self, out: Any) -> Any:
+        """Each output row's most likely next token, by the model's head [rows]."""
+
+
+def draft_in_batches(head: HeadSteps, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
+    """`DraftHead.draft` on any backend: each slot cut back to its kept entries, every
+    stream's feed as one batch, then draft step j of every stream still drafting as one
+    batch, each step fed the last step's output row and its guess, one position on."""
+    if not asks:
+        return []
+    for a in asks:  # each slot's cache back to the stream's own rows
+        head.count[a.slot] = a.kept
+    fed = head.forward([a.slot for a in asks for _ in a.tokens], head.fed_rows(asks),
+                       head.ids([t for a in asks for t in a.tokens]),
+                       [p for a in asks for p in range(a.position, a.position + len(a.tokens))])
+    ends = list(itertools.accumulate(len(a.tokens) for a in asks))
+    next_position = [a.position + len(a.tokens) for a in asks]
+    drafts: list[list[int]] = [[] for _ in asks]
+    live = [i for i, a in enumerate(asks) if a.count > 0]
+    out = head.take(fed, [ends[i] - 1 for i in live])
+    step = 0
+    while live:
+        tokens = head.greedy(out)  # [streams still drafting]
+        for i, token in zip(live, tokens.tolist(), strict=True):
+            drafts[i].append(token)
+        step += 1
+        going = [j for j, i in enumerate(live) if asks[i].count > step]
+        if not going:
+            break
+        live = [live[j] for j in going]
+        out = head.forward([asks[i].slot for i in live], head.take(out, going),
+                           head.take(tokens, going), [next_position[i] + step - 1 for i in live])
+    return [tuple(d) for d in drafts]
+
+
+def next_entries(count: list[int], slots: Sequence[int], capacity: int) -> list[int]:
+    """Each row's entry in its slot's cache, rows of one slot in order after its last,
+    advancing `count`; ValueError naming the entry for a row past a slot's `capacity`."""
+    entries = []
+    for slot in slots:
+        entries.append(count[slot])
+        count[slot] += 1
+    if max(entries) >= capacity:
+        raise ValueError(f"the draft head's cache holds {capacity} entries a slot; a row "
+                         f"would be entry {max(entries)}")
+    return entries

@@ -8,7 +8,6 @@ cache of the head's own per slot, entries stored compactly (engine.draft_head).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from engine.backends.mlx.llama import linear, mlp
 from engine.backends.mlx.quant import Weight
 from engine.backends.mlx.qwen3_5 import one_plus
 from engine.config import ModelConfig
-from engine.draft_head import DraftAsk
+from engine.draft_head import DraftAsk, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
 
 
@@ -57,36 +56,22 @@ class MtpHead:
         return mx.fast.rms_norm(rows, self.model.norm, self.config.rms_norm_eps)
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
-        if not asks:
-            return []
-        for a in asks:  # each slot's cache back to the stream's own rows
-            self.count[a.slot] = a.kept
-        # Every stream's rows in one batch, each stream's in order after its kept entries.
-        h = mx.concatenate([a.hidden[mx.array(a.rows, dtype=mx.int32)] for a in asks])
-        token_ids = mx.array([t for a in asks for t in a.tokens], dtype=mx.int32)
-        fed = self.forward([a.slot for a in asks for _ in a.tokens], h, token_ids,
-                           [p for a in asks for p in range(a.position,
-                                                           a.position + len(a.tokens))])
-        ends = list(itertools.accumulate(len(a.tokens) for a in asks))
-        next_position = [a.position + len(a.tokens) for a in asks]
-        drafts: list[list[int]] = [[] for _ in asks]
-        live = [i for i, a in enumerate(asks) if a.count > 0]
-        out = fed[mx.array([ends[i] - 1 for i in live], dtype=mx.int32)]
-        step = 0
-        while live:  # step j of every stream still drafting, as one batch of rows
-            tokens = mx.argmax(self.logits(out), axis=-1).astype(mx.int32)  # [streams]
-            for i, token in zip(live, tokens.tolist(), strict=True):
-                drafts[i].append(token)
-            step += 1
-            going = [j for j, i in enumerate(live) if asks[i].count > step]
-            if not going:
-                break
-            pick = mx.array(going, dtype=mx.int32)
-            live = [live[j] for j in going]
-            out = self.forward([asks[i].slot for i in live], out[pick], tokens[pick],
-                               [next_position[i] + step - 1 for i in live])
+        drafts = draft_in_batches(self, asks)
         mx.eval(self.k, self.v)
-        return [tuple(d) for d in drafts]
+        return drafts
+
+    # The draft loop's array operations (engine.draft_head.HeadSteps).
+    def fed_rows(self, asks: Sequence[DraftAsk]) -> mx.array:
+        return mx.concatenate([a.hidden[self.ids(a.rows)] for a in asks])
+
+    def ids(self, values: Sequence[int]) -> mx.array:
+        return mx.array(list(values), dtype=mx.int32)
+
+    def take(self, x: mx.array, indices: Sequence[int]) -> mx.array:
+        return x[self.ids(indices)]
+
+    def greedy(self, out: mx.array) -> mx.array:
+        return mx.argmax(self.logits(out), axis=-1).astype(mx.int32)
 
     def logits(self, out: mx.array) -> mx.array:
         """The model's head over the head's output rows: [rows, vocab] float32."""
@@ -99,15 +84,8 @@ class MtpHead:
         is written after its slot's last (rows of one slot in order), and it attends over
         its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
-        entries = []  # each row's entry index in its slot's cache
-        for slot in slots:
-            entries.append(self.count[slot])
-            self.count[slot] += 1
-        if max(entries) >= self.k.shape[2]:
-            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
-                             f"a row would be entry {max(entries)}")
-        at = (mx.array(list(slots), dtype=mx.int32), mx.array(entries, dtype=mx.int32),
-              mx.array(list(positions), dtype=mx.int32), max(entries) + 1)
+        entries = next_entries(self.count, slots, self.k.shape[2])
+        at = (self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1)
         e = mx.fast.rms_norm(self.model.embed_tokens(token_ids), self.w.embed_norm, eps)
         h = mx.fast.rms_norm(hidden, self.w.hidden_norm, eps)
         x = linear(mx.concatenate((e, h), axis=-1), self.w.fc)

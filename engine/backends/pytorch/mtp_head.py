@@ -9,7 +9,6 @@ layer, over a KV cache of the head's own per slot whose entries are stored compa
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from engine.backends.pytorch.llama import Rope, mlp
 from engine.backends.pytorch.qwen3_5 import partial_rope, rms_norm
 from engine.config import ModelConfig
-from engine.draft_head import DraftAsk
+from engine.draft_head import DraftAsk, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
 
 
@@ -54,38 +53,20 @@ class MtpHead:
         return rms_norm(rows, self.final_norm, self.config.rms_norm_eps)
 
     def draft(self, asks: Sequence[DraftAsk]) -> list[tuple[int, ...]]:
-        if not asks:
-            return []
-        device = self.embed.device
-        for a in asks:  # each slot's cache back to the stream's own rows
-            self.count[a.slot] = a.kept
-        # Every stream's rows in one batch, each stream's in order after its kept entries.
-        h = torch.cat([a.hidden[torch.tensor(a.rows, dtype=torch.int64, device=device)]
-                       for a in asks])
-        token_ids = torch.tensor([t for a in asks for t in a.tokens], dtype=torch.int64,
-                                 device=device)
-        fed = self.forward([a.slot for a in asks for _ in a.tokens], h, token_ids,
-                           [p for a in asks for p in range(a.position,
-                                                           a.position + len(a.tokens))])
-        ends = list(itertools.accumulate(len(a.tokens) for a in asks))
-        next_position = [a.position + len(a.tokens) for a in asks]
-        drafts: list[list[int]] = [[] for _ in asks]
-        live = [i for i, a in enumerate(asks) if a.count > 0]
-        out = fed[torch.tensor([ends[i] - 1 for i in live], dtype=torch.int64, device=device)]
-        step = 0
-        while live:  # step j of every stream still drafting, as one batch of rows
-            tokens = self.logits(out).argmax(-1)  # [streams]
-            for i, token in zip(live, tokens.tolist(), strict=True):
-                drafts[i].append(token)
-            step += 1
-            going = [j for j, i in enumerate(live) if asks[i].count > step]
-            if not going:
-                break
-            pick = torch.tensor(going, dtype=torch.int64, device=device)
-            live = [live[j] for j in going]
-            out = self.forward([asks[i].slot for i in live], out[pick], tokens[pick],
-                               [next_position[i] + step - 1 for i in live])
-        return [tuple(d) for d in drafts]
+        return draft_in_batches(self, asks)
+
+    # The draft loop's array operations (engine.draft_head.HeadSteps).
+    def fed_rows(self, asks: Sequence[DraftAsk]) -> torch.Tensor:
+        return torch.cat([a.hidden[self.ids(a.rows)] for a in asks])
+
+    def ids(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64, device=self.embed.device)
+
+    def take(self, x: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        return x[self.ids(indices)]
+
+    def greedy(self, out: torch.Tensor) -> torch.Tensor:
+        return self.logits(out).argmax(-1)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """The model's head over the head's output rows: [rows, vocab] float32."""
@@ -98,18 +79,8 @@ class MtpHead:
         is written after its slot's last (rows of one slot in order), and it attends over
         its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
-        entries = []  # each row's entry index in its slot's cache
-        for slot in slots:
-            entries.append(self.count[slot])
-            self.count[slot] += 1
-        if max(entries) >= self.k.shape[2]:
-            raise ValueError(f"the draft head's cache holds {self.k.shape[2]} entries a slot; "
-                             f"a row would be entry {max(entries)}")
-        device = hidden.device
-        at = _RowsAt(torch.tensor(list(slots), dtype=torch.int64, device=device),
-                     torch.tensor(entries, dtype=torch.int64, device=device),
-                     torch.tensor(list(positions), dtype=torch.int64, device=device),
-                     max(entries) + 1)
+        entries = next_entries(self.count, slots, self.k.shape[2])
+        at = _RowsAt(self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1)
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
