@@ -37,6 +37,19 @@ def completions(fleet) -> tuple[object, list, str]:
     return whole, chunks, metrics
 
 
+def plain_and_drafted(model_dir, stages, drafter: str, draft_tokens: int, tmp_path):
+    """`completions` of a torch + MLX ring without a drafter, then with `drafter`."""
+    runs = []
+    for name in ("off", drafter):
+        with launch(model_dir, stages, ["torch-cpu", "mlx-cpu"], context=CONTEXT, parallel=2,
+                    chunk=CHUNK, run_dir=tmp_path / name,
+                    extra_env={"FLEET_DRAFTER": name,
+                               "FLEET_DRAFT_TOKENS": str(draft_tokens)}) as fleet:
+            fleet.wait_ready()
+            runs.append(completions(fleet))
+    return runs
+
+
 def counter(metrics: str, name: str) -> float:
     found = re.search(rf"^{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
     assert found, f"{name} not in /metrics"
@@ -45,15 +58,8 @@ def counter(metrics: str, name: str) -> float:
 
 def test_a_drafting_ring_answers_as_a_plain_one_and_counts_its_drafts(make_model, tmp_path):
     model_dir = make_model("llama", seed=8)
-    stages, backends = [(0, 1), (1, 3)], ["torch-cpu", "mlx-cpu"]
-    runs = {}
-    for drafter in ("off", "ngram"):
-        with launch(model_dir, stages, backends, context=CONTEXT, parallel=2, chunk=CHUNK,
-                    run_dir=tmp_path / drafter, extra_env={"FLEET_DRAFTER": drafter,
-                                                           "FLEET_DRAFT_TOKENS": "7"}) as fleet:
-            fleet.wait_ready()
-            runs[drafter] = completions(fleet)
-    (plain, _, plain_metrics), (drafted, chunks, metrics) = runs["off"], runs["ngram"]
+    (plain, _, plain_metrics), (drafted, chunks, metrics) = plain_and_drafted(
+        model_dir, [(0, 1), (1, 3)], "ngram", 7, tmp_path)
     assert drafted.choices[0].text == plain.choices[0].text
     assert drafted.choices[0].logprobs.tokens == plain.choices[0].logprobs.tokens
     np.testing.assert_allclose(drafted.choices[0].logprobs.token_logprobs,
@@ -80,15 +86,8 @@ def test_a_ring_drafting_with_the_mtp_head_answers_as_a_plain_one(make_model, tm
     MTP head, an MLX follower does not, and the reply is the plain ring's. On random
     weights its drafts are refused but for chance, so only that it drafted is checked."""
     model_dir = make_model("qwen3_5", mtp=True, seed=12)
-    stages, backends = [(0, 2), (2, 4)], ["torch-cpu", "mlx-cpu"]
-    runs = {}
-    for drafter in ("off", "mtp"):
-        with launch(model_dir, stages, backends, context=CONTEXT, parallel=2, chunk=CHUNK,
-                    run_dir=tmp_path / drafter, extra_env={"FLEET_DRAFTER": drafter,
-                                                           "FLEET_DRAFT_TOKENS": "3"}) as fleet:
-            fleet.wait_ready()
-            runs[drafter] = completions(fleet)
-    (plain, _, _), (drafted, chunks, metrics) = runs["off"], runs["mtp"]
+    (plain, _, _), (drafted, chunks, metrics) = plain_and_drafted(
+        model_dir, [(0, 2), (2, 4)], "mtp", 3, tmp_path)
     assert drafted.choices[0].text == plain.choices[0].text
     assert drafted.choices[0].logprobs.tokens == plain.choices[0].logprobs.tokens
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
