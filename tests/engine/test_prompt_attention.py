@@ -82,8 +82,10 @@ def test_a_cuda_stage_prompts_alike_through_cudnn_and_flash(make_model, monkeypa
         driver = RoundDriver(LocalRunner(stage))
         for start in range(0, len(prompt), 64):  # chunks after a prefix, the last of 44
             logits[kernel] = driver.round({0: prompt[start:start + 64]})[0]
-    torch.testing.assert_close(torch.as_tensor(logits["cudnn"]).float(),
-                               torch.as_tensor(logits["flash"]).float(), atol=5e-2, rtol=5e-2)
+    cudnn, flash = (torch.as_tensor(logits[k]).float() for k in ("cudnn", "flash"))
+    # bfloat16 kernels that sum in other orders: a tenth of the logits' spread at most, where
+    # a wrong mask or merge moves them by the whole of it.
+    assert (cudnn - flash).abs().max() <= 0.1 * flash.std()
 
 
 def stage_layers(model_dir) -> int:
