@@ -150,8 +150,12 @@ def test_rank0s_head_is_read_from_the_calibration_and_costed_once_a_round():
     b = replace(a, name="b", links=(LinkSnapshot("a", 1.0, 1e9),), head_ms=1.0,
                 head_batch_ms=2.0)
     costs = RingCosts(SPEC, SHAPE, [a, b], SPEC.prompt_length)
-    hops = sum(costs.hops_ms(("a", "b"), 4))
+    hops = sum(costs.hops_ms(("a", "b"), 1))
     n = SHAPE.n_layers
-    assert costs.decode_ms(("a", "b"), (2, n - 2), 4) == pytest.approx(3.0 * n + hops + 11.0)
-    assert costs.decode_ms(("b", "a"), (2, n - 2), 4) == pytest.approx(3.0 * n + hops + 2.0)
+    # One stream: one round goes round, paying rank 0's head once, whichever node that is.
+    assert costs.decode_ms(("a", "b"), (2, n - 2), 1) == pytest.approx(2.0 * n + hops + 7.0)
+    assert costs.decode_ms(("b", "a"), (2, n - 2), 1) == pytest.approx(2.0 * n + hops + 1.0)
     assert costs.decode_ms(("a",), (n,), 1) == pytest.approx(2.0 * n + 7.0)
+    # One stage and 4 streams: one round of 4 rows, the head at 4 rows. (Several stages
+    # keep several rounds in flight: tests/supervisor/test_decode_groups.py.)
+    assert costs.decode_ms(("a",), (n,), 4) == pytest.approx(3.0 * n + 11.0)
