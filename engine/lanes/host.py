@@ -430,25 +430,32 @@ class LaneHost:
         loop one hand-off to the thread and one back, not two of each. Raises RoundFailed
         naming the round whose launch or landing raised."""
         def run() -> T:
+            if launch_first is not None:
+                launched, launch = launch_first
+                try:
+                    launch()
+                except Exception as exc:
+                    raise RoundFailed(launched.plan) from exc
+            return call()
+
+        try:
+            return await self._on_round_thread(run)
+        except RoundFailed:
+            raise
+        except Exception as exc:
+            raise RoundFailed(round_.plan) from exc
+
+    async def _on_round_thread(self, call: Callable[[], T]) -> T:
+        """`call` on the round thread, owed (`_round_calls_*`) from the hand-off until it
+        returns."""
+        def run() -> T:
             try:
-                if launch_first is not None:
-                    launched, launch = launch_first
-                    try:
-                        launch()
-                    except Exception as exc:
-                        raise RoundFailed(launched.plan) from exc
                 return call()
             finally:
                 self._round_calls_done += 1
 
         self._round_calls_handed += 1  # before the hand-off: a call queued is owed as well
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, run)
-        except RoundFailed:
-            raise
-        except Exception as exc:
-            raise RoundFailed(round_.plan) from exc
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     async def _propose_drafts(self) -> None:
         """Each stream's drafts for the round about to be built. A draft head computes on
@@ -456,16 +463,8 @@ class LaneHost:
         lands; prompt lookup runs here."""
         if self.drafts is None or not self.drafts.head:
             self._propose()
-            return
-
-        def run() -> None:
-            try:
-                self._propose()
-            finally:
-                self._round_calls_done += 1
-
-        self._round_calls_handed += 1
-        await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        else:
+            await self._on_round_thread(self._propose)
 
     def _propose(self) -> None:
         """Each stream's drafts: prompt lookup's at once, the draft head's together."""
