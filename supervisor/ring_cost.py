@@ -266,9 +266,9 @@ class RingCosts:
         ranges = layer_ranges(counts)
         largest = (max(groups),)
         trip = (sum(self.stage_ms(n, largest, r) for n, r in zip(ring, ranges))
-                + sum(self.hops_ms(ring, largest[0]) or []) + self.head_ms(ring[0], largest[0]))
+                + self._trip_constant(ring, groups))
         work = [self.stage_ms(n, groups, r) for n, r in zip(ring, ranges)]
-        work[0] += sum(self.head_ms(ring[0], rows) for rows in groups)
+        work[0] += self._rank0_head_work(ring, groups)
         links = [sum(ms) for ms in zip(*(self.hops_ms(ring, rows) or [] for rows in groups))]
         return period_ms(trip, work, links)
 
