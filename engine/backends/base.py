@@ -111,6 +111,15 @@ def open_range(spec: StageSpec, checkpoint: Checkpoint | None = None) -> OpenedR
     return OpenedRange(checkpoint, config, quant)
 
 
+def require_draft_head(config: ModelConfig, spec: StageSpec) -> None:
+    """A BackendError naming the checkpoint where FLEET_DRAFTER=mtp finds no MTP head in it:
+    what both backends check before they load one."""
+    if not config.family.draft_head_tensors(config):
+        raise BackendError(f"FLEET_DRAFTER=mtp needs a checkpoint with an MTP head: "
+                           f"{spec.model_dir}/config.json gives mtp_num_hidden_layers "
+                           f"{config.mtp_num_hidden_layers} for model_type {config.model_type}")
+
+
 def layer_progress(spec: StageSpec, progress: Progress | None) -> Callable[[int], None] | None:
     """A per-layer callback reporting (layers done, layers in range, "layers"), or None."""
     if progress is None:

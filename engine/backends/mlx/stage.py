@@ -10,7 +10,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
+from engine.backends.base import (
+    BackendError,
+    OpenedRange,
+    Stage,
+    StageSpec,
+    require_draft_head,
+)
 from engine.backends.family_modules import family_module
 from engine.backends.mlx import sampling
 from engine.backends.mlx.quant import QuantizedWeight, Weight
@@ -149,8 +155,5 @@ def load_draft_head(config: ModelConfig, spec: StageSpec,
     head and rotary; a BackendError where the checkpoint has none."""
     from engine.backends.mlx.mtp_head import MtpHead
 
-    if not config.family.draft_head_tensors(config):
-        raise BackendError(f"FLEET_DRAFTER=mtp needs a checkpoint with an MTP head: "
-                           f"{spec.model_dir}/config.json gives mtp_num_hidden_layers "
-                           f"{config.mtp_num_hidden_layers} for model_type {config.model_type}")
+    require_draft_head(config, spec)
     return MtpHead.load(config, load, model, spec.parallel, spec.context, dtype)

@@ -10,7 +10,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.backends.base import BackendError, OpenedRange, Stage, StageSpec
+from engine.backends.base import (
+    BackendError,
+    OpenedRange,
+    Stage,
+    StageSpec,
+    require_draft_head,
+)
 from engine.backends.family_modules import family_module
 from engine.backends.pytorch import dequant, packed_linear, sampling
 from engine.backends.pytorch.compiled_step import (
@@ -163,10 +169,7 @@ def load_draft_head(config: ModelConfig, spec: StageSpec,
     head and rotary tables; a BackendError where the checkpoint has none."""
     from engine.backends.pytorch.mtp_head import MtpHead
 
-    if not config.family.draft_head_tensors(config):
-        raise BackendError(f"FLEET_DRAFTER=mtp needs a checkpoint with an MTP head: "
-                           f"{spec.model_dir}/config.json gives mtp_num_hidden_layers "
-                           f"{config.mtp_num_hidden_layers} for model_type {config.model_type}")
+    require_draft_head(config, spec)
     with torch.inference_mode():
         return MtpHead.load(config, load, model.embed, model.head, model.norm, model.rope,
                             spec.parallel, spec.context)
