@@ -5,9 +5,11 @@
 # rounds at long conversations, Triton kernel against SDPA), tuning (bench/packed_tuning.py:
 # the packed kernels' launches), packed (bench/quantized.py), profile (bench/stage_profile.py:
 # a packed stage's round kernel by kernel),
-# anchor (short conversations against the compiled anchor), hybrid (bench/qwen3_5_decode.py),
+# anchor (short conversations against the compiled anchor), anchor-profile (its rounds
+# kernel by kernel), hybrid (bench/qwen3_5_decode.py),
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
-# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
+# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape), verify-mtp (the MTP head's
+# round at that shape against a plain round),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
@@ -53,6 +55,12 @@ for what in "$@"; do
         --device cuda --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 \
         --no-reference ;;
     tuning) step tuning 420 python3 bench/packed_tuning.py ;;
+    anchor-profile)  # a short conversation's decode round kernel by kernel, 1 and 8 streams:
+      # the kernels' sum against the step the anchor bench times shows the host's share
+      for streams in 1 8; do
+        step "anchor-profile-$streams" 150 python3 bench/decode_profile.py --preset 8b \
+          --streams "$streams" --prompt 32 --context 32768 --rounds 10 --top 30
+      done ;;
     profile)
       step profile-graphs 250 python3 bench/stage_profile.py --rows 1 --top 14
       step profile-eager 300 python3 bench/stage_profile.py --rows 8 --no-graphs --top 12 ;;
@@ -108,6 +116,8 @@ for what in "$@"; do
         tests/engine/test_kernels_cuda.py ;;
     verify-hybrid) step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda \
         --hybrid --layers 8 ;;
+    verify-mtp) step verify-mtp 300 python3 bench/verify_rounds.py --device cuda --mtp \
+        --layers 8 --drafts 1,2,3 --streams 1,4 ;;
     hybrid-verify-checks)  # a hybrid's verify rows as decode rows, in captured graphs
       step test_qwen3_5_verify 150 python3 -m pytest -q -x -p no:cacheprovider -rs \
         tests/engine/test_qwen3_5_verify.py -k cuda
