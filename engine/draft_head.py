@@ -113,6 +113,33 @@ def draft_in_batches(head: HeadSteps, asks: Sequence[DraftAsk]) -> list[tuple[in
     return [tuple(d) for d in drafts]
 
 
+@dataclass(frozen=True)
+class SlotGroups:
+    """A call's rows grouped by slot, for the head's attention: each slot's rows attend over
+    that slot's entries, read once for all of them, as a batch of [slots, most rows] queries
+    (a slot with fewer rows padded). A prompt chunk's rows then share their slot's keys,
+    where gathering them for each row would cost rows x context."""
+
+    slots: list[int]  # the call's slots, in the order first seen
+    group: list[int]  # per row: its slot's index in `slots`
+    within: list[int]  # per row: its index among its slot's rows
+    most: int  # the most rows one slot has
+
+    @classmethod
+    def of(cls, slots: Sequence[int]) -> SlotGroups:
+        index: dict[int, int] = {}
+        taken: list[int] = []
+        group, within = [], []
+        for slot in slots:
+            if slot not in index:
+                index[slot] = len(taken)
+                taken.append(0)
+            group.append(index[slot])
+            within.append(taken[index[slot]])
+            taken[index[slot]] += 1
+        return cls(list(index), group, within, max(taken))
+
+
 def next_entries(count: list[int], slots: Sequence[int], capacity: int) -> list[int]:
     """Each row's entry in its slot's cache, rows of one slot in order after its last,
     advancing `count`; ValueError naming the entry for a row past a slot's `capacity`."""
