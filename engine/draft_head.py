@@ -1,20 +1,22 @@
 """A draft head on rank 0 (Qwen3.5's MTP head): what a backend's head offers the drafter.
 
 The head is the checkpoint's own small predictor of the token after next: it reads the
-hidden row (after the final norm) that scored a stream's newest token beside that token's
-embedding, runs one full-attention decoder layer with a KV cache of its own, and scores
-the token after with the model's head. Fed its own output and its own guess, it guesses
-again, so k steps give k drafts (engine.lanes.model_drafting). Each backend has one file
+hidden row (after the final norm) of a position beside the embedding of the token that
+follows it (a prompt's next token; the token the row scored), runs one full-attention
+decoder layer with a KV cache of its own, and scores the token after with the model's
+head. Fed its own output and its own guess, it guesses again, so k steps give k drafts
+(engine.lanes.model_drafting). Each backend has one file
 (`engine/backends/<backend>/mtp_head.py`); the weights' names and shapes are the family's
 description's (`draft_head_tensors`), read by `engine.family.load_draft_head`.
 
 Its cache holds, per slot, one entry for each row it was fed, in order: the rows of the
-stream's own tokens first (`kept`), then the entries its last drafts wrote. A draft call
-cuts back to the kept entries before it writes anything, which is the keep of a verify
-round for the head: the drafts' entries are dropped whether or not the ring accepted them,
-and the accepted tokens' own rows are fed next time. Entries are stored compactly (each
-with its own rotary position already applied), so a stream whose prompt rows never came
-back to rank 0 (only a prompt's last row does) attends over what it has.
+stream's own tokens first (`kept`: its prompt's, each beside the prompt's next token, then
+its reply's), then the entries its last drafts wrote. A draft call cuts back to the kept
+entries before it writes anything, which is the keep of a verify round for the head: the
+drafts' entries are dropped whether or not the ring accepted them, and the accepted
+tokens' own rows are fed next time. Entries are stored compactly (each with its own rotary
+position already applied), so a stream whose cache skips a position (a prompt-cache
+resume that could not keep it, engine.lanes.model_drafting) attends over what it has.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class DraftAsk:
     """One stream's turn at the head: cut `slot`'s cache back to its first `kept` entries;
-    feed it `hidden[rows]` (the normed rows that scored `tokens`, the first of them at
-    `position`) with the embeddings of `tokens`, one entry each; then propose `count`
-    tokens (greedy), each after the last of `tokens`, writing an entry for every draft but
-    the last. `count` 0 only feeds."""
+    feed it `hidden[rows]` (normed rows, the first of them at `position`) with the
+    embeddings of `tokens` (the token after each row: the prompt's next one, or the one
+    the row scored), one entry each; then propose `count` tokens (greedy), each after the
+    last of `tokens`, writing an entry for every draft but the last. `count` 0 only feeds
+    (a prompt chunk's rows, or a stream paused from drafting)."""
 
     slot: int
     kept: int
@@ -111,6 +114,33 @@ def draft_in_batches(head: HeadSteps, asks: Sequence[DraftAsk]) -> list[tuple[in
         out = head.forward([asks[i].slot for i in live], head.take(out, going),
                            head.take(tokens, going), [next_position[i] + step - 1 for i in live])
     return [tuple(d) for d in drafts]
+
+
+@dataclass(frozen=True)
+class SlotGroups:
+    """A call's rows grouped by slot, for the head's attention: each slot's rows attend over
+    that slot's entries, read once for all of them, as a batch of [slots, most rows] queries
+    (a slot with fewer rows padded). A prompt chunk's rows then share their slot's keys,
+    where gathering them for each row would cost rows x context."""
+
+    slots: list[int]  # the call's slots, in the order first seen
+    group: list[int]  # per row: its slot's index in `slots`
+    within: list[int]  # per row: its index among its slot's rows
+    most: int  # the most rows one slot has
+
+    @classmethod
+    def of(cls, slots: Sequence[int]) -> SlotGroups:
+        index: dict[int, int] = {}
+        taken: list[int] = []
+        group, within = [], []
+        for slot in slots:
+            if slot not in index:
+                index[slot] = len(taken)
+                taken.append(0)
+            group.append(index[slot])
+            within.append(taken[index[slot]])
+            taken[index[slot]] += 1
+        return cls(list(index), group, within, max(taken))
 
 
 def next_entries(count: list[int], slots: Sequence[int], capacity: int) -> list[int]:

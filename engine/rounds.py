@@ -89,9 +89,13 @@ class RoundPlan:
             start += entry.rows
         return spans
 
-    def returned_rows(self) -> list[int]:
+    def returned_rows(self, every_row: bool = False) -> list[int]:
         """Row indices that travel back to rank 0: every row of a verify entry, the last row
-        of each other entry with rows."""
+        of each other entry with rows (the rows rank 0's head scores). `every_row`: every
+        row of the round, where rank 0 drafts with a draft head, which reads a prompt's
+        rows too (engine.draft_head); the head still scores only the rows above."""
+        if every_row:
+            return list(range(self.total_rows))
         return [row for entry, start, stop in self.row_spans() if entry.rows
                 for row in (range(start, stop) if entry.verifies else (stop - 1,))]
 

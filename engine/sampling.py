@@ -108,8 +108,8 @@ class SamplingBatch:
     bias_token: np.ndarray  # [m] int64
     bias_value: np.ndarray  # [m] float32
     keep_logits: bool = False  # also bring every returned row's logits to the host
-    # Also keep the returned rows as the draft head reads them (engine.draft_head), for
-    # rank 0's drafter: they stay on the head's device.
+    # Also keep every row of the round as the draft head reads them (engine.draft_head),
+    # for rank 0's drafter: they stay on the head's device.
     keep_hidden: bool = False
     greedy: np.ndarray = field(init=False)  # batch positions, each kind ascending
     plain: np.ndarray = field(init=False)
@@ -162,7 +162,7 @@ class SampledRows:
     top_logprobs: np.ndarray  # [n, max_top] float32
     finite: np.ndarray  # [n] bool: the row's logits were all finite
     logits: np.ndarray | None = None  # [returned rows, vocab] float32, when the batch asked
-    # [returned rows, hidden], the draft head's input, on the device, when the batch asked
+    # [the round's rows, hidden], the draft head's input, on the device, when the batch asked
     hidden: Any = None
 
     @classmethod

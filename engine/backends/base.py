@@ -60,7 +60,8 @@ class StageSpec:
     # Rank 0 drafts (FLEET_DRAFTER): a hybrid's stages keep a recurrent state per verify row.
     drafting: bool = False
     # Rank 0 drafts with the checkpoint's draft head (FLEET_DRAFTER=mtp): its first stage
-    # loads the head (engine.draft_head) beside the embeddings.
+    # loads the head (engine.draft_head) beside the embeddings, and the last stage returns
+    # every row of a round, since the head reads a prompt's rows too.
     draft_head: bool = False
 
     @property
@@ -223,7 +224,7 @@ class Stage(ABC):
             x = self._run_layers(x, layout)
             for slot in saving:  # where a full prompt chunk ended: a later RESUME's start
                 self.model.cache.save_recurrent(slot)
-            returned = plan.returned_rows()
+            returned = plan.returned_rows(self.spec.draft_head)
             if self.is_last and len(returned) < plan.total_rows:
                 x = self._take_rows(x, returned)  # [streams, hidden]
             return self._settle(x)
@@ -257,6 +258,12 @@ class Stage(ABC):
             if batch.keep_logits:
                 sampled = replace(sampled, logits=self._to_numpy(logits))
             return sampled
+
+    def take_rows(self, rows: Any, indices: list[int]) -> Any:
+        """rows[indices], a new array: the rows the head scores among every returned row
+        where rank 0 drafts with a draft head (RoundPlan.returned_rows)."""
+        with self._computing():
+            return self._settle(self._take_rows(rows, indices))
 
     def draft_rows(self, rows: Any) -> Any:
         """What the draft head reads of a round's returned rows (their final norm), held

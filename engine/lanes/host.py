@@ -38,7 +38,13 @@ import structlog
 
 from engine.lanes.drafting import Drafting, PromptLookup
 from engine.lanes.model_drafting import ModelDrafting
-from engine.lanes.prompt_cache import ChunkRecord, KeptPrompt, choose_slot, resume_point
+from engine.lanes.prompt_cache import (
+    ChunkRecord,
+    KeptPrompt,
+    choose_slot,
+    head_entries_kept,
+    resume_point,
+)
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
 from engine.pipeline.round_builder import (
@@ -54,6 +60,10 @@ from engine.sampling import Choice, RowDraw, SampledRows, SamplingBatch, Samplin
 
 log = structlog.get_logger()
 T = TypeVar("T")
+# What a draft head reads of a stream's entry (engine.lanes.model_drafting): the round's
+# rows the entry ran, the position of the first, and the tokens already known to follow
+# the first of them (a prompt's); the rest follow the tokens the round hands out.
+HeadRows = tuple[tuple[int, ...], int, tuple[int, ...]]
 
 
 class Busy(Exception):
@@ -116,9 +126,8 @@ class Launched:
     # stream id -> its draws' positions in the batch, in row order (a verify entry draws
     # once a row), for each stream whose rows predict its next tokens
     drawn: dict[int, range]
-    # stream id -> (the returned rows its draws score, the position of the first of them):
-    # what a draft head reads of the round (engine.lanes.model_drafting)
-    scored: dict[int, tuple[tuple[int, ...], int]]
+    # stream id -> what a draft head reads of the round, for each stream that drafts with one
+    head_rows: dict[int, HeadRows]
     decode_rows: int  # its rows, when all are decode rows (else 0): the metrics' measure
     started_s: float
 
@@ -332,6 +341,9 @@ class LaneHost:
         free = [i for i, s in enumerate(self.slots) if s is None]
         slot, resume = choose_slot(free, self.kept, stream.request.prompt_ids, self.chunk,
                                    self.recurrent)
+        if isinstance(stream.drafting, ModelDrafting):  # the draft head's entries of the slot
+            stream.drafting.resumed(head_entries_kept(self.kept[slot],
+                                                      stream.request.prompt_ids, resume))
         self.slots[slot], stream.slot = stream, slot
         self.kept[slot] = None  # resumed or opened afresh, the slot's state is the stream's
         stream.resume = stream.fed = resume
@@ -470,18 +482,22 @@ class LaneHost:
         """Each stream's drafts: prompt lookup's at once, the draft head's together."""
         asks = []
         for stream in self.slots:
-            room = None if stream is None else stream.draft_room(self.context)
-            if room is None:
+            if stream is None or stream.drafting is None:
                 continue
+            room = stream.draft_room(self.context)
             if isinstance(stream.drafting, ModelDrafting):
-                if (ask := stream.drafting.ask(room)) is not None:
-                    asks.append((stream, ask))
-            else:
+                # A stream still reading its prompt (room None) feeds its chunks' rows as
+                # they land, so the head's cache keeps up with the prompt.
+                if not (stream.finished or stream.cancelled) \
+                        and (ask := stream.drafting.ask(room)) is not None:
+                    asks.append((stream, ask, room is not None))
+            elif room is not None:
                 stream.draft = stream.drafting.propose(room)
         if asks:
-            drafts = self.runner.stage.draft([ask for _, ask in asks])
-            for (stream, _), draft in zip(asks, drafts, strict=True):
-                stream.draft = draft
+            drafts = self.runner.stage.draft([ask for _, ask, _ in asks])
+            for (stream, _, drafts_now), draft in zip(asks, drafts, strict=True):
+                if drafts_now:
+                    stream.draft = draft
 
     def _round_failed(self, plan: RoundPlan, exc: Exception) -> None:
         log.error("round failed", round=plan.round_no, error=str(exc))
@@ -494,17 +510,24 @@ class LaneHost:
         whose returned row predicts its next token: a decode row, or a prompt's last chunk)."""
         draws: list[RowDraw] = []
         drawn: dict[int, range] = {}
-        scored: dict[int, tuple[tuple[int, ...], int]] = {}
+        head_rows: dict[int, HeadRows] = {}
         returned = plan.returned_by_stream()
         decode_only = True
-        for entry in plan.entries:
+        for entry, start, stop in plan.row_spans():
             stream = self.slots[entry.stream_id]
             stream.busy_in = plan.round_no
             if entry.op in (Op.CLOSE, Op.CANCEL):
                 continue
-            prompt = len(stream.request.prompt_ids)
+            prompt_ids = stream.request.prompt_ids
+            prompt = len(prompt_ids)
             decode_only &= entry.first >= prompt
             rows = returned[entry.stream_id]
+            ended = stream.cancelled or stream.finished
+            if isinstance(stream.drafting, ModelDrafting) and not ended:
+                # Each prompt row pairs with the prompt's next token; the prompt's last
+                # row, and a decode or verify entry's rows, with the tokens handed out.
+                known = prompt_ids[entry.first + 1:entry.end + 1] if stream.fed < prompt else ()
+                head_rows[entry.stream_id] = (tuple(range(start, stop)), entry.first, known)
             if stream.fed < prompt:
                 stream.chunks.ran(entry.first, entry.rows)
                 stream.fed += entry.rows
@@ -512,20 +535,17 @@ class LaneHost:
                     stream.busy_in = 0  # a mid-prompt chunk: the next chunk may follow it
                     continue
                 rows = rows[-1:]  # a prompt's tail predicts one token: its last row's
-                first = entry.first + entry.rows - 1
             else:
                 stream.verifying, stream.draft = stream.draft[:entry.rows - 1], ()
                 stream.keep_rows = None
-                first = entry.first
-            if not (stream.cancelled or stream.finished):
+            if not ended:
                 drawn[entry.stream_id] = range(len(draws), len(draws) + len(rows))
-                scored[entry.stream_id] = (tuple(rows), first)
                 draws.extend(stream.sampler.draw(row, stream.request.top_logprobs, ahead=i)
                              for i, row in enumerate(rows))
         batch = SamplingBatch.of(draws, keep_logits=self.on_round is not None,
                                  keep_hidden=self.drafts is not None and self.drafts.head)
         decode_rows = len(plan.returned_rows()) if decode_only else 0
-        return Launched(plan, drawn, scored, decode_rows, time.monotonic()), batch
+        return Launched(plan, drawn, head_rows, decode_rows, time.monotonic()), batch
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -564,11 +584,16 @@ class LaneHost:
                 if entry.op == Op.CLOSE:  # its state stays on every stage for a later hit
                     self.kept[entry.stream_id] = self._kept(stream, launched.plan.round_no)
                 continue
-            if stream.cancelled or stream.finished or entry.stream_id not in at:
-                continue  # ended meanwhile, or a mid-prompt chunk: nothing to hand out
+            if stream.cancelled or stream.finished:
+                continue  # ended meanwhile: nothing to hand out
+            head_rows = launched.head_rows.get(entry.stream_id)
+            if entry.stream_id not in at:  # a mid-prompt chunk: its rows for the draft head
+                if head_rows is not None:
+                    rows, first, known = head_rows
+                    stream.drafting.landed(stream.slot, sampled.hidden, rows, known, first)
+                continue
             try:
-                self._take_verified(stream, sampled, at[entry.stream_id], now,
-                                    launched.scored[entry.stream_id])
+                self._take_verified(stream, sampled, at[entry.stream_id], now, head_rows)
             except Exception as exc:  # noqa: BLE001 - one stream's fault ends that stream only
                 log.warning("stream failed", round=launched.plan.round_no,
                             stream=entry.stream_id, error=f"{type(exc).__name__}: {exc}")
@@ -584,14 +609,18 @@ class LaneHost:
         if not reusable:
             return None
         fed = (*stream.request.prompt_ids, *stream.generated[:-1])
-        return KeptPrompt(tuple(fed[:reusable]), round_no)
+        head_tokens: tuple[int, ...] = ()
+        if isinstance(stream.drafting, ModelDrafting) and stream.drafting.in_step:
+            in_step = stream.drafting.in_step  # entries t < in_step rest on tokens 0..t + 1
+            head_tokens = (*stream.request.prompt_ids, *stream.generated)[:in_step + 1]
+        return KeptPrompt(tuple(fed[:reusable]), round_no, head_tokens)
 
     def _note_settled(self) -> None:
         if self.idle():
             self._settled.set()
 
-    def _take_verified(self, stream: Stream, sampled: SampledRows, draws: range,
-                       now: float, scored: tuple[tuple[int, ...], int]) -> None:
+    def _take_verified(self, stream: Stream, sampled: SampledRows, draws: range, now: float,
+                       head_rows: HeadRows | None) -> None:
         """Hand out a landed entry's tokens: the first draw's, then while each draw equals
         the draft it scored (the draft is confirmed), the next draw's, until a draft is
         refused or the stream ends. Its next entry keeps the rows that ran the tokens handed
@@ -606,10 +635,10 @@ class LaneHost:
             accepted += confirmed
             if reason or not confirmed:
                 break
-        if isinstance(stream.drafting, ModelDrafting) and not reason:
-            rows, first = scored  # the rows that scored the tokens handed out
-            stream.drafting.landed(stream.slot, sampled.hidden, rows[:taken],
-                                   stream.generated[-taken:], first)
+        if head_rows is not None and not reason:
+            rows, first, known = head_rows  # the rows before those that scored the tokens
+            stream.drafting.landed(stream.slot, sampled.hidden, rows[:len(known) + taken],
+                                   (*known, *stream.generated[-taken:]), first)
         if drafts:
             stream.keep_rows = taken
             stream.drafting.verified(len(drafts), accepted)

@@ -13,6 +13,7 @@ prompt starts with, and a resume point on a chunk boundary, so the new prompt's 
 chunks are the fresh run's too. Decode rows (the earlier reply) are run again: one row at
 a time, their bits are not a prompt chunk's. A hybrid resumes only where its recurrent
 state was saved. At least one prompt row always runs, for the logits of the first token.
+Rank 0's draft head keeps entries of the slot's positions too (`head_entries_kept`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class KeptPrompt:
 
     tokens: tuple[int, ...]  # the token ids of its reusable positions [0, len(tokens))
     closed_round: int  # the round that closed it: the least recent is replaced first
+    # Where rank 0 drafts with a draft head: the tokens its entries for the slot rest on.
+    # Entry t pairs position t's row with token t + 1, so the first len - 1 entries hold
+    # positions 0, 1, ... and rest on these tokens (engine.lanes.model_drafting).
+    head_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -95,3 +100,14 @@ def choose_slot(free: Sequence[int], kept: Sequence[KeptPrompt | None], prompt: 
                                     kept[s] is None,
                                     -(kept[s].closed_round if kept[s] else 0)))
     return best, resume_point(kept[best], prompt, chunk, recurrent)
+
+
+def head_entries_kept(kept: KeptPrompt | None, prompt: Sequence[int], resume: int) -> int:
+    """Entries of the draft head's cache a stream whose `prompt` resumes `kept` at `resume`
+    keeps: those of positions before the resume point whose row and next token are the
+    prompt's (entry t rests on tokens 0 to t + 1). The entry just before the resume point
+    stays only where the old stream's next token was the prompt's too: its row is not run
+    again, so a different one cannot be fed."""
+    if kept is None or not resume:
+        return 0
+    return min(resume, max(0, shared_prefix(kept.head_tokens, prompt) - 1))

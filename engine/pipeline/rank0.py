@@ -1,7 +1,8 @@
 """Rank 0's round runner for a pipeline: plan to every stage, rows round the ring, head.
 
 Rank 0 embeds and runs its own range, sends the rows to rank 1, and gets back from the
-last rank only the rows it needs (the last row of each stream in the round). The plan
+last rank only the rows it needs (the last row of each stream in the round, every row of a
+verify entry; every row of the round where it drafts with a draft head). The plan
 goes to every follower before rank 0 computes, so all stages apply it to their slots.
 
 Up to `depth` rounds are in flight: rank 0 launches round k+1 while round k is on the
@@ -137,7 +138,8 @@ class PipelineRunner(LaunchAndLand):
             return round_.head(None)  # it only closed slots: nothing comes back
         clock.mark("queued")  # rank 0 launching later rounds, or the lane host between rounds
         back = receive_ring_rows(self.ring, self.stage, plan.round_no,
-                                 len(plan.returned_rows()), self.round_deadline_s)
+                                 len(plan.returned_rows(self.stage.spec.draft_head)),
+                                 self.round_deadline_s)
         clock.mark("ring")  # every other stage, and every hop
         result = round_.head(back)
         clock.mark("head")  # and sampling, when the head samples

@@ -34,11 +34,20 @@ def head_of(stage: Stage, plan: RoundPlan, batch: SamplingBatch | None) -> Head:
     if not plan.total_rows:
         nothing = np.empty((0, 0), dtype=np.float32) if batch is None else SampledRows.empty()
         return lambda _rows: nothing
+    scored = plan.returned_rows()
+    if stage.spec.draft_head and len(scored) < plan.total_rows:
+        # Every row came back, for the draft head; the head scores only the usual ones.
+        def scored_of(rows: Any) -> Any:
+            return stage.take_rows(rows, scored)
+    else:
+        def scored_of(rows: Any) -> Any:
+            return rows
     if batch is None:
-        return stage.logits
-    if batch.keep_hidden:  # rank 0's draft head reads them after the round lands
-        return lambda rows: replace(stage.sample(rows, batch), hidden=stage.draft_rows(rows))
-    return lambda rows: stage.sample(rows, batch)
+        return lambda rows: stage.logits(scored_of(rows))
+    if batch.keep_hidden:  # rank 0's draft head reads every row after the round lands
+        return lambda rows: replace(stage.sample(scored_of(rows), batch),
+                                    hidden=stage.draft_rows(rows))
+    return lambda rows: stage.sample(scored_of(rows), batch)
 
 
 class RoundRunner(Protocol):

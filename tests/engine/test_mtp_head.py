@@ -71,6 +71,21 @@ def reference(model_dir: Path):
     return lm, mtp
 
 
+def reference_drafts(lm, mtp, hidden, tokens, count: int) -> list[int]:
+    """The reference's greedy chain of `count` drafts after the head has read `hidden` [n, h]
+    (rows of positions 0..n-1) beside `tokens` [n] (each row's next token): each step one
+    more entry (its output and its guess), the whole sequence run again."""
+    torch = require("torch")
+    chain, seq_h, seq_t = [], hidden, tokens
+    last = mtp(seq_h, seq_t, 0)[-1:]
+    for _ in range(count):
+        token = lm.lm_head(last).argmax(-1)
+        chain.append(int(token))
+        seq_h, seq_t = torch.cat((seq_h, last)), torch.cat((seq_t, token))
+        last = mtp(seq_h, seq_t, 0)[-1:]
+    return chain
+
+
 @pytest.mark.parametrize("backend", ["torch-cpu", "mlx-cpu"])
 def test_head_matches_transformers_components(model_dir: Path, backend: str) -> None:
     torch = require("torch")
@@ -85,15 +100,7 @@ def test_head_matches_transformers_components(model_dir: Path, backend: str) -> 
         n = PROMPT  # row i scored ids[i + 1]
         want = mtp(hidden[:n], ids[1:n + 1], 0)  # [n, h]
         want_logits = lm.lm_head(want).float().numpy()
-        # The reference's greedy chain of 3 drafts after the last row: each step one more
-        # entry (its output and its guess), the whole sequence run again.
-        chain, seq_h, seq_t = [], hidden[:n], ids[1:n + 1]
-        last = want[-1:]
-        for _ in range(3):
-            token = lm.lm_head(last).argmax(-1)
-            chain.append(int(token))
-            seq_h, seq_t = torch.cat((seq_h, last)), torch.cat((seq_t, token))
-            last = mtp(seq_h, seq_t, 0)[-1:]
+        chain = reference_drafts(lm, mtp, hidden[:n], ids[1:n + 1], 3)
 
     config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     stage = load_stage(StageSpec(model_dir, (0, config.num_hidden_layers), backend, parallel=4,

@@ -63,10 +63,15 @@ class KnownHead:
         guesses = []
         for ask, drafts in zip(asks, real, strict=True):
             assert len(drafts) == ask.count
-            self.fed_rows = max(self.fed_rows, len(ask.rows))
-            done = ask.position + len(ask.tokens) - len(prompts(1)[0]) + 1  # generated so far
-            reply = next(r for r in self.replies
-                         if r[done - len(ask.tokens):done] == list(ask.tokens))
+            if not ask.count:  # a prompt chunk's rows, or a paused stream's: fed only
+                guesses.append(())
+                continue
+            prompt = len(prompts(1)[0])
+            if ask.position >= prompt:  # a decode or verify round's rows, not the prompt's
+                self.fed_rows = max(self.fed_rows, len(ask.rows))
+            done = ask.position + len(ask.tokens) - prompt + 1  # generated so far
+            handed = list(ask.tokens[-min(done, len(ask.tokens)):])  # the reply's tokens
+            reply = next(r for r in self.replies if r[done - len(handed):done] == handed)
             guess = list(reply[done:done + ask.count])
             if done % 3 == 1 and len(guess) > 1:
                 guess[1] = (guess[1] + 1) % 300

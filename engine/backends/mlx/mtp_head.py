@@ -17,7 +17,7 @@ from engine.backends.mlx.llama import linear, mlp
 from engine.backends.mlx.quant import Weight
 from engine.backends.mlx.qwen3_5 import one_plus
 from engine.config import ModelConfig
-from engine.draft_head import DraftAsk, draft_in_batches, next_entries
+from engine.draft_head import DraftAsk, SlotGroups, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
 
 
@@ -85,7 +85,16 @@ class MtpHead:
         its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
         entries = next_entries(self.count, slots, self.k.shape[2])
-        at = (self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1)
+        groups = SlotGroups.of(slots)
+        padded = [[0] * groups.most for _ in groups.slots]  # a padding row sees entry 0
+        for g, j, entry in zip(groups.group, groups.within, entries, strict=True):
+            padded[g][j] = entry
+        # slot, entry, rotary position [rows]; the span of entries; the rows grouped by slot
+        # (engine.draft_head.SlotGroups): the slots, each row's slot and place among its
+        # slot's rows, each place's entry [slots, most rows]
+        at = (self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1,
+              self.ids(groups.slots), self.ids(groups.group), self.ids(groups.within),
+              mx.array(padded, dtype=mx.int32))
         e = mx.fast.rms_norm(self.model.embed_tokens(token_ids), self.w.embed_norm, eps)
         h = mx.fast.rms_norm(hidden, self.w.hidden_norm, eps)
         x = linear(mx.concatenate((e, h), axis=-1), self.w.fc)
@@ -94,10 +103,9 @@ class MtpHead:
             x = x + mlp(mx.fast.rms_norm(x, w.post_norm, eps), w)
         return mx.fast.rms_norm(x, self.w.norm, eps)
 
-    def _attention(self, layer: int, x: mx.array, w: LayerWeights,
-                   at: tuple[mx.array, mx.array, mx.array, int]) -> mx.array:
+    def _attention(self, layer: int, x: mx.array, w: LayerWeights, at: tuple) -> mx.array:
         c = self.config
-        slots, entries, positions, span = at
+        slots, entries, positions, span, group_slots, group, within, padded = at
         rows, d, heads = x.shape[0], c.head_dim, c.num_attention_heads
         q_and_gate = linear(x, w.q).reshape(rows, heads, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(rows, heads * d)
@@ -109,13 +117,18 @@ class MtpHead:
         # Every row's K and V first, so rows of one slot see the earlier rows of the call.
         self.k[layer, slots, entries] = k.astype(self.k.dtype)
         self.v[layer, slots, entries] = v.astype(self.v.dtype)
-        keys = self.k[layer, slots, :span].transpose(0, 2, 1, 3)  # [rows, kv heads, span, d]
-        values = self.v[layer, slots, :span].transpose(0, 2, 1, 3)
-        seen = mx.arange(span)[None, :] <= entries[:, None]  # [rows, span]
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values,
-                                                   scale=d ** -0.5,
-                                                   mask=seen[:, None, None, :])
-        out = out.reshape(rows, heads * d)  # [rows, heads, 1, d] -> [rows, q width]
+        # [slots, kv heads, span, d]: each slot's entries, once for all its rows
+        keys = self.k[layer, group_slots, :span].transpose(0, 2, 1, 3)
+        values = self.v[layer, group_slots, :span].transpose(0, 2, 1, 3)
+        queries = mx.zeros((len(group_slots), padded.shape[1], heads, d), dtype=q.dtype)
+        queries[group, within] = q  # [slots, most rows, heads, d]
+        # [slots, most rows, span]: each row sees its slot's entries up to its own
+        seen = mx.arange(span)[None, None, :] <= padded[:, :, None]
+        out = mx.fast.scaled_dot_product_attention(queries.transpose(0, 2, 1, 3), keys,
+                                                   values, scale=d ** -0.5,
+                                                   mask=seen[:, None])
+        # [slots, heads, most rows, d] -> [rows, q width]
+        out = out.transpose(0, 2, 1, 3)[group, within].reshape(rows, heads * d)
         return linear(out * mx.sigmoid(gate), w.o)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine.backends.pytorch.llama import Rope, mlp
 from engine.backends.pytorch.qwen3_5 import partial_rope, rms_norm
 from engine.config import ModelConfig
-from engine.draft_head import DraftAsk, draft_in_batches, next_entries
+from engine.draft_head import DraftAsk, SlotGroups, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
 
 
@@ -80,7 +80,13 @@ class MtpHead:
         its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
         entries = next_entries(self.count, slots, self.k.shape[2])
-        at = _RowsAt(self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1)
+        groups = SlotGroups.of(slots)
+        padded = [[0] * groups.most for _ in groups.slots]  # a padding row sees entry 0
+        for g, j, entry in zip(groups.group, groups.within, entries, strict=True):
+            padded[g][j] = entry
+        at = _RowsAt(self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1,
+                     self.ids(groups.slots), self.ids(groups.group), self.ids(groups.within),
+                     torch.tensor(padded, dtype=torch.int64, device=self.embed.device))
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
@@ -102,26 +108,37 @@ class MtpHead:
         self.k[layer, at.slots, at.entries] = k
         self.v[layer, at.slots, at.entries] = v
         groups = c.num_attention_heads // c.num_key_value_heads
-        # [rows, heads, span, d]: each row's slot's entries
-        keys = self.k[layer, at.slots, :at.span].transpose(1, 2).repeat_interleave(groups, 1)
-        values = self.v[layer, at.slots, :at.span].transpose(1, 2).repeat_interleave(groups, 1)
-        seen = torch.arange(at.span, device=x.device)[None, :] <= at.entries[:, None]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
-                                             attn_mask=seen[:, None, None, :],
-                                             scale=d ** -0.5)  # [rows, heads, 1, d]
-        out = out.reshape(rows, c.q_width)
+        # [slots, heads, span, d]: each slot's entries, once for all its rows
+        keys = self.k[layer, at.group_slots, :at.span].transpose(1, 2)
+        keys = keys.repeat_interleave(groups, 1)
+        values = self.v[layer, at.group_slots, :at.span].transpose(1, 2)
+        values = values.repeat_interleave(groups, 1)
+        queries = q.new_zeros(len(at.group_slots), at.padded.shape[1], *q.shape[1:])
+        queries[at.group, at.within] = q  # [slots, most rows, heads, d]
+        # [slots, most rows, span]: each row sees its slot's entries up to its own
+        seen = torch.arange(at.span, device=x.device)[None, None, :] <= at.padded[:, :, None]
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
+                                             attn_mask=seen[:, None],
+                                             scale=d ** -0.5)  # [slots, heads, most rows, d]
+        out = out.transpose(1, 2)[at.group, at.within].reshape(rows, c.q_width)
         return F.linear(out * torch.sigmoid(gate.reshape(rows, c.q_width)), w.o)
 
 
 @dataclass(frozen=True)
 class _RowsAt:
     """Where a call's rows sit: slot, entry in the slot's cache, rotary position [rows]
-    each, and the longest span of entries a row attends over."""
+    each, the longest span of entries a row attends over, and the rows grouped by slot
+    (engine.draft_head.SlotGroups): the slots [slots], each row's slot and place among its
+    slot's rows [rows], and each place's entry [slots, most rows]."""
 
     slots: torch.Tensor
     entries: torch.Tensor
     positions: torch.Tensor
     span: int
+    group_slots: torch.Tensor
+    group: torch.Tensor
+    within: torch.Tensor
+    padded: torch.Tensor
 
 
 def _tensors(w: DraftHeadWeights[torch.Tensor]) -> list[torch.Tensor]:
