@@ -4,7 +4,8 @@ A `RoundDriver` decides its rounds with the lane host's own builder, for streams
 explicitly: `round({slot: token_ids})` opens or continues each slot with all of its ids
 and returns the logits of each slot's last row; `greedy_round` does the same and returns
 each slot's next token drawn on the head's device, as serving does (only ids reach the
-host); `close(slots)` releases them.
+host); `sampled_round` hands back the round's SampledRows (a mid-prompt chunk's, with no
+draw; every row kept for a draft head); `close(slots)` releases them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from engine.backends.base import Stage
 from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
 from engine.pipeline.runner import RoundRunner
 from engine.rounds import Op
-from engine.sampling import RowDraw, SamplingBatch, SamplingParams
+from engine.sampling import RowDraw, SampledRows, SamplingBatch, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -54,17 +55,26 @@ class RoundDriver:
     def greedy_round(self, feeds: dict[int, list[int]]) -> dict[int, int]:
         """As `round`, but each slot's next token is drawn greedily on the head's device:
         slot -> token id."""
+        drawn, sampled = self.sampled_round(feeds)
+        return {stream: int(token) for stream, token in zip(drawn, sampled.token_ids,
+                                                             strict=True)}
+
+    def sampled_round(self, feeds: dict[int, list[int]], *, draw: bool = True,
+                      keep_hidden: bool = False) -> tuple[list[int], SampledRows]:
+        """As `greedy_round`, the round's SampledRows and the slots drawn, in their order:
+        each slot's last row drawn greedily, or none where not `draw` (a mid-prompt chunk,
+        as the lane host runs it); `keep_hidden`: every row of the round kept, normed, for
+        a draft head (SamplingBatch.keep_hidden)."""
         states = self.slots.snapshot()
         built = self._build({slot: Lane(tuple(ids), states[slot].offset)
                              for slot, ids in feeds.items()})
         if built.plan is None:
-            return {}
+            return [], SampledRows.empty()
         last_rows = {stream: rows[-1]
-                     for stream, rows in built.plan.returned_by_stream().items()}
-        batch = SamplingBatch.of([RowDraw(row, GREEDY, 0.0) for row in last_rows.values()])
-        sampled = self.runner.sample_round(built.plan, built.token_ids, batch)
-        return {stream: int(token) for stream, token in zip(last_rows, sampled.token_ids,
-                                                             strict=True)}
+                     for stream, rows in built.plan.returned_by_stream().items()} if draw else {}
+        batch = SamplingBatch.of([RowDraw(row, GREEDY, 0.0) for row in last_rows.values()],
+                                 keep_hidden=keep_hidden)
+        return list(last_rows), self.runner.sample_round(built.plan, built.token_ids, batch)
 
     def close(self, slots: list[int]) -> None:
         built = self._build({slot: Lane((), 0, ending=Op.CLOSE) for slot in slots})
