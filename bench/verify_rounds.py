@@ -25,6 +25,17 @@ the same asks one stream at a time, alternating with it, for what batching saves
 round is the head plus the verify round, against the same plain round. The head's input
 rows are the stage's own final norm of random rows: its cost does not depend on their
 values. `--small` is a small hybrid (hidden 256) for a CPU run.
+
+`--mtp` also prints what reading a prompt costs with the head, a second table: one stream
+reads a `--prompt`-token prompt (and one of a single chunk of the stage's 512 rows, where
+`--prompt` is shorter) chunk by chunk, as a plain ring reads it and as `drafter: mtp` does,
+alternating, `--rounds` times each. For each chunk: the plain round (the chunk's last row
+back and scored); the final norm over every row (`draft_rows`, what returning every row
+adds on rank 0; the round with `keep_hidden` runs it); the head fed the chunk's rows as
+engine.lanes.model_drafting asks it (`stage.draft`, no drafts: its layer over the chunk, no
+vocabulary head); the MTP chunk (its round returning every row, normed, and the feed), each
+in ms and against the plain chunk; and the bytes the last hop sends rank 0 each way, which
+one process cannot time.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +117,99 @@ def head_ms(stage, streams: int, k: int, rounds: int, deep: int, vocab: int,
     return float(np.median(times["together"])), float(np.median(times["alone"]))
 
 
+@dataclass(frozen=True)
+class ChunkMs:
+    """One prompt chunk of one stream, `rows` rows from `position`: the medians, ms, of its
+    round as a plain ring runs it (the chunk's last row back and scored), of the same round
+    returning every row, normed for the head (`SamplingBatch.keep_hidden`), of that final
+    norm alone (the stage's `draft_rows`), and of the head fed the chunk's rows (no drafts,
+    so no vocabulary head), as the lane host's rounds run them. Both rounds run on the
+    stage with the head, whose last stage returns every row: the plain round's last row is
+    taken on rank 0 instead (the same one-row gather)."""
+
+    rows: int
+    position: int
+    plain: float
+    every_row: float
+    norm: float
+    feed: float
+
+
+def prompt_chunks_ms(driver: RoundDriver, prompt: int, reps: int, vocab: int,
+                     sync) -> list[ChunkMs]:
+    """Each chunk's costs (ChunkMs) for one stream reading a `prompt`-token prompt in the
+    stage's chunks: the prompt read as a plain ring reads it, then as `drafter: mtp` reads
+    it (each chunk's round returns every row, then the head is fed them before the next
+    chunk, as engine.lanes.model_drafting asks), alternating, `reps` times each."""
+    import torch
+
+    stage, slot = driver.stage, 0
+    ids = np.random.default_rng(prompt).integers(3, vocab, prompt + 1).tolist()
+    spans = [(first, min(first + stage.spec.chunk, prompt))
+             for first in range(0, prompt, stage.spec.chunk)]
+    # The norm's input: a round's rows, whose values its cost does not depend on.
+    raw = {stop - first: torch.randn(stop - first, stage.hidden_size, dtype=stage.dtype,
+                                     device=stage.device) for first, stop in spans}
+    times: dict[str, list[list[float]]] = {k: [[] for _ in spans]
+                                           for k in ("plain", "every_row", "norm", "feed")}
+
+    def read(keep_hidden: bool) -> None:
+        for i, (first, stop) in enumerate(spans):
+            (_, sampled), ms = timed(partial(driver.sampled_round, {slot: ids[first:stop]},
+                                             draw=stop == prompt, keep_hidden=keep_hidden),
+                                     sync)
+            if not keep_hidden:
+                times["plain"][i].append(ms)
+                continue
+            times["every_row"][i].append(ms)
+            # Each row beside the prompt's next token (the prompt's last row beside the
+            # first token drawn, fed with the next round's drafts: the same rows).
+            ask = DraftAsk(slot, first, sampled.hidden, tuple(range(stop - first)),
+                           tuple(ids[first + 1:stop + 1]), first, 0)
+            times["feed"][i].append(timed(partial(stage.draft, [ask]), sync)[1])
+            times["norm"][i].append(timed(partial(stage.draft_rows, raw[stop - first]),
+                                          sync)[1])
+        driver.close([slot])
+
+    for rep in range(reps + 1):  # the first of each untimed: compiles, warm-up
+        if rep == 1:
+            times = {k: [[] for _ in spans] for k in times}
+        read(False)
+        read(True)
+    return [ChunkMs(stop - first, first,
+                    *(float(np.median(times[k][i])) for k in ("plain", "every_row", "norm",
+                                                              "feed")))
+            for i, (first, stop) in enumerate(spans)]
+
+
+def prompt_rows(stage, prompt: int, chunks: list[ChunkMs]) -> list[list[object]]:
+    """The prompt-chunk table's rows for one prompt: a row a chunk, then the whole prompt
+    where it has several."""
+    def row(label: str, rows: int, position: object, c: ChunkMs, scored: int) -> list[object]:
+        mtp = c.every_row + c.feed
+        return [label, rows, position, f"{c.plain:.2f}", f"{c.norm:.2f}",
+                f"{c.norm / c.plain:.3g}", f"{c.feed:.2f}", f"{c.feed / c.plain:.3g}",
+                f"{mtp:.2f}", f"{mtp / c.plain:.3g}",
+                (f"{stage.row_format.nbytes(scored) / 1e3:.1f} KB -> "
+                 f"{stage.row_format.nbytes(rows) / 1e6:.2f} MB")]
+
+    out = [row(str(prompt), c.rows, c.position, c, 1) for c in chunks]
+    if len(chunks) > 1:
+        total = ChunkMs(prompt, 0, *(sum(getattr(c, k) for c in chunks)
+                                     for k in ("plain", "every_row", "norm", "feed")))
+        out.append(row(f"{prompt} (whole prompt)", prompt, "all", total, len(chunks)))
+    return out
+
+
+def timed(action, sync) -> tuple[object, float]:
+    """`action`'s result and its ms, synchronised before and after."""
+    sync()
+    start = time.perf_counter()
+    out = action()
+    sync()
+    return out, (time.perf_counter() - start) * 1e3
+
+
 def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: int,
              vocab: int, sync) -> float:
     """ms a round of `rows` rows a stream (1: decode rows; more: verify entries, all kept),
@@ -124,14 +230,7 @@ def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: 
 def median_round_ms(one_round, rounds: int, sync) -> float:
     """The median of `rounds` rounds' ms, each synchronised: a shared CPU's other work
     lands on a few rounds, which a mean would charge to every one."""
-    times = []
-    for _ in range(rounds):
-        sync()
-        start = time.perf_counter()
-        one_round()
-        sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    return float(np.median([timed(one_round, sync)[1] for _ in range(rounds)]))
 
 
 def main() -> int:
@@ -189,6 +288,12 @@ def main() -> int:
                         f"{(ms + head) / plain:.2f}"]
             rows.append(row)
             print(rows[-1], flush=True)
+    chunk_rows: list[list[object]] = []
+    if args.mtp:  # a prompt of one chunk of the stage's most rows too
+        for prompt in sorted({args.prompt, max(args.prompt, stage.spec.chunk)}):
+            chunk_rows += prompt_rows(stage, prompt, prompt_chunks_ms(driver, prompt,
+                                                                      args.rounds, vocab, sync))
+            print(*chunk_rows[-1:], flush=True)
     if getattr(stage, "graphs", None) is not None:
         print(f"graphs captured: {len(stage.graphs.captured)} "
               f"{sorted(stage.graphs.captured)}", flush=True)
@@ -204,6 +309,14 @@ def main() -> int:
               "MTP round ms",
               "MTP round against a plain round (break-even tokens)"] if args.mtp else [])],
           rows)
+    if args.mtp:
+        table(f"A prompt chunk with and without the MTP head's feed ({shape}, {backend}, "
+              f"one stream, chunks of {stage.spec.chunk} rows)",
+              ["prompt tokens", "chunk rows", "at position", "plain chunk ms",
+               "every row's final norm ms", "norm against plain", "head feed ms",
+               "feed against plain", "MTP chunk ms (every row back, normed, and fed)",
+               "MTP chunk against plain", "rows back to rank 0 (plain -> MTP)"],
+              chunk_rows)
     return 0
 
 
