@@ -40,6 +40,9 @@ if TYPE_CHECKING:  # the timer imports numpy and, building a stage, a framework
 
 PROGRESS_EVENT = "calibration_progress"
 HEAD = "head"  # a Timing's kind (and layer type) for rank 0's final norm, head and sampling
+# Timings' kinds of host work beyond the layers, each a whole figure in ms: a serving
+# round's beyond its layers (at 1 row), and one hop's beyond the wire (loopback, 1 row).
+ROUND, HOP = "round", "hop"
 RESULT_EVENT = "calibration_done"
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "attention_bias", "qk_norm", "sliding_window")
@@ -192,7 +195,8 @@ class CalibrationRequest:
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
                 "threads": self.thread_setting(), "stage": self.stage_options(),
-                "head": True}  # rank 0's head is timed too: a key from before it is not
+                "head": True,  # rank 0's head is timed too: a key from before it is not
+                "host": True}  # and a round's and a hop's host work
         if self.prefill_end:  # a key timing the chunk at the context's end stays what it was
             what["prefill_at"] = self.prefill_at
         if any(getattr(self, attr) != allowed[0] for attr, allowed in SWITCHES.items()):
@@ -211,10 +215,12 @@ def layer_types(config) -> list[str]:
 
 @dataclass(frozen=True)
 class Timing:
-    kind: str  # "decode", "prefill" or "head" (rank 0's final norm, head and sampling)
+    # "decode", "prefill", "head" (rank 0's final norm, head and sampling), or host work:
+    # "round" (a serving round beyond its layers) or "hop" (one hop beyond the wire)
+    kind: str
     context: int  # keys each row attends over (decode) / positions of the chunk (prefill)
     rows: int
-    ms_per_layer: float  # median over `runs`; a "head" point's is the whole head's ms
+    ms_per_layer: float  # median over `runs`; a head's, round's or hop's: its whole ms
     runs: int
     spread_ms: float  # max - min over the runs, per layer
     layer_type: str = FULL_ATTENTION  # config.json's name; a dense family's layers all are
@@ -355,18 +361,31 @@ def calibrate(request: CalibrationRequest, engine_version: str,
             head = make_timer(request, layer_types(config)[0], Path(workdir) / HEAD, head=True)
         if progress:
             progress(1, total, "built the stage")
-        # Every type's points and the head's in one measurement, so a burst of load lands on
-        # all alike. The head's: its rows at decode, as rank 0 samples every round's.
+        # Every type's points, the head's and the host work's in one measurement, so a burst
+        # of load lands on all alike. The head's: its rows at decode, as rank 0 samples every
+        # round's. The round's: the first type's decode point at 1 row and the shortest
+        # context (the least layer time: the least noise beside the host work), as served.
         typed = [(layer_type, point) for layer_type in timers for point in points]
         typed += [(HEAD, (HEAD, 0, rows)) for rows in dict.fromkeys((1, request.batch_rows))]
-        samples, exhausted = measure([(head if t == HEAD else timers[t]).make_round(*point)
-                                      for t, point in typed],
-                                     request.warmup, request.runs, request.budget_s, on_round)
-    timings = []
-    for (layer_type, (kind, context, rows)), seconds in zip(typed, samples, strict=True):
-        per_layer = [x * 1000.0 / (1 if kind == HEAD else request.layers) for x in seconds]
-        timings.append(Timing(kind, context, rows, statistics.median(per_layer), len(seconds),
-                              max(per_layer) - min(per_layer), layer_type))
+        first = layer_types(config)[0]
+        typed.append((first, (ROUND, request.contexts[0], 1)))
+        hop = hop_timer(timers[first], request.batch_rows)
+        if hop is not None:
+            typed.append((HOP, (HOP, 0, 1)))
+        try:
+            samples, exhausted = measure(
+                [hop.make_round(point[2]) if t == HOP
+                 else (head if t == HEAD else timers[t]).make_round(*point)
+                 for t, point in typed],
+                request.warmup, request.runs, request.budget_s, on_round)
+        finally:
+            if hop is not None:
+                hop.close()
+    measured = dict(zip(typed, samples, strict=True))
+    timings = [host_timing(measured, typed_point, request.layers)
+               if typed_point[1][0] in (ROUND, HOP)
+               else layer_timing(typed_point, seconds, request.layers)
+               for typed_point, seconds in measured.items()]
     if progress:
         progress(total, total, "done")
     return Calibration(
@@ -376,6 +395,44 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         elapsed_s=round(time.perf_counter() - started, 3), measured_at=time.time(),
         budget_exhausted=exhausted,
         threads=max(timer.threads for timer in timers.values()))
+
+
+def layer_timing(typed_point: tuple[str, tuple[str, int, int]], seconds: list[float],
+                 layers: int) -> Timing:
+    """A layer point's ms per layer (a head's: the whole head's ms)."""
+    layer_type, (kind, context, rows) = typed_point
+    per_layer = [x * 1000.0 / (1 if kind == HEAD else layers) for x in seconds]
+    return Timing(kind, context, rows, statistics.median(per_layer), len(seconds),
+                  max(per_layer) - min(per_layer), layer_type)
+
+
+def host_timing(measured: dict[tuple, list[float]], typed_point: tuple[str, tuple[str, int, int]],
+                layers: int) -> Timing:
+    """A host-work point's whole ms. A round's: each run of `forward` less the same round's
+    run of the bare layers, timed beside it (the median of the differences, as each pair
+    saw the same load; 0 at least: a difference under the noise is no host work). A hop's:
+    half a ping-pong."""
+    layer_type, (kind, context, rows) = typed_point
+    seconds = measured[typed_point]
+    if kind == ROUND:
+        bare = measured[(layer_type, ("decode", context, rows))]
+        ms = [(x - y) * 1000.0 for x, y in zip(seconds, bare)]
+    else:
+        ms = [x * 1000.0 / 2 for x in seconds]
+    return Timing(kind, context, rows, max(0.0, statistics.median(ms)), len(ms),
+                  max(ms) - min(ms), layer_type)
+
+
+def hop_timer(timer: StageTimer, max_rows: int):
+    """A `HopTimer` over `timer`'s stage, or None where this machine cannot open a loopback
+    link (the hop then goes unpriced, as before it was timed)."""
+    from agent.hop_timer import HopTimer
+    from engine.link.errors import ProtocolError
+
+    try:
+        return HopTimer(timer.stage, max_rows)
+    except (OSError, ProtocolError):
+        return None
 
 
 class CalibrationCache:
