@@ -43,6 +43,9 @@ HEAD = "head"  # a Timing's kind (and layer type) for rank 0's final norm, head 
 # Timings' kinds of host work beyond the layers, each a whole figure in ms: a serving
 # round's beyond its layers (at 1 row), and one hop's beyond the wire (loopback, 1 row).
 ROUND, HOP = "round", "hop"
+# Pairs of a serving round and its bare layers timed back to back for the round's host
+# work: a tenth of a ms beside layers of several, so it takes many pairs to see it.
+ROUND_PAIRS = 40
 RESULT_EVENT = "calibration_done"
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "attention_bias", "qk_norm", "sliding_window")
@@ -361,14 +364,11 @@ def calibrate(request: CalibrationRequest, engine_version: str,
             head = make_timer(request, layer_types(config)[0], Path(workdir) / HEAD, head=True)
         if progress:
             progress(1, total, "built the stage")
-        # Every type's points, the head's and the host work's in one measurement, so a burst
-        # of load lands on all alike. The head's: its rows at decode, as rank 0 samples every
-        # round's. The round's: the first type's decode point at 1 row and the shortest
-        # context (the least layer time: the least noise beside the host work), as served.
+        # Every type's points, the head's and a hop's in one measurement, so a burst of load
+        # lands on all alike. The head's: its rows at decode, as rank 0 samples every round's.
         typed = [(layer_type, point) for layer_type in timers for point in points]
         typed += [(HEAD, (HEAD, 0, rows)) for rows in dict.fromkeys((1, request.batch_rows))]
         first = layer_types(config)[0]
-        typed.append((first, (ROUND, request.contexts[0], 1)))
         hop = hop_timer(timers[first], request.batch_rows)
         if hop is not None:
             typed.append((HOP, (HOP, 0, 1)))
@@ -381,11 +381,21 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         finally:
             if hop is not None:
                 hop.close()
-    measured = dict(zip(typed, samples, strict=True))
-    timings = [host_timing(measured, typed_point, request.layers)
-               if typed_point[1][0] in (ROUND, HOP)
-               else layer_timing(typed_point, seconds, request.layers)
-               for typed_point, seconds in measured.items()]
+        # The round's host work: the first type's decode point at 1 row and the shortest
+        # context (the least layer time, so the least noise beside it), as served and bare.
+        # Within what the budget has left, a tenth of it at least.
+        left_s = request.budget_s - (time.perf_counter() - started)
+        round_ms = round_host_ms(timers[first].make_round(ROUND, request.contexts[0], 1),
+                                 timers[first].make_round("decode", request.contexts[0], 1),
+                                 ROUND_PAIRS, max(left_s, request.budget_s / 10))
+    timings = [layer_timing(typed_point, seconds, request.layers)
+               for typed_point, seconds in zip(typed, samples, strict=True)
+               if typed_point[0] != HOP]
+    timings.append(host_timing(ROUND, first, request.contexts[0], round_ms))
+    hop_ms = [x * 1000.0 / 2 for typed_point, seconds in zip(typed, samples, strict=True)
+              if typed_point[0] == HOP for x in seconds]  # half a ping-pong: one hop
+    if hop_ms:
+        timings.append(host_timing(HOP, HOP, 0, hop_ms))
     if progress:
         progress(total, total, "done")
     return Calibration(
@@ -406,21 +416,33 @@ def layer_timing(typed_point: tuple[str, tuple[str, int, int]], seconds: list[fl
                   max(per_layer) - min(per_layer), layer_type)
 
 
-def host_timing(measured: dict[tuple, list[float]], typed_point: tuple[str, tuple[str, int, int]],
-                layers: int) -> Timing:
-    """A host-work point's whole ms. A round's: each run of `forward` less the same round's
-    run of the bare layers, timed beside it (the median of the differences, as each pair
-    saw the same load; 0 at least: a difference under the noise is no host work). A hop's:
-    half a ping-pong."""
-    layer_type, (kind, context, rows) = typed_point
-    seconds = measured[typed_point]
-    if kind == ROUND:
-        bare = measured[(layer_type, ("decode", context, rows))]
-        ms = [(x - y) * 1000.0 for x, y in zip(seconds, bare)]
-    else:
-        ms = [x * 1000.0 / 2 for x in seconds]
-    return Timing(kind, context, rows, max(0.0, statistics.median(ms)), len(ms),
+def host_timing(kind: str, layer_type: str, context: int, ms: list[float]) -> Timing:
+    """A host-work point at 1 row: the median of its samples, whole ms (0 at least: a
+    difference under the noise is no host work)."""
+    return Timing(kind, context, 1, max(0.0, statistics.median(ms)), len(ms),
                   max(ms) - min(ms), layer_type)
+
+
+def round_host_ms(served: Callable[[], None], bare: Callable[[], None], pairs: int,
+                  budget_s: float) -> list[float]:
+    """ms of a serving round beyond its bare layers, one figure a pair: the two run back to
+    back (each after an untimed run of itself, as `measure` does; in turns which goes
+    first, so neither always follows the other), so a pair sees one load. At least one
+    pair, then as many of `pairs` as `budget_s` allows."""
+    started = time.perf_counter()
+    out = []
+    for i in range(pairs):
+        took = {}
+        order = (("served", served), ("bare", bare))
+        for name, run in order if i % 2 else order[::-1]:
+            run()
+            t0 = time.perf_counter()
+            run()
+            took[name] = time.perf_counter() - t0
+        out.append((took["served"] - took["bare"]) * 1000.0)
+        if time.perf_counter() - started > budget_s:
+            break
+    return out
 
 
 def hop_timer(timer: StageTimer, max_rows: int):
