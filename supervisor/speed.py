@@ -14,8 +14,9 @@ work), and rank 0's final norm, head and sampling.
 the groups: the largest group's trip, or the busiest stage's or link's work over every
 group, whichever is longest. Rank 0's rounds are counted by their rows, a group's (on a ring
 of as many stages as streams, 1: the same label as one stream alone). Rank 0's figure also
-holds what the model leaves out (rank 0's lane host building the round and handing it to
-its thread and back, delivering tokens), which is part of the error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
+holds what the model leaves out (the embeddings' lookup, rank 0's lane host building the
+round and handing it to its thread and back, delivering tokens), which is part of the
+error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
 """
 
 from __future__ import annotations
