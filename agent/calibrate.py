@@ -40,6 +40,12 @@ if TYPE_CHECKING:  # the timer imports numpy and, building a stage, a framework
 
 PROGRESS_EVENT = "calibration_progress"
 HEAD = "head"  # a Timing's kind (and layer type) for rank 0's final norm, head and sampling
+# Timings' kinds of host work beyond the layers, each a whole figure in ms: a serving
+# round's beyond its layers (at 1 row), and one hop's beyond the wire (loopback, 1 row).
+ROUND, HOP = "round", "hop"
+# Pairs of a serving round and its bare layers timed back to back for the round's host
+# work: a tenth of a ms beside layers of several, so it takes many pairs to see it.
+ROUND_PAIRS = 40
 RESULT_EVENT = "calibration_done"
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "attention_bias", "qk_norm", "sliding_window")
@@ -192,7 +198,8 @@ class CalibrationRequest:
                 "engine_version": engine_version, "contexts": list(self.contexts),
                 "batch_rows": self.batch_rows, "chunk_rows": self.chunk_rows,
                 "threads": self.thread_setting(), "stage": self.stage_options(),
-                "head": True}  # rank 0's head is timed too: a key from before it is not
+                "head": True,  # rank 0's head is timed too: a key from before it is not
+                "host": True}  # and a round's and a hop's host work
         if self.prefill_end:  # a key timing the chunk at the context's end stays what it was
             what["prefill_at"] = self.prefill_at
         if any(getattr(self, attr) != allowed[0] for attr, allowed in SWITCHES.items()):
@@ -211,10 +218,12 @@ def layer_types(config) -> list[str]:
 
 @dataclass(frozen=True)
 class Timing:
-    kind: str  # "decode", "prefill" or "head" (rank 0's final norm, head and sampling)
+    # "decode", "prefill", "head" (rank 0's final norm, head and sampling), or host work:
+    # "round" (a serving round beyond its layers) or "hop" (one hop beyond the wire)
+    kind: str
     context: int  # keys each row attends over (decode) / positions of the chunk (prefill)
     rows: int
-    ms_per_layer: float  # median over `runs`; a "head" point's is the whole head's ms
+    ms_per_layer: float  # median over `runs`; a head's, round's or hop's: its whole ms
     runs: int
     spread_ms: float  # max - min over the runs, per layer
     layer_type: str = FULL_ATTENTION  # config.json's name; a dense family's layers all are
@@ -355,18 +364,38 @@ def calibrate(request: CalibrationRequest, engine_version: str,
             head = make_timer(request, layer_types(config)[0], Path(workdir) / HEAD, head=True)
         if progress:
             progress(1, total, "built the stage")
-        # Every type's points and the head's in one measurement, so a burst of load lands on
-        # all alike. The head's: its rows at decode, as rank 0 samples every round's.
+        # Every type's points, the head's and a hop's in one measurement, so a burst of load
+        # lands on all alike. The head's: its rows at decode, as rank 0 samples every round's.
         typed = [(layer_type, point) for layer_type in timers for point in points]
         typed += [(HEAD, (HEAD, 0, rows)) for rows in dict.fromkeys((1, request.batch_rows))]
-        samples, exhausted = measure([(head if t == HEAD else timers[t]).make_round(*point)
-                                      for t, point in typed],
-                                     request.warmup, request.runs, request.budget_s, on_round)
-    timings = []
-    for (layer_type, (kind, context, rows)), seconds in zip(typed, samples, strict=True):
-        per_layer = [x * 1000.0 / (1 if kind == HEAD else request.layers) for x in seconds]
-        timings.append(Timing(kind, context, rows, statistics.median(per_layer), len(seconds),
-                              max(per_layer) - min(per_layer), layer_type))
+        first = layer_types(config)[0]
+        hop = hop_timer(timers[first], request.batch_rows)
+        if hop is not None:
+            typed.append((HOP, (HOP, 0, 1)))
+        try:
+            samples, exhausted = measure(
+                [hop.make_round(point[2]) if t == HOP
+                 else (head if t == HEAD else timers[t]).make_round(*point)
+                 for t, point in typed],
+                request.warmup, request.runs, request.budget_s, on_round)
+        finally:
+            if hop is not None:
+                hop.close()
+        # The round's host work: the first type's decode point at 1 row and the shortest
+        # context (the least layer time, so the least noise beside it), as served and bare.
+        # Within what the budget has left, a tenth of it at least.
+        left_s = request.budget_s - (time.perf_counter() - started)
+        round_ms = round_host_ms(timers[first].make_round(ROUND, request.contexts[0], 1),
+                                 timers[first].make_round("decode", request.contexts[0], 1),
+                                 ROUND_PAIRS, max(left_s, request.budget_s / 10))
+    timings = [layer_timing(typed_point, seconds, request.layers)
+               for typed_point, seconds in zip(typed, samples, strict=True)
+               if typed_point[0] != HOP]
+    timings.append(host_timing(ROUND, first, request.contexts[0], round_ms))
+    hop_ms = [x * 1000.0 / 2 for typed_point, seconds in zip(typed, samples, strict=True)
+              if typed_point[0] == HOP for x in seconds]  # half a ping-pong: one hop
+    if hop_ms:
+        timings.append(host_timing(HOP, HOP, 0, hop_ms))
     if progress:
         progress(total, total, "done")
     return Calibration(
@@ -376,6 +405,56 @@ def calibrate(request: CalibrationRequest, engine_version: str,
         elapsed_s=round(time.perf_counter() - started, 3), measured_at=time.time(),
         budget_exhausted=exhausted,
         threads=max(timer.threads for timer in timers.values()))
+
+
+def layer_timing(typed_point: tuple[str, tuple[str, int, int]], seconds: list[float],
+                 layers: int) -> Timing:
+    """A layer point's ms per layer (a head's: the whole head's ms)."""
+    layer_type, (kind, context, rows) = typed_point
+    per_layer = [x * 1000.0 / (1 if kind == HEAD else layers) for x in seconds]
+    return Timing(kind, context, rows, statistics.median(per_layer), len(seconds),
+                  max(per_layer) - min(per_layer), layer_type)
+
+
+def host_timing(kind: str, layer_type: str, context: int, ms: list[float]) -> Timing:
+    """A host-work point at 1 row: the median of its samples, whole ms (0 at least: a
+    difference under the noise is no host work)."""
+    return Timing(kind, context, 1, max(0.0, statistics.median(ms)), len(ms),
+                  max(ms) - min(ms), layer_type)
+
+
+def round_host_ms(served: Callable[[], None], bare: Callable[[], None], pairs: int,
+                  budget_s: float) -> list[float]:
+    """ms of a serving round beyond its bare layers, one figure a pair: the two run back to
+    back (each after an untimed run of itself, as `measure` does; in turns which goes
+    first, so neither always follows the other), so a pair sees one load. At least one
+    pair, then as many of `pairs` as `budget_s` allows."""
+    started = time.perf_counter()
+    out = []
+    for i in range(pairs):
+        took = {}
+        order = (("served", served), ("bare", bare))
+        for name, run in order if i % 2 else order[::-1]:
+            run()
+            t0 = time.perf_counter()
+            run()
+            took[name] = time.perf_counter() - t0
+        out.append((took["served"] - took["bare"]) * 1000.0)
+        if time.perf_counter() - started > budget_s:
+            break
+    return out
+
+
+def hop_timer(timer: StageTimer, max_rows: int):
+    """A `HopTimer` over `timer`'s stage, or None where this machine cannot open a loopback
+    link (the hop then goes unpriced, as before it was timed)."""
+    from agent.hop_timer import HopTimer
+    from engine.link.errors import ProtocolError
+
+    try:
+        return HopTimer(timer.stage, max_rows)
+    except (OSError, ProtocolError):
+        return None
 
 
 class CalibrationCache:

@@ -224,8 +224,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     typed = len({t.layer_type for t in result.timings}) > 1  # a hybrid: say which type
     for t in result.timings:
         kind = f"{t.layer_type} {t.kind:7}" if typed else f"{t.kind:7}"
+        unit = "ms/layer" if t.kind in ("decode", "prefill") else "ms"  # a head's: the whole
         print(f"  {kind} context {t.context:6} rows {t.rows:5}: {t.ms_per_layer:9.3f} "
-              f"ms/layer  (median of {t.runs})")
+              f"{unit}  (median of {t.runs})")
     return 0
 
 

@@ -49,11 +49,15 @@ def cut_config(raw: dict[str, Any], layer_type: str, layers: int, dtype: str = "
     return raw
 
 
-def decode_layout(context: int, rows: int) -> RowLayout:
+def decode_plan(context: int, rows: int) -> RoundPlan:
     """`rows` streams (slots 0..rows-1) of one row each, attending over `context` keys."""
-    entries = tuple(StreamEntry(slot, Op.CONTINUE, context - 1, 1, 1, 0, 0)
-                    for slot in range(rows))
-    return RowLayout.of(RoundPlan(1, entries))
+    return RoundPlan(1, tuple(StreamEntry(slot, Op.CONTINUE, context - 1, 1, 1, 0, 0)
+                              for slot in range(rows)))
+
+
+def decode_layout(context: int, rows: int) -> RowLayout:
+    """`decode_plan`'s layout."""
+    return RowLayout.of(decode_plan(context, rows))
 
 
 def prefill_layout(context: int, rows: int) -> RowLayout:
@@ -110,7 +114,8 @@ class StageTimer:
 
     def make_round(self, kind: str, context: int, rows: int) -> Callable[[], None]:
         """One decode round of `rows` streams over `context` keys, or one prompt chunk of
-        `rows` rows ending at `context`, run to completion each call; "head": rank 0's final
+        `rows` rows ending at `context`, run to completion each call; "round": the decode
+        round as a serving stage runs it, plan and all (`_serving_round`); "head": rank 0's final
         norm, head and sampling of `rows` returned rows (a head timer's only round), each row
         drawn with the default parameters, as a request that sets none is."""
         raw = random_row_bytes(rows, self.config.hidden_size, self.stage.row_format.name)
@@ -120,5 +125,27 @@ class StageTimer:
 
             batch = SamplingBatch.of([RowDraw(i, SamplingParams(), 0.5) for i in range(rows)])
             return lambda: self.stage.sample(x, batch)
+        if kind == "round":
+            return self._serving_round(x, context, rows)
         layout = (decode_layout if kind == "decode" else prefill_layout)(context, rows)
         return lambda: self.stage.run_layers_again(x, layout)
+
+    def _serving_round(self, x: Any, context: int, rows: int) -> Callable[[], None]:
+        """A decode round as a serving stage runs it, `forward` over its plan: the plan
+        checked against the slot table and applied, the layout built, the layers run and
+        the rows settled. Each call first puts the table back where the plan expects it
+        (every slot open, holding `context - 1` positions, one row added last round), so
+        the same plan runs again; the reset is a list's assignment, next to nothing."""
+        from engine.slots import Slot
+
+        plan = decode_plan(context, rows)
+        table = self.stage.slots
+        before = [Slot(open=True, offset=context - 1, last_rows=1)] * rows
+
+        def run() -> None:
+            table.slots[:rows] = before
+            self.stage.forward(plan, x, None)
+            # As `run_layers_again` ends, so the two differ only by the round's host work
+            # (an asynchronous device's kernels waited for; a CPU's: nothing).
+            self.stage._finish()
+        return run

@@ -397,7 +397,8 @@ def main() -> int:
                   f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows,"
                   f" a chunk of {args.chunk} rows {timing['prefill_ms_per_layer']:.3g}; rank 0's"
                   f" head {timing.get('head_ms', 0):.3g} / {timing.get('head_batch_ms', 0):.3g}"
-                  f" ms a round")
+                  f" ms a round; host work beyond the layers {timing.get('round_ms', 0):.3g} ms"
+                  f" a round, {timing.get('hop_ms', 0):.3g} a hop's end")
     what = (f"{model.name if args.model else args.preset}, torch-cpu node-a, {args.node_b} "
             f"node-b, context {args.context}, chunk {args.chunk}")
     table(f"Predicted against measured decode ms/token ({what})",

@@ -6,9 +6,11 @@ lives): with S stages and P streams, groups of ceil(P / S) rows. Each stream get
 each time its group comes back, so a stream's ms per token is the period of the rounds, the
 largest of:
 
-- the largest group's full trip: every stage's layers at its rows, every hop, and rank 0's
-  final norm, head and sampling (a group cannot come back sooner than it goes round);
-- each stage's work summed over every group in flight (rank 0's head included): a stage
+- the largest group's full trip: every stage's layers at its rows and its host work of a
+  round, every hop (its host work at both ends included), and rank 0's final norm, head
+  and sampling (a group cannot come back sooner than it goes round);
+- each stage's work summed over every group in flight (its host work each round, rank 0's
+  head included): a stage
   runs the groups one after another, so it is busy that long between two rounds of a group;
 - each link's transfers summed over the groups.
 

@@ -23,6 +23,9 @@ from supervisor.placement import LayerTypeMs, LinkSnapshot
 POLL_S = 0.5
 PROBE_BYTES = 8 << 20
 PROBE_PINGS = 10
+# A calibration's points of host work, each a whole figure in ms (agent.calibrate's ROUND
+# and HOP): a stage's each round beyond its layers, and one end of a hop beyond the wire.
+HOST_KINDS = ("round", "hop")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class NodeTiming:
     # calibration from before the head was timed).
     head_ms: float = 0.0
     head_batch_ms: float = 0.0
+    # Host work beyond the layers, ms: a stage's each round, and one end of a hop's beyond
+    # the wire (ring_cost.NodeSnapshot says what; 0: a calibration from before they were timed).
+    round_ms: float = 0.0
+    hop_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,8 @@ def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming
     chunk's, per layer type; ValueError when the result lacks a point."""
     timings = result.get("timings") or []
     head = {t["rows"]: t["ms_per_layer"] for t in timings if t["kind"] == "head"}
-    layers = [t for t in timings if t["kind"] != "head"]
+    host = {t["kind"]: t["ms_per_layer"] for t in timings if t["kind"] in HOST_KINDS}
+    layers = [t for t in timings if t["kind"] not in ("head", *HOST_KINDS)]
     # A calibration from before layer types were timed apart has one, unnamed: a dense one.
     types = list(dict.fromkeys(t.get("layer_type", "full_attention") for t in layers))
     by_type = tuple(_type_timing(layers, layer_type, spec) for layer_type in types)
@@ -113,7 +121,8 @@ def timing_from_result(result: Mapping[str, Any], spec: ModelSpec) -> NodeTiming
     slowest = max(by_type, key=lambda t: t.decode_batch_ms_per_layer)
     return NodeTiming(slowest.decode_ms_per_layer, slowest.decode_batch_ms_per_layer,
                       slowest.prefill_ms_per_layer, by_type if len(by_type) > 1 else (),
-                      head.get(1, 0.0), head.get(spec.parallel, 0.0))
+                      head.get(1, 0.0), head.get(spec.parallel, 0.0),
+                      host.get("round", 0.0), host.get("hop", 0.0))
 
 
 def _type_timing(timings: list[dict[str, Any]], layer_type: str,

@@ -272,8 +272,11 @@ class Measurer:
 
 
 def stored_timing(record: Mapping[str, Any]) -> NodeTiming:
-    """A NodeTiming from its `asdict` form, as the state keeps it."""
+    """A NodeTiming from its `asdict` form, as the state keeps it (a record from before the
+    head or the host work was timed: 0 for them, as the calibration would have said)."""
     return NodeTiming(float(record["decode_ms_per_layer"]),
                       float(record["decode_batch_ms_per_layer"]),
                       float(record["prefill_ms_per_layer"]),
-                      tuple(LayerTypeMs(**t) for t in record.get("by_type", ())))
+                      tuple(LayerTypeMs(**t) for t in record.get("by_type", ())),
+                      *(float(record.get(name, 0.0))
+                        for name in ("head_ms", "head_batch_ms", "round_ms", "hop_ms")))

@@ -130,7 +130,8 @@ def node_snapshots(spec: ModelSpec, config: FleetConfig, members: Mapping[str, M
                                       timing.prefill_ms_per_layer, tuple(links),
                                       timing.by_type,
                                       prompt_cache_budget(spec, member.usable_memory_bytes(backend)),
-                                      timing.head_ms, timing.head_batch_ms))
+                                      timing.head_ms, timing.head_batch_ms,
+                                      timing.round_ms, timing.hop_ms))
     notes = []
     if nominal_nodes:
         notes.append("not calibrated, nominal ms per layer: " + ", ".join(nominal_nodes))

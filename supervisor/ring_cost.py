@@ -92,6 +92,14 @@ class NodeSnapshot:
     # `parallel` rows (every ring pays its rank 0's once a round, whatever the cut).
     head_ms: float = 0.0
     head_batch_ms: float = 0.0
+    # Host work that the layers' and the head's times leave out, timed through the serving
+    # code (agent/calibrate.py's "round" and "hop" points; 0: a calibration from before
+    # they were timed): a stage's, each round, beyond its layers (the plan checked against
+    # its slots, the layout built, the rows settled), and a boundary's end here, beyond
+    # the wire time the link probe prices (the rows to bytes and the send, the receiver
+    # waking and checking the frame, the bytes to rows).
+    round_ms: float = 0.0
+    hop_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for timed in (self, *self.layer_type_ms):
@@ -104,6 +112,9 @@ class NodeSnapshot:
         if not (self.head_ms >= 0 and self.head_batch_ms >= 0):
             raise PlacementError(f"node {self.name}: head {self.head_ms!r} / "
                                  f"{self.head_batch_ms!r} ms: expected 0 or more")
+        if not (self.round_ms >= 0 and self.hop_ms >= 0):
+            raise PlacementError(f"node {self.name}: host work a round {self.round_ms!r}, "
+                                 f"a hop {self.hop_ms!r} ms: expected 0 or more")
         for link in self.links:
             if not (link.rtt_ms >= 0 and link.bandwidth_bytes_per_s > 0):
                 raise PlacementError(f"node {self.name}: link to {link.peer}: rtt {link.rtt_ms} "
@@ -239,6 +250,7 @@ class RingCosts:
         if rows not in self._hops:
             self._hops[rows] = {
                 (a, b): rtt_ms / 2 + rows * self.shape.row_bytes / bandwidth * 1000
+                + self.hop_host_ms(a, b)
                 for a in self.nodes for b in self.nodes if (link := self.link(a, b))
                 for rtt_ms, bandwidth in (link.path(self.hop_transport(a, b)),)}
         table = self._hops[rows]
@@ -251,6 +263,11 @@ class RingCosts:
                 return None
             out.append(ms)
         return out
+
+    def hop_host_ms(self, a: str, b: str) -> float:
+        """A hop's host work from a's stage to b's: half of each end's (each node times both
+        ends of a loopback hop: the sender's half on a, the receiver's on b)."""
+        return (self.nodes[a].hop_ms + self.nodes[b].hop_ms) / 2
 
     def layer_ms(self, name: str, kind: str | tuple[int, ...]) -> float:
         """A uniform model's ms per layer: "decode" (a round of `parallel` rows), "single" (one
@@ -267,8 +284,8 @@ class RingCosts:
         largest = (max(groups),)
         trip = (sum(self.stage_ms(n, largest, r) for n, r in zip(ring, ranges))
                 + self._trip_constant(ring, groups))
-        work = [self.stage_ms(n, groups, r) for n, r in zip(ring, ranges)]
-        work[0] += self._rank0_head_work(ring, groups)
+        work = [self.stage_ms(n, groups, r) + fixed
+                for n, r, fixed in zip(ring, ranges, self._fixed_work(ring, groups))]
         links = [sum(ms) for ms in zip(*(self.hops_ms(ring, rows) or [] for rows in groups))]
         return period_ms(trip, work, links)
 
@@ -282,12 +299,18 @@ class RingCosts:
         return groups_for(self.spec.parallel, len(ring))
 
     def _trip_constant(self, ring: tuple[str, ...], groups: tuple[int, ...]) -> float:
-        """The part of the largest group's trip no cut changes: its hops and rank 0's head."""
+        """The part of the largest group's trip no cut changes: its hops, rank 0's head and
+        every stage's host work of a round."""
         rows = max(groups)
-        return sum(self.hops_ms(ring, rows) or []) + self.head_ms(ring[0], rows)
+        return (sum(self.hops_ms(ring, rows) or []) + self.head_ms(ring[0], rows)
+                + sum(self.nodes[n].round_ms for n in ring))
 
-    def _rank0_head_work(self, ring: tuple[str, ...], groups: tuple[int, ...]) -> float:
-        return sum(self.head_ms(ring[0], rows) for rows in groups)
+    def _fixed_work(self, ring: Sequence[str], groups: tuple[int, ...]) -> list[float]:
+        """Each stage's work over the groups in flight that no cut changes: its host work
+        of each round, and on rank 0 the head of each."""
+        fixed = [len(groups) * self.nodes[n].round_ms for n in ring]
+        fixed[0] += sum(self.head_ms(ring[0], rows) for rows in groups)
+        return fixed
 
     def prompt_ms(self, ring: tuple[str, ...], counts: Sequence[int]) -> float:
         """The time to first token of a `prompt_tokens` prompt: its chunks overlapped across
@@ -326,18 +349,17 @@ class RingCosts:
         if ring not in self._group_fills:
             trip = {n: self.layer_ms(n, (max(groups),)) for n in ring}
             work = {n: self.layer_ms(n, groups) for n in ring}
-            head = {n: self._rank0_head_work(ring, groups) if i == 0 else 0.0
-                    for i, n in enumerate(ring)}
+            fixed = dict(zip(ring, self._fixed_work(ring, groups)))
             fastest_first = sorted(ring, key=lambda n: (trip[n], self.order[n]))
 
             def least_trip(cap_ms: float):
                 fill = self._fill(fastest_first, {
-                    n: min(caps[n], math.floor((cap_ms - head[n] + TIME_TOLERANCE) / work[n]))
+                    n: min(caps[n], math.floor((cap_ms - fixed[n] + TIME_TOLERANCE) / work[n]))
                     for n in ring})
                 return None if fill is None else (sum(c * trip[n] for n, c in fill.items()),
                                                   tuple(fill[n] for n in ring))
 
-            found = search_cap([c * work[n] + head[n] for n in ring
+            found = search_cap([c * work[n] + fixed[n] for n in ring
                                 for c in range(1, caps[n] + 1)],
                                self._trip_constant(ring, groups), least_trip,
                                lambda counts: self.decode_ms(ring, counts, self.spec.parallel))
@@ -378,14 +400,13 @@ class RingCosts:
             return None if found is None else (
                 self.decode_ms(ring, found[1], self.spec.parallel), found[1])
         works = [self.time_prefix(n, groups) for n in ring]
-        head = self._rank0_head_work(ring, groups)
+        fixed = self._fixed_work(ring, groups)
 
         def least_trip(cap_ms: float):
             return min_total_ms(trips, rooms, self.bytes_prefix,
-                                [cap_ms - head] + [cap_ms] * (len(ring) - 1), works)
+                                [cap_ms - f for f in fixed], works)
 
-        caps = [t + (head if i == 0 else 0.0) for i, prefix in enumerate(works)
-                for t in stage_times(prefix)]
+        caps = [t + f for f, prefix in zip(fixed, works) for t in stage_times(prefix)]
         return search_cap(caps, self._trip_constant(ring, groups), least_trip,
                           lambda counts: self.decode_ms(ring, counts, self.spec.parallel))
 

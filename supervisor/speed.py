@@ -7,14 +7,16 @@ from a client.
 
 The two are the same quantity: a stream's ms per token, which rank 0 measures as a decode
 round's time from launch to landing. One stream alone: one round of one row around the
-ring, every stage's layers and every hop, and rank 0's final norm, head and sampling.
+ring, every stage's layers and host work of a round, every hop (wire and both ends' host
+work), and rank 0's final norm, head and sampling.
 `parallel` streams: rank 0 keeps one round per stage in flight, each a group of the streams
 (`supervisor/decode_groups.py`), so a round's time from launch to landing is the period of
 the groups: the largest group's trip, or the busiest stage's or link's work over every
 group, whichever is longest. Rank 0's rounds are counted by their rows, a group's (on a ring
 of as many stages as streams, 1: the same label as one stream alone). Rank 0's figure also
-holds what the model leaves out (the embeddings' lookup, building and handing off the round
-on the host), which is part of the error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
+holds what the model leaves out (the embeddings' lookup, rank 0's lane host building the
+round and handing it to its thread and back, delivering tokens), which is part of the
+error the benchmark reports. `predict` is pure; `SpeedWatch` reads rank 0's metrics on a timer.
 """
 
 from __future__ import annotations

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agent.calibrate import CalibrationError, CalibrationRequest, calibrate, make_timer
+from agent.calibrate import (
+    HOP,
+    ROUND,
+    CalibrationError,
+    CalibrationRequest,
+    calibrate,
+    make_timer,
+)
 from engine.config import FULL_ATTENTION
 from tests.requirements import require
 
@@ -34,7 +41,8 @@ def test_a_quantized_shape_is_timed_on_packed_weights(backend, packed_type, tmp_
     assert type(dense_layer.q).__name__ not in ("PackedWeight", "QuantizedWeight")
     assert quantized.key("0.1.0") != dense.key("0.1.0")  # cached apart
     result = calibrate(quantized, "0.1.0")
-    assert all(t.ms_per_layer > 0 for t in result.timings)
+    # every layer's and the head's; the host work beyond the layers may read 0 (under noise)
+    assert all(t.ms_per_layer > 0 for t in result.timings if t.kind not in (ROUND, HOP))
 
 
 def test_a_float32_quantized_shape_on_torch_cpu_is_timed_dense_as_it_will_run(tmp_path):

@@ -58,3 +58,32 @@ def test_a_backend_that_cannot_run_here_is_named(tmp_path):
         pytest.skip("this machine has CUDA: its absence cannot be shown here")
     with pytest.raises(TimerError, match="no CUDA device"):
         StageTimer(DENSE, "torch-cuda", 1, 1, 64, 16, tmp_path, layer_type=FULL_ATTENTION)
+
+
+@pytest.mark.parametrize("layer_type", [FULL_ATTENTION, LINEAR_ATTENTION])
+def test_a_serving_round_runs_its_plan_again_and_again(tmp_path, layer_type):
+    """The "round" point is `forward` over a decode plan, the slot table put back before
+    each run: a plan the table refused (a generation, an offset) would raise."""
+    timer = StageTimer(HYBRID, "torch-cpu", 2, 3, 64, 16, tmp_path, layer_type=layer_type)
+    served = timer.make_round("round", 64, 2)
+    for _ in range(3):
+        served()
+    assert [s.offset for s in timer.stage.slots.slots[:2]] == [64, 64]
+
+
+def test_a_hop_goes_there_and_back_between_two_link_ends(tmp_path):
+    """The hop timer's rows cross two real link ends (the far one a child process) and come
+    back as the next stage expects them (their round and rows checked); closing it ends
+    the child."""
+    from agent.hop_timer import HopTimer
+
+    timer = StageTimer(DENSE, "torch-cpu", 1, 2, 32, 8, tmp_path, layer_type=FULL_ATTENTION)
+    hop = HopTimer(timer.stage, max_rows=2)
+    try:
+        for rows in (1, 2):
+            there_and_back = hop.make_round(rows)
+            there_and_back()
+            there_and_back()
+    finally:
+        hop.close()
+    assert hop.child.returncode == 0

@@ -13,7 +13,7 @@ import pytest
 from engine.pipeline.round_builder import decode_groups
 from supervisor.boundaries import min_total_ms
 from supervisor.decode_groups import groups_for, period_ms, rows_ms, search_cap
-from supervisor.ring_cost import RingCosts
+from supervisor.ring_cost import PlacementError, RingCosts
 from tests.supervisor.test_placement import SHAPE, mesh, node, spec
 
 
@@ -55,6 +55,49 @@ def test_three_streams_on_two_stages_by_hand():
     assert problem.decode_ms(("a", "b"), (5, 3), 3) == pytest.approx(max(trip, work_a, work_b))
     # One stream: the plain trip at one row.
     assert problem.decode_ms(("a", "b"), (5, 3), 1) == pytest.approx(5 * 1.0 + 3 * 2.0 + 0.5)
+
+
+def test_host_work_is_paid_by_every_stage_each_round_and_at_every_boundary():
+    # As above, with host work beyond the layers: a round costs a 0.3 ms on a and 0.7 on b,
+    # a hop's end 0.2 ms on a and 0.6 on b (a hop between them: half of each, 0.4); the
+    # links' wire time free. A split ring crosses two boundaries, a -> b and b -> a.
+    a = dataclasses.replace(node("a", 500, decode=1.0, batch=1.6), head_ms=0.5,
+                            head_batch_ms=0.9, round_ms=0.3, hop_ms=0.2)
+    b = dataclasses.replace(node("b", 500, decode=2.0, batch=2.4), round_ms=0.7, hop_ms=0.6)
+    nodes = mesh([a, b], rtt_ms=0.0, bandwidth=1e15)
+    problem = RingCosts(spec(parallel=3), SHAPE, nodes, 100)
+    assert problem.hops_ms(("a", "b"), 1) == pytest.approx([0.4, 0.4])
+    # One stream: the plain trip, plus each stage's round and both boundaries.
+    layers_and_head = 5 * 1.0 + 3 * 2.0 + 0.5
+    assert problem.decode_ms(("a", "b"), (5, 3), 1) == pytest.approx(
+        layers_and_head + 0.3 + 0.7 + 2 * 0.4)
+    # Three streams, groups of 2 and 1: the trip pays each stage's round once; a stage's
+    # work pays its round once a group.
+    at2 = {"a": 1.0 + 0.6 / 2, "b": 2.0 + 0.4 / 2}
+    head2 = 0.5 + 0.4 / 2
+    trip = 5 * at2["a"] + 3 * at2["b"] + head2 + 0.3 + 0.7 + 2 * 0.4
+    work_a = 5 * (at2["a"] + 1.0) + head2 + 0.5 + 2 * 0.3
+    work_b = 3 * (at2["b"] + 2.0) + 2 * 0.7
+    links = 2 * 0.4
+    assert problem.decode_ms(("a", "b"), (5, 3), 3) == pytest.approx(
+        max(trip, work_a, work_b, links))
+    # One node: no boundary crossed, its round's host work only.
+    assert problem.decode_ms(("a",), (8,), 1) == pytest.approx(8 * 1.0 + 0.5 + 0.3)
+
+
+def test_host_work_that_was_not_timed_costs_nothing():
+    """A calibration from before the host work was timed: the price is as it was."""
+    a = dataclasses.replace(node("a", 500, decode=1.0, batch=1.6), head_ms=0.5)
+    b = node("b", 500, decode=2.0, batch=2.4)
+    problem = RingCosts(spec(parallel=1), SHAPE, mesh([a, b], rtt_ms=0.0, bandwidth=1e15), 100)
+    assert problem.decode_ms(("a", "b"), (5, 3), 1) == pytest.approx(5 * 1.0 + 3 * 2.0 + 0.5)
+
+
+def test_negative_host_work_is_refused():
+    with pytest.raises(PlacementError, match="host work"):
+        dataclasses.replace(node("a", 500), round_ms=-1.0)
+    with pytest.raises(PlacementError, match="host work"):
+        dataclasses.replace(node("a", 500), hop_ms=-0.1)
 
 
 def brute_period(trip_ms, work_ms, head_ms, constant_ms, n_layers, limits):

@@ -127,6 +127,28 @@ def test_the_calibration_times_the_prompt_placement_costs():
     assert timing_key(shorter, "a", "torch-cpu") != timing_key(SPEC, "a", "torch-cpu")
 
 
+def test_host_work_is_read_from_the_calibration_and_kept_in_the_state():
+    """The round's and the hop's points become the node's round and hop ms; a calibration
+    from before they were timed, or a state record from before they were kept, reads 0."""
+    from dataclasses import asdict, replace
+
+    from supervisor.measuring import stored_timing
+
+    layers = [point("decode", 1024, 1, 2.0), point("decode", 1024, 4, 3.0),
+              point("prefill", 1024, 64, 20.0)]
+    host = [point("round", 1024, 1, 0.4), dict(point("hop", 0, 1, 0.1), layer_type="hop")]
+    timing = timing_from_result({"timings": layers + host}, SPEC)
+    assert (timing.decode_ms_per_layer, timing.round_ms, timing.hop_ms) == (2.0, 0.4, 0.1)
+    assert timing.by_type == ()  # neither is a layer type, nor a decode point
+    old = timing_from_result({"timings": layers}, SPEC)
+    assert (old.round_ms, old.hop_ms) == (0.0, 0.0)
+    kept = replace(timing, head_ms=7.0, head_batch_ms=11.0)
+    assert stored_timing(asdict(kept)) == kept
+    older = {k: v for k, v in asdict(kept).items()
+             if k not in ("head_ms", "head_batch_ms", "round_ms", "hop_ms")}
+    assert stored_timing(older) == NodeTiming(2.0, 3.0, 20.0)
+
+
 def test_rank0s_head_is_read_from_the_calibration_and_costed_once_a_round():
     """The head's points become the node's head ms at 1 and `parallel` rows (0 where a
     calibration predates them); a ring's decode round is its stages, its hops and its rank

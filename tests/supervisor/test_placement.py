@@ -99,7 +99,8 @@ def brute_force(s: ModelSpec, shape: ModelShape, nodes: list[NodeSnapshot],
             lk = link(a, b)
             if lk is None:
                 return None
-            out.append(lk.rtt_ms / 2 + rows * shape.row_bytes / lk.bandwidth_bytes_per_s * 1e3)
+            out.append(lk.rtt_ms / 2 + rows * shape.row_bytes / lk.bandwidth_bytes_per_s * 1e3
+                       + (by_name[a].hop_ms + by_name[b].hop_ms) / 2)  # each end's host work
         return out
 
     best = None
@@ -151,8 +152,11 @@ def decode_period(s: ModelSpec, shape: ModelShape, ring: list[NodeSnapshot],
         return at_rows(ring[0].head_ms, ring[0].head_batch_ms, s.parallel, rows)
 
     big = max(groups)
-    trip = sum(stage(n, r, big) for n, r in zip(ring, ranges)) + sum(hops(big)) + head(big)
-    work = [sum(stage(n, r, rows) + (head(rows) if i == 0 else 0.0) for rows in groups)
+    # Every stage pays its host work once a round, on the trip and in its work per group.
+    trip = (sum(stage(n, r, big) + n.round_ms for n, r in zip(ring, ranges)) + sum(hops(big))
+            + head(big))
+    work = [sum(stage(n, r, rows) + n.round_ms + (head(rows) if i == 0 else 0.0)
+                for rows in groups)
             for i, (n, r) in enumerate(zip(ring, ranges))]
     links = [sum(hops(rows)[k] for rows in groups) for k in range(len(hops(big)))]
     return max([trip, *work, *links])
@@ -175,7 +179,10 @@ def random_case(rng: random.Random):
                  batch=rng.uniform(0.2, 5.0), prefill=rng.uniform(1.0, 40.0),
                  peers=peers, backend=rng.choice(["torch-cpu", "torch-cpu", "mlx-cpu"])),
             # rank 0's head: none (a calibration from before it was timed) or a few layers'
-            head_ms=rng.choice([0.0, rng.uniform(0.0, 6.0)]), head_batch_ms=rng.uniform(0.0, 9.0)))
+            head_ms=rng.choice([0.0, rng.uniform(0.0, 6.0)]), head_batch_ms=rng.uniform(0.0, 9.0),
+            # host work a round and a hop's end: none (a calibration from before them) or some
+            round_ms=rng.choice([0.0, rng.uniform(0.0, 3.0)]),
+            hop_ms=rng.choice([0.0, rng.uniform(0.0, 2.0)])))
     s = spec(context=rng.choice([100, 1000, 3000]), parallel=rng.choice([1, 2, 4]),
              prompt_cache_slots=rng.choice([0, 2, 8]),
              chunk=rng.choice([16, 100, 400]), objective=rng.choice(["decode", "prompt"]),

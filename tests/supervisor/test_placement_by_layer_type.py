@@ -57,7 +57,10 @@ def random_hybrid_case(rng: random.Random):
                  decode=rng.uniform(0.1, 3.0), batch=rng.uniform(0.2, 5.0),
                  prefill=rng.uniform(1.0, 40.0), peers=peers)
         n = dataclasses.replace(n, head_ms=rng.choice([0.0, rng.uniform(0.0, 6.0)]),
-                                head_batch_ms=rng.uniform(0.0, 9.0))  # rank 0's head
+                                head_batch_ms=rng.uniform(0.0, 9.0),  # rank 0's head
+                                # host work a round, and a hop's end: none or some
+                                round_ms=rng.choice([0.0, rng.uniform(0.0, 3.0)]),
+                                hop_ms=rng.choice([0.0, rng.uniform(0.0, 2.0)]))
         nodes.append(typed(n, rng) if rng.random() < 0.8 else n)
     s = spec(context=rng.choice([100, 1000]), parallel=rng.choice([1, 2, 4]),
              chunk=rng.choice([16, 100, 400]), objective=rng.choice(["decode", "prompt"]),
