@@ -38,6 +38,10 @@ its cores spin against each other and against whatever else runs there, and a la
 costs 2-3x what it does on one thread, by an amount that moves with the load, so the
 calibration taken at one moment says little of the rounds run at another. 0: the
 frameworks' defaults. The load average is printed at the start and the end.
+
+`--pin` gives each node's agent (and so its calibration and engines) half of the CPUs, as
+two machines would have their own: without it, a split ring's two stages and rank 0's
+host work share every core, and two streams' rounds that a real fleet overlaps take turns.
 """
 
 from __future__ import annotations
@@ -217,6 +221,15 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
                                               if n})
 
 
+def halves(nodes: tuple[str, str]) -> dict[str, set[int]]:
+    """The CPUs this process may use, split between two nodes: the first half, the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least two CPUs")
+    half = len(cpus) // 2
+    return {nodes[0]: set(cpus[:half]), nodes[1]: set(cpus[half:])}
+
+
 def search_fleet(count: int, kind: str, seed: int = 64):
     """`count` nodes for the search bench: "unequal" speeds, or "equal"; "roomy" or "tight"
     memory (ending in either), every pair linked."""
@@ -312,6 +325,10 @@ def main() -> int:
                         "so keep it near what the requests reach (prompt + --tokens)")
     p.add_argument("--threads", type=int, default=1,
                    help="OpenMP threads of every process of the fleet (0: the defaults)")
+    p.add_argument("--pin", action="store_true",
+                   help="each node's agent and engines on cores of their own (node-a the "
+                        "first half of this process's CPUs, node-b the rest), as on two "
+                        "machines: calibration and serving then see the same cores")
     p.add_argument("--search", action="store_true",
                    help="time the placement search itself (no fleet) instead")
     p.add_argument("--repeats", type=int, default=3, help="--search: calls per figure")
@@ -341,7 +358,8 @@ def main() -> int:
              "--calibration-budget-s", str(args.calibration_budget_s))
     with (tempfile.TemporaryDirectory(prefix="bench-placement-") as root,
           LocalFleet(Path(root), supervisor_flags=flags,
-                     agent_settings=dict(heartbeat_interval_s=0.5)) as fleet):
+                     agent_settings=dict(heartbeat_interval_s=0.5),
+                     node_cpus=halves(("node-a", "node-b")) if args.pin else None) as fleet):
         requests = Requests(fleet, config.vocab_size, args.prompt_tokens, args.tokens)
         measured_replicas: set[str] = set()
         for i, layout in enumerate(layouts):
@@ -418,7 +436,7 @@ def main() -> int:
             print(f"# {what}: fastest measured {fastest} ({measured_ms[fastest][i]:.4g} ms); "
                   f"the plan's {measured_ms[plan][i]:.4g} ms")
     print(f"# load average at the end: {load_average()}; threads: "
-          f"{args.threads or 'the defaults'}")
+          f"{args.threads or 'the defaults'}; pinned: {'yes' if args.pin else 'no'}")
     if errors:
         print(f"\nmean absolute error: {sum(errors) / len(errors):.1f} % "
               f"(largest {max(errors):.1f} %) over {len(errors)} figures")

@@ -36,8 +36,13 @@ class LocalFleetError(RuntimeError):
 class LocalFleet:
     def __init__(self, root: Path, nodes: tuple[str, ...] = ("node-a", "node-b"), *,
                  supervisor_flags: tuple[str, ...] = (), agent_settings: dict | None = None,
-                 engine_ports: int = 200, front_door_process: bool = False) -> None:
+                 engine_ports: int = 200, front_door_process: bool = False,
+                 node_cpus: dict[str, set[int]] | None = None) -> None:
         self.root = root
+        # node -> the CPUs its agent, and so every engine it spawns, may run on: nodes of
+        # one machine kept off each other's cores, as separate machines are (a bench's
+        # choice; None: every process may run anywhere).
+        self.node_cpus = node_cpus or {}
         self.nodes = nodes
         self.supervisor_flags = supervisor_flags
         self.agent_settings = dict(heartbeat_interval_s=1.0, os_floor_bytes=256 << 20,
@@ -139,6 +144,8 @@ class LocalFleet:
         path.write_text(yaml.safe_dump(config))
         self.agents[node] = self._popen(["-m", "agent.cli", "run", "--config", str(path)],
                                         f"agent-{node}.log")
+        if node in self.node_cpus:  # before it spawns anything: its children inherit it
+            os.sched_setaffinity(self.agents[node].pid, self.node_cpus[node])
 
     def start(self) -> None:
         """init, the supervisor, and every node joined and running; wait until all are alive."""

@@ -5,10 +5,17 @@ the embeddings and head, an mlx-cpu stage 4:8). Each engine says its weights' by
 `loaded` line, its agent samples its resident set at every heartbeat, and status shows both
 per stage. The weights are checked against the checkpoint's own headers; the resident set,
 once a request has touched every weight, is at least the weights.
+
+node-b's agent is pinned to one CPU (`LocalFleet`'s `node_cpus`, which `bench/placement.py
+--pin` uses to keep two nodes of one machine off each other's cores): its engine runs there
+too, since a process inherits its parent's CPUs.
 """
 
 from __future__ import annotations
 
+import os
+
+import psutil
 import pytest
 
 from engine.checkpoint.reader import open_checkpoint
@@ -19,13 +26,15 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+NODE_B_CPUS = {max(os.sched_getaffinity(0))}  # one CPU, the last this process may use
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, checkpoint):
     with LocalFleet(tmp_path_factory.mktemp("fleet"), supervisor_flags=(
             "--tick-s", "0.2", "--calibration-budget-s", "0", "--drain-s", "10"),
-            agent_settings=dict(heartbeat_interval_s=0.3)) as fleet:
+            agent_settings=dict(heartbeat_interval_s=0.3),
+            node_cpus={"node-b": NODE_B_CPUS}) as fleet:
         fleet.fleetctl("apply", str(fleet_file(fleet, checkpoint, "fleet.yaml")))
         fleet.wait_replica(MODEL)
         yield fleet
@@ -66,3 +75,13 @@ def test_status_shows_each_stage_resident_against_its_weights(fleet, checkpoint)
     assert "resident / weights" in shown
     for stage in stages:
         assert f"/ {format_bytes(stage['weights_bytes'])}" in shown, shown
+
+
+def test_a_pinned_node_runs_its_engine_on_its_own_cpus(fleet):
+    agent = psutil.Process(fleet.agents["node-b"].pid)
+    engines = [p for p in agent.children(recursive=True) if "engine.main" in p.cmdline()]
+    assert engines, "node-b's agent runs no engine"
+    for process in (agent, *engines):
+        assert set(process.cpu_affinity()) == NODE_B_CPUS
+    other = psutil.Process(fleet.agents["node-a"].pid)
+    assert set(other.cpu_affinity()) == os.sched_getaffinity(0)  # not pinned
