@@ -131,21 +131,10 @@ class StageTimer:
         return lambda: self.stage.run_layers_again(x, layout)
 
     def _serving_round(self, x: Any, context: int, rows: int) -> Callable[[], None]:
-        """A decode round as a serving stage runs it, `forward` over its plan: the plan
-        checked against the slot table and applied, the layout built, the layers run and
-        the rows settled. Each call first puts the table back where the plan expects it
-        (every slot open, holding `context - 1` positions, one row added last round), so
-        the same plan runs again; the reset is a list's assignment, next to nothing."""
+        """A decode round as a serving stage runs it (`Stage.forward_again`), each time from
+        its slots open at `context - 1` positions, where the plan's rows expect them."""
         from engine.slots import Slot
 
+        start = [Slot(open=True, offset=context - 1, last_rows=1)] * rows
         plan = decode_plan(context, rows)
-        table = self.stage.slots
-        before = [Slot(open=True, offset=context - 1, last_rows=1)] * rows
-
-        def run() -> None:
-            table.slots[:rows] = before
-            self.stage.forward(plan, x, None)
-            # As `run_layers_again` ends, so the two differ only by the round's host work
-            # (an asynchronous device's kernels waited for; a CPU's: nothing).
-            self.stage._finish()
-        return run
+        return lambda: self.stage.forward_again(plan, x, start)

@@ -24,7 +24,7 @@ from engine.heap import release_freed
 from engine.rounds import Op, RoundPlan, RowLayout
 from engine.row_format import RowFormat
 from engine.sampling import SampledRows, SamplingBatch
-from engine.slots import SlotTable
+from engine.slots import Slot, SlotTable
 
 if TYPE_CHECKING:
     from engine.draft_head import DraftAsk, DraftHead
@@ -241,6 +241,15 @@ class Stage(ABC):
             rows = self._settle(self._run_layers(rows, layout))
             self._finish()
             return rows
+
+    def forward_again(self, plan: RoundPlan, rows: Any, start: Sequence[Slot]) -> None:
+        """`forward` over `plan`, finished, from the slot table's first slots set to `start`:
+        a served round (the plan checked and applied, the layout built, the rows settled)
+        that calibration can time against `run_layers_again` as often as it likes."""
+        self.slots.slots[:len(start)] = start
+        self.forward(plan, rows, None)
+        with self._computing():
+            self._finish()
 
     def logits(self, rows: Any) -> Any:
         """Final norm and head over returned rows: float32 numpy array [rows, vocab]."""
