@@ -7,8 +7,9 @@ so a few thousand slowloris sockets held the API. Here:
 - a new connection must complete its first request's headers within `header_s`;
 - a connection idle after a response (or dripping its next headers) closes `idle_s` later
   (aiohttp's keep-alive timeout, set from the same limits);
-- past `max_connections`, a new connection gets a short 503 and is closed at once, so the
-  event loop and the descriptors stay free for the connections it has.
+- past `max_connections`, a new connection gets a short 503 and is closed as soon as its
+  request is read (a second at most), so the event loop and the descriptors stay free for
+  the connections it has.
 """
 
 from __future__ import annotations
@@ -53,13 +54,49 @@ REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\
            + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
 
 
+# How long a refused connection stays open to swallow its request, and for how many
+# connections at once: past that count a refusal closes at once, so a flood cannot hold
+# descriptors through the refusals themselves.
+REFUSAL_LINGER_S = 1.0
+MAX_LINGERING = 64
+
+
 class _Refused(asyncio.Protocol):
-    """A connection over the cap: a 503 in one write, then closed."""
+    """A connection over the cap: a 503 in one write, then closed once the client's request
+    is read (or `REFUSAL_LINGER_S` has passed). Closing with the request unread would make
+    the kernel answer with a reset, which can reach the client before the 503 does, so a
+    client sending a request would see a dropped connection instead of the refusal."""
+
+    lingering = 0  # refused connections open now, across the process
+
+    def __init__(self) -> None:
+        self._transport: asyncio.WriteTransport | None = None
+        self._closer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
         transport.write(REFUSED)
-        transport.close()
+        if _Refused.lingering >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._transport = transport
+        _Refused.lingering += 1
+        self._closer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S,
+                                                             transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request, read only so that closing sends no reset
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._transport is not None:
+            _Refused.lingering -= 1
+            self._transport = None
+        if self._closer is not None:
+            self._closer.cancel()
 
 
 class ConnectionGuard:

@@ -139,6 +139,39 @@ def test_connections_past_the_cap_are_refused_at_once_and_service_resumes(guarde
                what="/health answering after the flood")
 
 
+def test_a_request_sent_past_the_cap_reads_the_503_not_a_reset(guarded):
+    """A client that sends its whole request at once (as every HTTP client does) must read
+    the refusal: closing with that request unread would answer with a reset instead."""
+    body = json.dumps({"model": "m", "prompt": "x" * (256 << 10), "max_tokens": 1}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+               b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    idle = [socket.create_connection((LOOPBACK, guarded.http_port), timeout=5)
+            for _ in range(CAP)]
+    try:
+        answers = []
+        for _ in range(6):  # well inside the header deadline that frees the idle ones
+            with socket.create_connection((LOOPBACK, guarded.http_port), timeout=5) as sock:
+                try:
+                    sock.sendall(request)
+                    answers.append(read_until_closed(sock))
+                except ConnectionResetError as exc:
+                    answers.append(repr(exc).encode())
+        assert all(a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a
+                   for a in answers), [a[:60] for a in answers]
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: http("GET", f"{base(guarded)}/health")[0] == 200, within_s=10,
+               what="/health answering after the flood")
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
 def test_a_megabyte_prompt_does_not_stall_health(guarded):
     model = json.loads(http("GET", f"{guarded.url}/models")[1])["data"][0]["id"]
     words = "the quick brown fox jumps over the lazy dog; héllo wörld 北京 "
