@@ -13,7 +13,8 @@
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
-# a prompt chunk's attention: bench/prompt_attention.py, prompt rates, exactness).
+# a prompt chunk's attention: bench/prompt_attention.py, prompt rates, exactness),
+# prompt-kernels (its kernels and one chunk size's rates, without the tests).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -87,6 +88,13 @@ for what in "$@"; do
       done
       FLEET_PROMPT_ATTENTION=cudnn step test_cuda_exactness_cudnn 240 python3 -m pytest -q -x \
         --tb=short -p no:cacheprovider -rs tests/pipeline/test_cuda_exactness.py ;;
+    prompt-kernels)  # the short form of prompt-attention: the kernels side by side and an
+      # 8,192-token prompt's rate by each at 2,048-row chunks
+      step prompt-attention 120 python3 bench/prompt_attention.py
+      for kernel in flash cudnn; do
+        FLEET_PROMPT_ATTENTION=$kernel step "prompt-$kernel-2048" 100 python3 bench/decode.py \
+          --preset 8b --device cuda --prompt-rate 8192 --chunk 2048 --repeats 3 --no-reference
+      done ;;
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
