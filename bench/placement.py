@@ -47,6 +47,7 @@ host work share every core, and two streams' rounds that a real fleet overlaps t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -329,6 +330,9 @@ def main() -> int:
                    help="each node's agent and engines on cores of their own (node-a the "
                         "first half of this process's CPUs, node-b the rest), as on two "
                         "machines: calibration and serving then see the same cores")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="run the fleet in this directory and keep it (its logs: the agents' "
+                        "calibrations, the supervisor's plan) instead of a temporary one")
     p.add_argument("--search", action="store_true",
                    help="time the placement search itself (no fleet) instead")
     p.add_argument("--repeats", type=int, default=3, help="--search: calls per figure")
@@ -356,7 +360,8 @@ def main() -> int:
     calibrations: dict = {}
     flags = ("--tick-s", "0.2", "--drain-s", "5",
              "--calibration-budget-s", str(args.calibration_budget_s))
-    with (tempfile.TemporaryDirectory(prefix="bench-placement-") as root,
+    with (contextlib.nullcontext(args.keep) if args.keep
+          else tempfile.TemporaryDirectory(prefix="bench-placement-") as root,
           LocalFleet(Path(root), supervisor_flags=flags,
                      agent_settings=dict(heartbeat_interval_s=0.5),
                      node_cpus=halves(("node-a", "node-b")) if args.pin else None) as fleet):

@@ -57,6 +57,7 @@ class LocalFleet:
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.front_door_process = front_door_process
+        self._client = None  # supervisor.fleetctl.Client, once the credentials exist
         self.supervisor: subprocess.Popen | None = None
         self.front_door_proc: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
@@ -84,7 +85,17 @@ class LocalFleet:
         return done
 
     def status(self) -> dict[str, Any]:
-        return json.loads(self.fleetctl("--json", "status").stdout)
+        """`fleetctl status`'s data, asked over the same authenticated API from this process:
+        waits poll it every few tenths of a second, and a fleetctl process per poll cost
+        about a core, which the fleet's own calibrations and rounds then timed as theirs."""
+        from supervisor.fleetctl import Client, CtlError
+
+        try:
+            if self._client is None:
+                self._client = Client(self.credentials, None)
+            return self._client.call("GET", "/v1/status")
+        except CtlError as exc:
+            raise LocalFleetError(f"fleetctl status: {exc}") from exc
 
     # --- processes ------------------------------------------------------------------------
     def init(self) -> None:
