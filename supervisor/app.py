@@ -167,6 +167,14 @@ async def rebalance(request: web.Request) -> web.Response:
     return web.json_response(operator_commands.rebalance(request.app[SUPERVISOR]))
 
 
+async def remeasure(request: web.Request) -> web.Response:
+    body = await body_of(request)
+    nodes = body.get("nodes", [])
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        raise RequestError(400, "nodes: a list of node names (none: every node)", field="nodes")
+    return web.json_response(operator_commands.remeasure(request.app[SUPERVISOR], nodes))
+
+
 async def event_log(request: web.Request) -> web.Response:
     after = int(request.query.get("after", "0"))
     return web.json_response({"events": request.app[SUPERVISOR].state.events(after)})
@@ -230,6 +238,7 @@ def make_app(settings: SupervisorSettings) -> web.Application:
         web.post("/v1/apply", apply),
         web.post("/v1/plan", plan),
         web.post("/v1/rebalance", rebalance),
+        web.post("/v1/remeasure", remeasure),
         web.get("/v1/events", event_log),
         web.get("/v1/routes", routes),
     ])

@@ -1,5 +1,5 @@
 """`fleetctl`: drive the fleet's supervisor (init, token, apply, plan, status, drain, rebalance,
-revoke).
+remeasure, revoke).
 
 It talks to the supervisor over mutual TLS with its own `admin` certificate, which
 `fleetctl init` writes (with the CA and the supervisor's URL) to its credentials directory:
@@ -349,7 +349,8 @@ def wait_for_measurements(client: Client, wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     last = ""
     while True:
-        running = client.call("GET", "/v1/status").get("measured", {}).get("running", [])
+        measured = client.call("GET", "/v1/status").get("measured", {})
+        running = [*measured.get("running", []), *measured.get("waiting", [])]
         if not running:
             return True
         if time.monotonic() >= deadline:
@@ -462,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("node")
     drain.add_argument("--undo", action="store_true", help="let NODE take stages again")
     command("rebalance", help="re-place replicas whose best placement changed")
+    remeasure = command("remeasure", help="calibrate NODEs again and probe their links (every "
+                                          "node when none is named), as when a machine's "
+                                          "speed changed; replicas keep their placement")
+    remeasure.add_argument("nodes", nargs="*", metavar="NODE")
+    remeasure.add_argument("--wait-s", type=float, default=300.0,
+                           help="wait this long for the new measurements (default 300)")
+    remeasure.add_argument("--no-wait", action="store_true", help="return at once")
     revoke = command("revoke", help="forget NODE and refuse its certificate, so the "
                             "name can join again")
     revoke.add_argument("node")
@@ -558,7 +566,42 @@ def run(args: argparse.Namespace, credentials: Path) -> int:
         print(json.dumps(data)) if args.json else out.print(text)
         if not args.json:
             warn_outages(data)
+    elif args.command == "remeasure":
+        return remeasure(client, args)
     return 0
+
+
+def remeasure(client: Client, args: argparse.Namespace) -> int:
+    """Ask for the measurements again, wait for them, and show what they now say."""
+    data = client.call("POST", "/v1/remeasure", {"nodes": args.nodes})
+    done = args.no_wait or not data["measuring"] or wait_for_measurements(client, args.wait_s)
+    measured = client.call("GET", "/v1/status")["measured"]
+    if args.json:
+        print(json.dumps(dict(data, done=done, measured=measured)))
+    elif not data["measuring"]:
+        out.print(f"nothing measured yet on {', '.join(data['nodes'])}: they are measured "
+                  "when a model is placed there", markup=False)
+    else:
+        figures = measured["calibrations"] | measured["links"]
+        for key in data["measuring"]:
+            out.print(f"{key}: {measured_figure(figures.get(key))}", markup=False)
+    if not done:
+        err.print(f"fleetctl: still measuring after {args.wait_s:g} s", markup=False)
+        return 1
+    return 0
+
+
+def measured_figure(found: Any) -> str:
+    """One calibration or link from `status`'s measured, as a line."""
+    if found is None:
+        return "not measured"
+    if isinstance(found, str):
+        return found  # why there is none
+    if "decode_ms_per_layer" in found:
+        return (f"{found['decode_ms_per_layer']:.3g} ms per layer for one row, a prompt "
+                f"chunk {found['prefill_ms_per_layer']:.3g} ({found.get('age_s', 0):.0f} s ago)")
+    return (f"rtt {found['rtt_ms']:.3g} ms, {found['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s "
+            f"({found.get('age_s', 0):.0f} s ago)")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ installed fleet runs it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket

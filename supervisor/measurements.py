@@ -74,6 +74,11 @@ NOTHING_MEASURED = Measured()
 CALIBRATION_FIELD = {"quant": "quant_mode"}
 
 
+def timing_node(key: str) -> str:
+    """The node a `timing_key` is for."""
+    return key.split("|")[1]
+
+
 def timing_key(spec: ModelSpec, node: str, backend: str) -> str:
     """A calibration answers for a shape, a backend, the execution shape measured (the prompt
     whose mean chunk it times included) and the kernels timed: a model whose `kernels:` or

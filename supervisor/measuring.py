@@ -3,9 +3,11 @@ each, kept in memory and in the state (SQLite) with their age and the software t
 measured with, and handed to the pure decisions as a frozen `Measured`.
 
 A restarted supervisor reuses what the state holds instead of measuring again; a
-measurement is taken again when it is older than `max_age_s` or when its node's backend
+measurement is taken again when it is older than `max_age_s`, when its node's backend
 versions (framework, its version, the engine's) are no longer those it was measured with
-(`why_measure_again`, pure).
+(`why_measure_again`, pure), or when the operator asks (`remeasure`). A calibration taken
+again is forced past the agent's own cache of calibrations, which would otherwise answer
+with the old figures.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from supervisor.measurements import (
     probe,
     timing_from_result,
     timing_key,
+    timing_node,
 )
 from supervisor.membership import Member
 from supervisor.placement import LayerTypeMs, LinkSnapshot
@@ -148,6 +151,15 @@ class Measurer:
             log.info("measuring again", key=key, why=why)
         return bool(why)
 
+    def remeasure(self, nodes: set[str], why: str) -> list[str]:
+        """Mark every calibration of `nodes` and every link probe with an end among them to
+        be taken again (`start_missing` starts them); the keys marked."""
+        keys = [key for key in self.timings if timing_node(key) in nodes]
+        keys += [link_key(a, b) for a, b in self.links if a in nodes or b in nodes]
+        for key in keys:
+            self.again[key] = why
+        return sorted(keys)
+
     def _keep(self, key: str, kind: str, versions: str, record: dict[str, Any]) -> None:
         now = time.time()
         self.provenance[key] = (versions, now)
@@ -191,6 +203,8 @@ class Measurer:
                 busy |= {host_of(member)} - {""}
                 self.running[key] = (member.node,)
                 body = calibration_body(config[0], spec, backend, self.budget_s)
+                if key in self.again:  # not the agent's cached answer: a new measurement
+                    body["force"] = True
                 spawn(self._calibrate(key, spec, member, body,
                                       backend_versions(member, backend)))
         for (a, b), dist in sorted(pairs.items()):
@@ -216,28 +230,34 @@ class Measurer:
 
     async def _calibrate(self, key: str, spec: ModelSpec, member: Member, body: dict,
                          versions: str) -> None:
+        why = self.again.pop(key, "")  # marked once: a failure is not retried every tick
         try:
             result = await calibrate(self.agents, member.node, member.url, body, self.timeout_s)
             timing = self.timings[key] = timing_from_result(result, spec)
             self._keep(key, CALIBRATION, versions, asdict(timing))
             done = (f"calibrated {member.node} for {spec.id} on {body['backend']} ({versions}):"
                     f" {timing.decode_ms_per_layer:.3g} ms per layer for one row"
-                    + (f" (measured again: {self.again.pop(key)})" if key in self.again else ""))
+                    + (f" (measured again: {why})" if why else ""))
         except MEASURE_ERRORS as exc:
-            self.timings[key] = f"calibration failed: {exc}"
-            done = f"{member.node}: calibration failed, placing with nominal numbers: {exc}"
+            if isinstance(self.timings.get(key), NodeTiming):
+                done = (f"{member.node}: calibration failed, keeping the figures measured "
+                        f"before: {exc}")
+            else:
+                self.timings[key] = f"calibration failed: {exc}"
+                done = f"{member.node}: calibration failed, placing with nominal numbers: {exc}"
         finally:
             self.running.pop(key, None)
         self.on_done(done, member.node)
 
     async def _probe(self, a: str, a_url: str, b: str, b_url: str, versions: str,
                      dist: str = "") -> None:
+        why = self.again.pop(link_key(a, b), "")
+        why = self.again.pop(link_key(b, a), "") or why  # marked once, either way round
         try:
             link, dist_failed = await probe(self.agents, a, a_url, b, b_url, dist)
             self.links[(a, b)] = link
             self.links.pop((b, a), None)  # measured again one way: the other's is older
             self._keep(link_key(a, b), PROBE, versions, vars(link))
-            why = self.again.pop(link_key(a, b), "") or self.again.pop(link_key(b, a), "")
             done = (f"probed {a} -> {b}: rtt {link.rtt_ms:.3g} ms, "
                     f"{link.bandwidth_bytes_per_s / 1e6:.0f} MB/s"
                     + _dist_said(link, dist, dist_failed)

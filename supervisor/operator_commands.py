@@ -125,6 +125,25 @@ def rebalance(supervisor: Supervisor) -> dict[str, Any]:
     return {"rebalance_epoch": epoch, "outages": stops}
 
 
+def remeasure(supervisor: Supervisor, nodes: list[str]) -> dict[str, Any]:
+    """Calibrate `nodes` again (every member when none is named), and probe their links:
+    for a machine whose speed changed under the fleet (other work on it, a new driver, a
+    cooler room). Replicas keep their placement; `fleetctl status` predicts from the new
+    figures, and a rebalance places by them."""
+    if supervisor.settings.calibration_budget_s <= 0:
+        raise RequestError(409, "measuring is off (--calibration-budget-s 0): placement uses "
+                           "nominal numbers")
+    for node in nodes:
+        if node not in supervisor.members:
+            raise unknown_node(supervisor, node)
+    chosen = sorted(set(nodes) or set(supervisor.members))
+    keys = supervisor.measurer.remeasure(set(chosen), "asked by the operator")
+    supervisor.event("measure", f"measuring again, as asked: {', '.join(chosen) or 'no node'}"
+                     + ("" if keys else " (nothing measured there yet)"))
+    supervisor.step()
+    return {"nodes": chosen, "measuring": keys}
+
+
 def outages(changed: lc.Snapshot) -> list[dict[str, Any]]:
     """What a change would stop serving (no room to make before break), for fleetctl to
     say before it is made; each with its reason and how long at most."""

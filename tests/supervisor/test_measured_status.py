@@ -3,7 +3,8 @@ as real processes: `apply` marks a placement on nominal numbers provisional and 
 one that runs once the nodes are measured; `status` shows the serving replica's predicted
 decode ms/token beside rank 0's measured one, and its predicted time to first token; a restarted supervisor reuses the
 calibrations and probes kept in its state (no agent is asked again), and measures them
-again once they are older than its `--measurement-max-age-s`. The tests share one fleet
+again once they are older than its `--measurement-max-age-s` or when `fleetctl remeasure` asks
+(the agents then calibrate, not answer from their caches). The tests share one fleet
 and run in file order.
 """
 
@@ -118,8 +119,38 @@ def test_a_restarted_supervisor_reuses_its_measurements(fleet):
     assert replica["speed"]["predicted_ms_per_token"] > 0
 
 
+def calibrations_started(fleet: LocalFleet, node: str) -> int:
+    """Calibration children the node's agent has started (one per measurement it took,
+    none for an answer from its cache)."""
+    log = (fleet.logs / f"agent-{node}.log").read_text(errors="replace").splitlines()
+    return sum('"child started"' in line and '"calibration ' in line for line in log)
+
+
+def test_remeasure_takes_every_measurement_again_past_the_agents_cache(fleet):
+    before = events(fleet)[-1]["seq"]
+    started = {n: calibrations_started(fleet, n) for n in ("node-a", "node-b")}
+    done = fleet.fleetctl("--json", "remeasure")
+    data = json.loads(done.stdout)
+    assert data["nodes"] == ["node-a", "node-b"] and data["done"] is True
+    assert {k.split("|")[1] for k in data["measuring"] if "|" in k} == {"node-a", "node-b"}
+    assert "node-a -> node-b" in data["measuring"] or "node-b -> node-a" in data["measuring"]
+    again = measured_again(fleet, before)
+    assert len(again) == 3 and all(m.endswith("(measured again: asked by the operator)")
+                                   for m in again), again
+    # Each agent ran a calibration: its cache of calibrations did not answer for it.
+    assert all(calibrations_started(fleet, n) == started[n] + 1 for n in started), started
+    assert fleet.wait_replica("demo")["id"]  # replicas keep serving where they were
+
+    one = fleet.fleetctl("remeasure", "node-b")
+    assert "node-b|torch-cpu" not in one.stdout and "node-b|mlx-cpu" in one.stdout
+    assert "ms per layer for one row" in one.stdout and "rtt" in one.stdout
+    unknown = fleet.fleetctl("remeasure", "node-z", check=False)
+    assert unknown.returncode == 1 and "unknown node 'node-z'" in unknown.stderr
+
+
 def test_measurements_older_than_the_max_age_are_taken_again(fleet):
     before = events(fleet)[-1]["seq"]
+    started = calibrations_started(fleet, "node-a")
     assert fleet.stop_supervisor(signal.SIGTERM) == 0
     fleet.supervisor_flags = (*FLAGS, "--measurement-max-age-s", "0.01")
     fleet.start_supervisor()
@@ -127,3 +158,4 @@ def test_measurements_older_than_the_max_age_are_taken_again(fleet):
                        and found, within_s=60, what="every measurement taken again")
     assert all("(measured again: " in message and "s old (more than 0.01 s)" in message
                for message in again), again
+    assert calibrations_started(fleet, "node-a") > started  # measured, not read from a cache

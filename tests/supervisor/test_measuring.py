@@ -3,6 +3,7 @@ and reused, measured again when stale or when the node's backend versions change
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import asdict
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.maker import PRESETS, config_json
+from supervisor.agents import AgentError
 from supervisor.fleet_config import parse_fleet_config
 from supervisor.measurements import NodeTiming, timing_key
 from supervisor.measuring import (
@@ -183,3 +185,35 @@ def test_a_models_kernels_are_what_its_calibrations_time(fleet):
         CalibrationRequest(config={}).stage_options()
     assert not set(asked[0]) & {"quant_mode", "compile", "delta_kernel", "cuda_graphs",
                                 "decode_attention", "packed_kernel", "prompt_attention"}
+
+
+class RefusingAgents:
+    """Agents whose every call fails (an injected fault), keeping the bodies they were sent."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def call(self, node: str, method: str, url: str, body: dict | None = None) -> dict:
+        self.bodies.append(dict(body or {}))
+        raise AgentError(node, "refused (injected)")
+
+
+def test_a_remeasure_is_forced_and_one_that_fails_keeps_the_figures_without_a_retry(fleet):
+    spec = fleet.model("m")
+    members = {"a": member("a")}
+    key = timing_key(spec, "a", "torch-cpu")
+    timing = NodeTiming(1.0, 2.0, 30.0)
+    agents, said = RefusingAgents(), []
+    measurer = Measurer(agents, 5.0, 60.0,  # type: ignore[arg-type]
+                        lambda done, node: said.append(done))
+    measurer.timings[key] = timing
+    assert measurer.remeasure({"a"}, "asked by the operator") == [key]
+    runs: list = []
+    measurer.start_missing(fleet, members, runs.append)
+    assert len(runs) == 1
+    asyncio.run(runs[0])
+    assert agents.bodies[0]["force"] is True  # past the agent's cache of calibrations
+    assert measurer.timings[key] == timing  # placement keeps the figures it had
+    assert said == ["a: calibration failed, keeping the figures measured before: "
+                    "agent a: refused (injected)"]
+    assert started(measurer, fleet, members) == []  # not asked again on every tick
