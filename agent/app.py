@@ -110,8 +110,10 @@ class Calibrations:
                 job.result = event["result"]
 
         env = dict(os.environ, PYTHONPATH=engine_pythonpath())
+        # The cache was asked before the job started (`start_calibration`): a child runs
+        # only to measure, also where the cache holds an answer that a `force` passed over.
         argv = [sys.executable, "-m", "agent.calibrate", json.dumps(asdict(job.request)),
-                str(self.cache.directory)]
+                str(self.cache.directory), "--force"]
         try:
             job.child = ChildProcess.spawn(f"calibration {job.job_id}", argv, env,
                                            RotatingLog(self.config.logs_dir / "calibration.log",

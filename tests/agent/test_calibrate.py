@@ -122,6 +122,12 @@ def test_the_agent_calibrates_in_a_child_and_serves_the_cache(fleet, tmp_path):
             async with session.post(url + "/v1/calibrations", json=body) as r:
                 assert r.status == 200
                 assert (await r.json())["result"]["cached"] is True
+            # Forced: measured again by a child, not answered from the cache by it either.
+            async with session.post(url + "/v1/calibrations", json=dict(body, force=True)) as r:
+                assert r.status == 202, await r.text()
+                forced = await finished_job(session, url, await r.json())
+            assert forced["state"] == "done" and not forced["result"].get("cached"), forced
+            assert forced["result"]["measured_at"] > job["result"]["measured_at"]
             async with session.post(url + "/v1/calibrations", json=dict(body, backend="nope")) as r:
                 assert r.status == 422
                 assert "unknown backend 'nope'" in (await r.json())["error"]["message"]

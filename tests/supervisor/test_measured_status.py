@@ -129,6 +129,8 @@ def calibrations_started(fleet: LocalFleet, node: str) -> int:
 def test_remeasure_takes_every_measurement_again_past_the_agents_cache(fleet):
     before = events(fleet)[-1]["seq"]
     started = {n: calibrations_started(fleet, n) for n in ("node-a", "node-b")}
+    figures = {k: c["decode_ms_per_layer"]
+               for k, c in fleet.status()["measured"]["calibrations"].items()}
     done = fleet.fleetctl("--json", "remeasure")
     data = json.loads(done.stdout)
     assert data["nodes"] == ["node-a", "node-b"] and data["done"] is True
@@ -139,6 +141,8 @@ def test_remeasure_takes_every_measurement_again_past_the_agents_cache(fleet):
                                    for m in again), again
     # Each agent ran a calibration: its cache of calibrations did not answer for it.
     assert all(calibrations_started(fleet, n) == started[n] + 1 for n in started), started
+    now = data["measured"]["calibrations"]  # timed again: no figure is the same to the bit
+    assert all(now[k]["decode_ms_per_layer"] != ms for k, ms in figures.items()), (figures, now)
     assert fleet.wait_replica("demo")["id"]  # replicas keep serving where they were
 
     one = fleet.fleetctl("remeasure", "node-b")
