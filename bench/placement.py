@@ -184,19 +184,27 @@ def decode_rounds(fleet: LocalFleet, replica_id: str, at_least: int,
 
 
 def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
-            measured_ids: set[str]) -> dict:
+            measured_ids: set[str], remeasure: bool = False) -> dict:
     """Waits for `layout` to serve, runs `count` single requests, then `count` pairs. Returns
     the replica's speed report (its predictions), its stages, the single requests' times to
     first token in ms, and the decode rounds' mean ms and count of each phase: the singles'
     (one stream: 1-row rounds) and the pairs' (two streams: every decode round they ran, of
     2 rows, or of 1 where a split ring keeps one stream's round in flight on each stage).
     A replica in `measured_ids` is an earlier placement's, still serving until this one
-    replaces it, perhaps with the same stages."""
+    replaces it, perhaps with the same stages. `remeasure`: every node calibrated again
+    once the replica serves, so its predictions stand on figures of this minute."""
     wanted = [(node, list(rng)) for node, rng in layout]
     replica = fleet.wait_replica("bench", timeout_s=600, where=lambda r: (
         r["id"] not in measured_ids
         and (not wanted or [(s["node"], s["layer_range"]) for s in r["stages"]] == wanted)))
     measured_ids.add(replica["id"])
+    if remeasure:
+        fleet.fleetctl("remeasure", "--wait-s", "600")
+        for key, timing in fleet.status()["measured"]["calibrations"].items():
+            if isinstance(timing, dict):
+                print(f"# calibrated again: {key.split('|')[1]} "
+                      f"{timing['decode_ms_per_layer']:.3g} ms per layer at 1 row, a chunk "
+                      f"{timing['prefill_ms_per_layer']:.3g}", flush=True)
     requests.one(4)  # warm: the first rounds pay for lazy initialisation
     ttft_ms = [requests.one() * 1000 for _ in range(count)]
     _, singles = decode_rounds(fleet, replica["id"], 3 + count * (requests.tokens - 1))
@@ -330,6 +338,10 @@ def main() -> int:
                    help="each node's agent and engines on cores of their own (node-a the "
                         "first half of this process's CPUs, node-b the rest), as on two "
                         "machines: calibration and serving then see the same cores")
+    p.add_argument("--remeasure", action="store_true",
+                   help="calibrate every node again (`fleetctl remeasure`) before each "
+                        "placement is measured, so each prediction stands on figures of that "
+                        "minute: a shared machine's cores change speed by 10-30 %% over minutes")
     p.add_argument("--keep", type=Path, default=None,
                    help="run the fleet in this directory and keep it (its logs: the agents' "
                         "calibrations, the supervisor's plan) instead of a temporary one")
@@ -380,7 +392,8 @@ def main() -> int:
                                          backends=", ".join(dict.fromkeys(
                                              ["torch-cpu", args.node_b]))))
             fleet.fleetctl("apply", str(path), "--wait-s", "600")
-            seen = measure(fleet, layout, requests, args.requests, measured_replicas)
+            seen = measure(fleet, layout, requests, args.requests, measured_replicas,
+                           args.remeasure)
             speed, chosen, ttft_ms = seen["speed"], seen["stages"], seen["ttft_ms"]
             name = " -> ".join(f"{node} {a}:{b}" for node, (a, b) in chosen)
             if not layout:
@@ -441,7 +454,8 @@ def main() -> int:
             print(f"# {what}: fastest measured {fastest} ({measured_ms[fastest][i]:.4g} ms); "
                   f"the plan's {measured_ms[plan][i]:.4g} ms")
     print(f"# load average at the end: {load_average()}; threads: "
-          f"{args.threads or 'the defaults'}; pinned: {'yes' if args.pin else 'no'}")
+          f"{args.threads or 'the defaults'}; pinned: {'yes' if args.pin else 'no'}; "
+          f"calibrated again before each placement: {'yes' if args.remeasure else 'no'}")
     if errors:
         print(f"\nmean absolute error: {sum(errors) / len(errors):.1f} % "
               f"(largest {max(errors):.1f} %) over {len(errors)} figures")
