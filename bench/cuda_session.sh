@@ -14,7 +14,10 @@
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
 # a prompt chunk's attention: bench/prompt_attention.py, prompt rates, exactness),
-# prompt-kernels (its kernels and one chunk size's rates, without the tests).
+# prompt-kernels (its kernels and one chunk size's rates, without the tests),
+# placement (issue 24's placement bench on this host's idle CPUs, two nodes pinned to cores
+# of their own; needs the openai client carried: openai distro jiter pydantic pydantic-core
+# annotated-types typing-inspection sniffio, and mlx mlx-cpu for its torch + MLX run).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -95,6 +98,19 @@ for what in "$@"; do
         FLEET_PROMPT_ATTENTION=$kernel step "prompt-$kernel-2048" 100 python3 bench/decode.py \
           --preset 8b --device cuda --prompt-rate 8192 --chunk 2048 --repeats 3 --no-reference
       done ;;
+    placement)  # predicted against measured placements on a quiet many-core host: the
+      # generated dense and hybrid models on two torch-cpu nodes, then the hybrid on torch +
+      # MLX where MLX was carried; every node calibrated again before each placement
+      for preset in small small-hybrid; do
+        step "placement-$preset" 560 env OMP_NUM_THREADS=1 python3 bench/placement.py \
+          --preset "$preset" --node-b torch-cpu --prompt-tokens 256 --chunk 64 \
+          --context 320 --checkpoints /tmp/checkpoints --pin --remeasure
+      done
+      if python3 -c "import mlx.core" 2>/dev/null; then
+        step placement-small-hybrid-mlx 560 env OMP_NUM_THREADS=1 python3 bench/placement.py \
+          --preset small-hybrid --node-b mlx-cpu --prompt-tokens 256 --chunk 64 \
+          --context 320 --checkpoints /tmp/checkpoints --pin --remeasure
+      fi ;;
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
