@@ -214,6 +214,6 @@ def test_a_remeasure_is_forced_and_one_that_fails_keeps_the_figures_without_a_re
     asyncio.run(runs[0])
     assert agents.bodies[0]["force"] is True  # past the agent's cache of calibrations
     assert measurer.timings[key] == timing  # placement keeps the figures it had
-    assert said == ["a: calibration failed, keeping the figures measured before: "
-                    "agent a: refused (injected)"]
+    assert said == [("a: calibration failed, keeping the figures measured before: "
+                     "agent a: refused (injected)")]
     assert started(measurer, fleet, members) == []  # not asked again on every tick
