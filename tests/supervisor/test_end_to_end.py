@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.fleetctl import Client
 from supervisor.lifecycle import LIVE_STATES
 from supervisor.local import LocalFleet
-from tests.waiting import stays_true
+from tests.waiting import stays_true, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -241,8 +242,12 @@ def test_drain_node_moves_the_replica_and_rebalance_brings_it_back(fleet):
     fleet.fleetctl("rebalance")
     back = fleet.wait_replica(MODEL, timeout_s=90, where=lambda r: r["id"] != moved["id"])
     assert [s["node"] for s in back["stages"]] == ["node-a", "node-b"]
-    messages = [e["message"] for e in fleet.status()["events"]]
-    assert any(f"{moved['id']} is draining: rebalance" in m for m in messages)
+    # Make before break: the moved replica drains once its successor serves, on a later
+    # step of the supervisor than the one a fast status may show.
+    events = Client(fleet.credentials, None)
+    wait_until(lambda: any(f"{moved['id']} is draining: rebalance" in e["message"]
+                           for e in events.call("GET", "/v1/events")["events"]),
+               within_s=30, what=f"{moved['id']} draining for the rebalance")
 
 
 def test_supervisor_killed_and_restarted_leaves_the_replica_serving(fleet):
