@@ -319,6 +319,11 @@ def is_provisional(placement: dict[str, Any]) -> bool:
     return any(line.startswith(("not calibrated", "not probed")) for line in placement["why"])
 
 
+# A measurement this far off its prediction, over this many rounds, gets a hint: the likely
+# cause is a node whose speed changed since it was calibrated (other work on the machine).
+FAR_OFF_PCT, FAR_OFF_ROUNDS = 20.0, 20
+
+
 def speed_line(speed: dict[str, Any] | None) -> str:
     """A replica's predicted and measured decode ms per token, for `status`."""
     if not speed:
@@ -337,6 +342,10 @@ def speed_line(speed: dict[str, Any] | None) -> str:
     if not speed.get("measured"):
         parts.append("measured: no decode rounds yet")
     line = "decode ms/token: " + "; ".join(parts)
+    if any(abs(seen.get("error_pct", 0.0)) >= FAR_OFF_PCT and seen["rounds"] >= FAR_OFF_ROUNDS
+           for seen in speed.get("measured", {}).values()):
+        line += ("\nfar from the prediction: if a node's speed changed since it was calibrated, "
+                 "`fleetctl remeasure NODE`, then `fleetctl rebalance` places by it")
     if "predicted_ttft_ms" in speed:
         line += (f"\ntime to first token: predicted {speed['predicted_ttft_ms']:.0f} ms for a "
                  f"prompt of {speed['prompt_tokens']} tokens")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.harness.launch import free_port
-from supervisor.fleetctl import build_parser, main
+from supervisor.fleetctl import build_parser, main, speed_line
 
 
 @pytest.mark.parametrize("argv", [["--json", "status"], ["status", "--json"],
@@ -92,3 +92,16 @@ def test_out_writes_a_secret_owner_only_even_over_a_wider_file(tmp_path):
     with pytest.raises(CtlError) as refused:  # a parent that is a file: a named error, code 2
         write_secret(tmp_path / "file" / "n.token", "x")
     assert refused.value.code == 2 and "--out" in str(refused.value)
+
+
+def test_a_speed_far_off_its_prediction_suggests_measuring_again():
+    def speed(error_pct: float, rounds: int) -> dict:
+        return {"predicted_ms_per_token": 50.0, "predicted_ms_per_token_parallel": 60.0,
+                "parallel": 2, "measured": {"1": {
+                    "ms_per_token": 40.0, "rounds": rounds, "predicted_ms_per_token": 50.0,
+                    "error_pct": error_pct}}}
+
+    hint = "`fleetctl remeasure NODE`"
+    assert hint in speed_line(speed(+25.0, 40)) and hint in speed_line(speed(-20.0, 20))
+    assert hint not in speed_line(speed(+19.9, 400))  # near enough
+    assert hint not in speed_line(speed(+60.0, 19))  # too few rounds to say
