@@ -17,7 +17,9 @@
 # prompt-kernels (its kernels and one chunk size's rates, without the tests),
 # placement (issue 24's placement bench on this host's idle CPUs, two nodes pinned to cores
 # of their own; needs the openai client carried: openai distro jiter pydantic pydantic-core
-# annotated-types typing-inspection sniffio, and mlx mlx-cpu for its torch + MLX run).
+# annotated-types typing-inspection sniffio).
+# The GPU image has no MLX, and the CUDA test files hold MLX cases too, which fail without
+# it (tests/requirements.py): carry mlx, mlx-cpu and mlx-lm (Linux x86-64 wheels) in .whl.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -27,8 +29,6 @@ if [ -d .whl ]; then  # packages the GPU image lacks, carried as wheels
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-# The GPU image has no MLX: the tests that need it skip here (tests/requirements.py).
-export RINGFLEET_TESTS_MISSING_OK=mlx.core,mlx_lm.utils
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T), at most ${limit}s): $*" | tee -a "$OUT/steps.log"
@@ -100,17 +100,13 @@ for what in "$@"; do
       done ;;
     placement)  # predicted against measured placements on a quiet many-core host: the
       # generated dense and hybrid models on two torch-cpu nodes, then the hybrid on torch +
-      # MLX where MLX was carried; every node calibrated again before each placement
-      for preset in small small-hybrid; do
-        step "placement-$preset" 560 env OMP_NUM_THREADS=1 python3 bench/placement.py \
-          --preset "$preset" --node-b torch-cpu --prompt-tokens 256 --chunk 64 \
+      # MLX; every node calibrated again before each placement
+      for nodes in "small torch-cpu" "small-hybrid torch-cpu" "small-hybrid mlx-cpu"; do
+        read -r preset node_b <<< "$nodes"
+        step "placement-$preset-$node_b" 560 env OMP_NUM_THREADS=1 python3 bench/placement.py \
+          --preset "$preset" --node-b "$node_b" --prompt-tokens 256 --chunk 64 \
           --context 320 --checkpoints /tmp/checkpoints --pin --remeasure
-      done
-      if python3 -c "import mlx.core" 2>/dev/null; then
-        step placement-small-hybrid-mlx 560 env OMP_NUM_THREADS=1 python3 bench/placement.py \
-          --preset small-hybrid --node-b mlx-cpu --prompt-tokens 256 --chunk 64 \
-          --context 320 --checkpoints /tmp/checkpoints --pin --remeasure
-      fi ;;
+      done ;;
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
