@@ -200,11 +200,7 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
     measured_ids.add(replica["id"])
     if remeasure:
         fleet.fleetctl("remeasure", "--wait-s", "600")
-        for key, timing in fleet.status()["measured"]["calibrations"].items():
-            if isinstance(timing, dict):
-                print(f"# calibrated again: {key.split('|')[1]} "
-                      f"{timing['decode_ms_per_layer']:.3g} ms per layer at 1 row, a chunk "
-                      f"{timing['prefill_ms_per_layer']:.3g}", flush=True)
+        print_calibrations(fleet.status()["measured"]["calibrations"], "calibrated again")
     requests.one(4)  # warm: the first rounds pay for lazy initialisation
     ttft_ms = [requests.one() * 1000 for _ in range(count)]
     _, singles = decode_rounds(fleet, replica["id"], 3 + count * (requests.tokens - 1))
@@ -228,6 +224,19 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
                 ttft_ms=ttft_ms, single=mean({1: singles.get(1, (0.0, 0))}),
                 pairs=mean(pairs), pair_rows={r: (ms / n, n) for r, (ms, n) in sorted(pairs.items())
                                               if n})
+
+
+def print_calibrations(calibrations: dict, label: str) -> None:
+    """Each node's calibration as `status` holds it, a comment line each."""
+    for key, timing in calibrations.items():
+        if isinstance(timing, dict):
+            node, backend = key.split("|")[1:3]
+            print(f"# {label} {node} ({backend}): decode {timing['decode_ms_per_layer']:.3g}"
+                  f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows,"
+                  f" a prompt chunk {timing['prefill_ms_per_layer']:.3g}; rank 0's head"
+                  f" {timing.get('head_ms', 0):.3g} / {timing.get('head_batch_ms', 0):.3g}"
+                  f" ms a round; host work beyond the layers {timing.get('round_ms', 0):.3g} ms"
+                  f" a round, {timing.get('hop_ms', 0):.3g} a hop's end", flush=True)
 
 
 def halves(nodes: tuple[str, str]) -> dict[str, set[int]]:
@@ -426,15 +435,7 @@ def main() -> int:
             print(f"# {name}: decode {row[1:]}; ttft {ttft_rows[-1][1:]}", flush=True)
             print(f"# load average: {load_average()}", flush=True)
         calibrations = fleet.status()["measured"]["calibrations"]
-    for key, timing in calibrations.items():  # the inputs the predictions stand on
-        if isinstance(timing, dict):
-            node, backend = key.split("|")[1:3]
-            print(f"# calibrated {node} ({backend}): decode {timing['decode_ms_per_layer']:.3g}"
-                  f" ms per layer at 1 row, {timing['decode_batch_ms_per_layer']:.3g} at 2 rows,"
-                  f" a chunk of {args.chunk} rows {timing['prefill_ms_per_layer']:.3g}; rank 0's"
-                  f" head {timing.get('head_ms', 0):.3g} / {timing.get('head_batch_ms', 0):.3g}"
-                  f" ms a round; host work beyond the layers {timing.get('round_ms', 0):.3g} ms"
-                  f" a round, {timing.get('hop_ms', 0):.3g} a hop's end")
+    print_calibrations(calibrations, "calibrated")  # the inputs the predictions stand on
     what = (f"{model.name if args.model else args.preset}, torch-cpu node-a, {args.node_b} "
             f"node-b, context {args.context}, chunk {args.chunk}")
     table(f"Predicted against measured decode ms/token ({what})",
