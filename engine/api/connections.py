@@ -67,21 +67,20 @@ class _Refused(asyncio.Protocol):
     the kernel answer with a reset, which can reach the client before the 503 does, so a
     client sending a request would see a dropped connection instead of the refusal."""
 
-    lingering = 0  # refused connections open now, across the process
-
-    def __init__(self) -> None:
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self._guard = guard  # it counts the refused connections still open
         self._transport: asyncio.WriteTransport | None = None
         self._closer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
         transport.write(REFUSED)
-        if _Refused.lingering >= MAX_LINGERING or not transport.can_write_eof():
+        if self._guard.lingering >= MAX_LINGERING or not transport.can_write_eof():
             transport.close()
             return
         transport.write_eof()
         self._transport = transport
-        _Refused.lingering += 1
+        self._guard.lingering += 1
         self._closer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S,
                                                              transport.close)
 
@@ -93,7 +92,7 @@ class _Refused(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._transport is not None:
-            _Refused.lingering -= 1
+            self._guard.lingering -= 1
             self._transport = None
         if self._closer is not None:
             self._closer.cancel()
@@ -107,6 +106,7 @@ class ConnectionGuard:
         self.repeated = repeated or RepeatedLog(emit=log.warning)
         self.refused = 0
         self.timed_out = 0
+        self.lingering = 0  # refused connections still open, reading their requests
         # ids of handlers before their header deadline, and of those whose first request
         # arrived by then (a handler stays alive until its deadline runs, so ids are unique)
         self._watching: set[int] = set()
@@ -125,7 +125,7 @@ class ConnectionGuard:
                 self.repeated.note("connection refused: the API is at its connection cap",
                                    max_connections=self.limits.max_connections,
                                    refused_total=self.refused)
-                return _Refused()
+                return _Refused(self)
             handler = server()
             if not self._burst:
                 loop.call_soon(self._burst_connected)
