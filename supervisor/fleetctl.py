@@ -590,6 +590,8 @@ def remeasure(client: Client, args: argparse.Namespace) -> int:
     elif not data["measuring"]:
         out.print(f"nothing measured yet on {', '.join(data['nodes'])}: they are measured "
                   "when a model is placed there", markup=False)
+    elif args.no_wait:  # the figures in status are still the ones from before
+        out.print(f"measuring again: {', '.join(data['measuring'])}", markup=False)
     else:
         figures = measured["calibrations"] | measured["links"]
         for key in data["measuring"]:
