@@ -4,9 +4,13 @@ are served: one stream through rank 0's lane host, whole and on two stages.
     make real-model && python bench/drafting.py                  # SmolLM2-135M-Instruct
     python bench/drafting.py --tokens 400 --draft-tokens 5,7 --repeats 3
 
-Three chat tasks, greedy, each reply `--tokens` long at most:
-- rewrite: a paragraph, then "rewrite it with one change" (the reply repeats the prompt);
-- code: a Python file, then "rename a function and return the whole file";
+Five chat tasks, greedy, each reply `--tokens` long at most:
+- rewrite: a paragraph, then "rewrite it with one change" (the reply should repeat the
+  prompt; SmolLM2-135M paraphrases instead);
+- copy: "copy this text with one change", then the paragraph (SmolLM2 copies it);
+- code: a Python file, then "rename a function and return the whole file" (SmolLM2
+  rewrites the file its own way);
+- docstring: "add a docstring to a function and return the whole file", then the file;
 - chat: a free question (little of the reply is in its prompt: the drafter must back off).
 
 For each task and placement it prints the decode tokens/s without a drafter and with one
@@ -78,10 +82,18 @@ if __name__ == "__main__":
         print(customer, amount)
 '''
 TASKS = {
+    # Two phrasings of each repeating task. SmolLM2-135M paraphrases when the instruction
+    # follows the text ("rewrite", "code"), so those measure a model that does not repeat;
+    # with the instruction first it copies ("copy", "docstring"), as a model that follows
+    # the instruction would.
     "rewrite": f"{PARAGRAPH}\n\nRewrite the paragraph above word for word, changing only "
                "'harbour town' to 'mountain village'.",
+    "copy": f"Copy this text exactly, but write 'mountain village' instead of 'harbour town':"
+            f"\n\n{PARAGRAPH}",
     "code": f"```python\n{CODE}```\n\nRename the function total_by_customer to "
             "sum_by_customer everywhere and return the whole file, unchanged otherwise.",
+    "docstring": "Add a docstring to the function total_by_customer in this file and return "
+                 f"the whole file:\n\n```python\n{CODE}```",
     "chat": "What should I think about when choosing my first telescope?",
 }
 
