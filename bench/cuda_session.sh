@@ -15,8 +15,8 @@
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
 # a prompt chunk's attention: bench/prompt_attention.py, prompt rates, exactness),
 # prompt-kernels (its kernels and one chunk size's rates, without the tests),
-# placement (issue 24's placement bench on this host's idle CPUs, two nodes pinned to cores
-# of their own; needs the openai client carried: openai distro jiter pydantic pydantic-core
+# placement (issue 24's placement bench on this host's idle CPUs, three at once, each node
+# pinned to cores of its own; needs the openai client carried: openai distro jiter pydantic pydantic-core
 # annotated-types typing-inspection sniffio).
 # The GPU image has no MLX, and the CUDA test files hold MLX cases too, which fail without
 # it (tests/requirements.py): carry mlx, mlx-cpu and mlx-lm (Linux x86-64 wheels) in .whl.
@@ -99,14 +99,20 @@ for what in "$@"; do
           --preset 8b --device cuda --prompt-rate 8192 --chunk 2048 --repeats 3 --no-reference
       done ;;
     placement)  # predicted against measured placements on a quiet many-core host: the
-      # generated dense and hybrid models on two torch-cpu nodes, then the hybrid on torch +
-      # MLX; every node calibrated again before each placement
+      # generated dense and hybrid models on two torch-cpu nodes and on torch + MLX, every
+      # node calibrated again before each placement. The three benches run at once, each on
+      # four cores of its own (two a node), so that they fit one call; cores 12 and up stay
+      # free for GPU steps run beside them (`taskset -c 12-15 bash bench/cuda_session.sh ...`)
+      i=0
       for nodes in "small torch-cpu" "small-hybrid torch-cpu" "small-hybrid mlx-cpu"; do
         read -r preset node_b <<< "$nodes"
-        step "placement-$preset-$node_b" 560 env OMP_NUM_THREADS=1 python3 bench/placement.py \
-          --preset "$preset" --node-b "$node_b" --prompt-tokens 256 --chunk 64 \
-          --context 320 --checkpoints /tmp/checkpoints --pin --remeasure
-      done ;;
+        step "placement-$preset-$node_b" 540 taskset -c "$((4 * i))-$((4 * i + 3))" \
+          env OMP_NUM_THREADS=1 python3 bench/placement.py --preset "$preset" \
+          --node-b "$node_b" --prompt-tokens 256 --chunk 64 --context 320 \
+          --checkpoints "/tmp/checkpoints-$i" --pin --remeasure &
+        i=$((i + 1))
+      done
+      wait ;;
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
