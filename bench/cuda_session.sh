@@ -17,7 +17,8 @@
 # prompt-kernels (its kernels and one chunk size's rates, without the tests),
 # placement (issue 24's placement bench on this host's idle CPUs, three at once, each node
 # pinned to cores of its own; needs the openai client carried: openai distro jiter pydantic pydantic-core
-# annotated-types typing-inspection sniffio).
+# annotated-types typing-inspection sniffio httpx2 httpcore2 h11 anyio truststore certifi
+# typing-extensions).
 # The GPU image has no MLX, and the CUDA test files hold MLX cases too, which fail without
 # it (tests/requirements.py): carry mlx, mlx-cpu and mlx-lm (Linux x86-64 wheels) in .whl.
 set -u
@@ -102,14 +103,17 @@ for what in "$@"; do
       # generated dense and hybrid models on two torch-cpu nodes and on torch + MLX, every
       # node calibrated again before each placement. The three benches run at once, each on
       # four cores of its own (two a node), so that they fit one call; cores 12 and up stay
-      # free for GPU steps run beside them (`taskset -c 12-15 bash bench/cuda_session.sh ...`)
+      # free for GPU steps run beside them (`taskset -c 12-15 bash bench/cuda_session.sh ...`).
+      # PLACEMENTS (bench/placement.py --placements) and PLACEMENT_S (each bench's limit)
+      # shorten it for a call with less device time
       i=0
       for nodes in "small torch-cpu" "small-hybrid torch-cpu" "small-hybrid mlx-cpu"; do
         read -r preset node_b <<< "$nodes"
-        step "placement-$preset-$node_b" 540 taskset -c "$((4 * i))-$((4 * i + 3))" \
+        step "placement-$preset-$node_b" "${PLACEMENT_S:-540}" taskset -c "$((4 * i))-$((4 * i + 3))" \
           env OMP_NUM_THREADS=1 python3 bench/placement.py --preset "$preset" \
           --node-b "$node_b" --prompt-tokens 256 --chunk 64 --context 320 \
-          --checkpoints "/tmp/checkpoints-$i" --pin --remeasure &
+          --checkpoints "/tmp/checkpoints-$i" --pin --remeasure \
+          ${PLACEMENTS:+--placements "$PLACEMENTS"} &
         i=$((i + 1))
       done
       wait ;;
