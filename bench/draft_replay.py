@@ -48,17 +48,21 @@ POLICIES = (
 )
 
 
-def replay(prompt: list[int], reply: list[int], policy: Policy) -> tuple[int, int, int]:
+def replay(prompt: list[int], reply: list[int], policy: Policy,
+           max_tokens: int) -> tuple[int, int, int]:
     """(rounds, drafted, accepted) of decoding `reply` (its first token from the prompt's
-    round) under `policy`."""
+    round) under `policy`, for a request of `max_tokens`. A round drafts at most what the
+    limit leaves after its next token, as the lane host does; a reply ended by a stop token
+    instead may differ from serving in its last round, where a draft past the reply's end
+    counts as rejected."""
     history = [*prompt, reply[0]]
     length = DraftLength(policy.most)
     done, rounds, drafted, accepted = 1, 0, 0, 0
     while done < len(reply):
         allowed = length.allowed() if policy.pauses else length.next
-        drafts = policy.lookup.draft(np.array(history), min(allowed, len(reply) - done))
+        drafts = policy.lookup.draft(np.array(history), min(allowed, max_tokens - done - 1))
         kept = 0
-        while kept < len(drafts) and drafts[kept] == reply[done + kept]:
+        while kept < min(len(drafts), len(reply) - done) and drafts[kept] == reply[done + kept]:
             kept += 1
         if drafts:
             length.verified(len(drafts), kept)
@@ -82,7 +86,7 @@ def main() -> int:
         prompt = codec.encode(codec.render_chat([{"role": "user", "content": text}]))
         reply = serve_one(runner, codec, prompt, args.tokens, None, 256).tokens
         for policy in POLICIES:
-            rounds, drafted, accepted = replay(prompt, reply, policy)
+            rounds, drafted, accepted = replay(prompt, reply, policy, args.tokens)
             rows.append([task, len(reply), policy.name, rounds, drafted,
                          f"{accepted / max(1, drafted):.0%}",
                          f"{(len(reply) - 1) / max(1, rounds):.2f}"])
