@@ -8,17 +8,17 @@
 # anchor (short conversations against the compiled anchor), anchor-profile (its rounds
 # kernel by kernel), hybrid (bench/qwen3_5_decode.py),
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
-# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape), verify-mtp (the MTP head's
-# round at that shape against a plain round),
+# round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
+# verify-mtp (the MTP head's round at that shape against a plain round),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
 # a prompt chunk's attention: bench/prompt_attention.py, prompt rates, exactness),
 # prompt-kernels (its kernels and one chunk size's rates, without the tests),
 # placement (issue 24's placement bench on this host's idle CPUs, three at once, each node
-# pinned to cores of its own; needs the openai client carried: openai distro jiter pydantic pydantic-core
-# annotated-types typing-inspection sniffio httpx2 httpcore2 h11 anyio truststore certifi
-# typing-extensions).
+# pinned to cores of its own; needs the openai client carried: openai distro jiter
+# pydantic pydantic-core annotated-types typing-inspection sniffio httpx2 httpcore2 h11
+# anyio truststore certifi typing-extensions).
 # The GPU image has no MLX, and the CUDA test files hold MLX cases too, which fail without
 # it (tests/requirements.py): carry mlx, mlx-cpu and mlx-lm (Linux x86-64 wheels) in .whl.
 set -u
@@ -109,9 +109,10 @@ for what in "$@"; do
       i=0
       for nodes in "small torch-cpu" "small-hybrid torch-cpu" "small-hybrid mlx-cpu"; do
         read -r preset node_b <<< "$nodes"
-        step "placement-$preset-$node_b" "${PLACEMENT_S:-540}" taskset -c "$((4 * i))-$((4 * i + 3))" \
-          env OMP_NUM_THREADS=1 python3 bench/placement.py --preset "$preset" \
-          --node-b "$node_b" --prompt-tokens 256 --chunk 64 --context 320 \
+        step "placement-$preset-$node_b" "${PLACEMENT_S:-540}" \
+          taskset -c "$((4 * i))-$((4 * i + 3))" env OMP_NUM_THREADS=1 \
+          python3 bench/placement.py --preset "$preset" --node-b "$node_b" \
+          --prompt-tokens 256 --chunk 64 --context 320 \
           --checkpoints "/tmp/checkpoints-$i" --pin --remeasure \
           ${PLACEMENTS:+--placements "$PLACEMENTS"} &
         i=$((i + 1))
