@@ -82,10 +82,9 @@ if __name__ == "__main__":
         print(customer, amount)
 '''
 TASKS = {
-    # Two phrasings of each repeating task. SmolLM2-135M paraphrases when the instruction
-    # follows the text ("rewrite", "code"), so those measure a model that does not repeat;
-    # with the instruction first it copies ("copy", "docstring"), as a model that follows
-    # the instruction would.
+    # The repeating tasks with the instruction after the text ("rewrite", "code") and
+    # before it ("copy", "docstring"). SmolLM2-135M paraphrases the first two, so they
+    # measure replies that do not repeat their prompt; it copies the text of the other two.
     "rewrite": f"{PARAGRAPH}\n\nRewrite the paragraph above word for word, changing only "
                "'harbour town' to 'mountain village'.",
     "copy": f"Copy this text exactly, but write 'mountain village' instead of 'harbour town':"
