@@ -81,10 +81,11 @@ def main() -> int:
         rank0 = replica["url"].rstrip("/")
         paths = {"front door": (fleet.front_door_url, {}),
                  "rank 0": (rank0 + "/v1", {"Authorization": f"Bearer {secret}"})}
-        sent = 0
-        for url, headers in paths.values():  # warm: the first rounds pay for initialisation
+        sent, cold = 0, {}
+        for name, (url, headers) in paths.items():  # the first rounds pay for initialisation
             sent += 1
-            first_token_ms(url, headers, prompt_ids(vocab, args.prompt_tokens, sent), 4)
+            cold[name] = first_token_ms(url, headers, prompt_ids(vocab, args.prompt_tokens,
+                                                                 sent), 4)
         seen: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(args.requests):
             for name, (url, headers) in paths.items():
@@ -100,6 +101,8 @@ def main() -> int:
           ["path", "median", "each request"],
           [[name, f"{statistics.median(ms):.0f}", ", ".join(f"{x:.0f}" for x in ms)]
            for name, ms in seen.items()])
+    print("# the first request through each path, cold, in that order (not in the table): "
+          + ", ".join(f"{name} {ms:.0f} ms" for name, ms in cold.items()))
     print(f"# rank 0, admission to first token: mean "
           f"{samples[METRIC + '_sum'] / samples[METRIC + '_count'] * 1000:.0f} ms over "
           f"{samples[METRIC + '_count']:.0f} requests (the warm ones included)")
