@@ -19,14 +19,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, table
 from bench.drafting import TASKS, serve_one
 from engine.harness.local_pipeline import whole_runner
-from engine.lanes.drafting import DraftLength, PromptLookup
+from engine.lanes.drafting import Drafting, DraftLength, PromptLookup
 from engine.lanes.text import TextCodec
 
 
@@ -36,6 +34,13 @@ class Policy:
     lookup: PromptLookup
     most: int  # draft_tokens
     pauses: bool = True  # back off after rejections (DraftLength), as served
+
+
+class NoPauses(DraftLength):
+    """A draft length that never backs off: every round may draft."""
+
+    def allowed(self) -> int:
+        return self.next
 
 
 POLICIES = (
@@ -51,25 +56,26 @@ POLICIES = (
 def replay(prompt: list[int], reply: list[int], policy: Policy,
            max_tokens: int) -> tuple[int, int, int]:
     """(rounds, drafted, accepted) of decoding `reply` (its first token from the prompt's
-    round) under `policy`, for a request of `max_tokens`. A round drafts at most what the
-    limit leaves after its next token, as the lane host does; a reply ended by a stop token
-    instead may differ from serving in its last round, where a draft past the reply's end
+    round) under `policy`, for a request of `max_tokens`: the lane host's own `Drafting`,
+    asked and told as serving asks and tells it. A reply ended by a stop token instead of
+    the limit may differ from serving in its last round, where a draft past the reply's end
     counts as rejected."""
-    history = [*prompt, reply[0]]
-    length = DraftLength(policy.most)
-    done, rounds, drafted, accepted = 1, 0, 0, 0
+    drafting = Drafting(policy.lookup, policy.most, prompt, len(prompt) + max_tokens)
+    if not policy.pauses:
+        drafting.length = NoPauses(policy.most)
+    drafting.took(reply[0])
+    done, rounds = 1, 0
     while done < len(reply):
-        allowed = length.allowed() if policy.pauses else length.next
-        drafts = policy.lookup.draft(np.array(history), min(allowed, max_tokens - done - 1))
+        drafts = drafting.propose(max_tokens - done - 1)  # room after the round's next token
         kept = 0
         while kept < min(len(drafts), len(reply) - done) and drafts[kept] == reply[done + kept]:
             kept += 1
         if drafts:
-            length.verified(len(drafts), kept)
-        rounds, drafted, accepted = rounds + 1, drafted + len(drafts), accepted + kept
-        history += reply[done:done + kept + 1]
-        done += kept + 1
-    return rounds, drafted, accepted
+            drafting.verified(len(drafts), kept)
+        for token_id in reply[done:done + kept + 1]:
+            drafting.took(token_id)
+        rounds, done = rounds + 1, done + kept + 1
+    return rounds, drafting.drafted, drafting.accepted
 
 
 def main() -> int:
