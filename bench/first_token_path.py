@@ -105,7 +105,7 @@ def main() -> int:
           + ", ".join(f"{name} {ms:.0f} ms" for name, ms in cold.items()))
     print(f"# rank 0, admission to first token: mean "
           f"{samples[METRIC + '_sum'] / samples[METRIC + '_count'] * 1000:.0f} ms over "
-          f"{samples[METRIC + '_count']:.0f} requests (the warm ones included)")
+          f"{samples[METRIC + '_count']:.0f} requests (the first, cold ones included)")
     print(f"# load average at the end: {load_average()}")
     return 0
 
