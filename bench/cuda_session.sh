@@ -61,7 +61,7 @@ for what in "$@"; do
       FLEET_DECODE_ATTENTION=sdpa step decode-sdpa 200 python3 bench/decode.py --preset 8b \
         --device cuda --contexts 32768 --prompt 8000 --batches 1,8 --repeats 2 \
         --no-reference ;;
-    tuning) step tuning 420 python3 bench/packed_tuning.py ;;
+    tuning) step tuning 420 python3 bench/packed_tuning.py ${TUNING_ARGS:-} ;;
     anchor-profile)  # a short conversation's decode round kernel by kernel, 1 and 8 streams:
       # the kernels' sum against the step the anchor bench times shows the host's share
       for streams in 1 8; do
@@ -147,7 +147,7 @@ for what in "$@"; do
         tests/pipeline/test_drafting.py -k cuda
       step test_kernels_cuda 130 python3 -m pytest -q -x -p no:cacheprovider -rs \
         tests/engine/test_kernels_cuda.py ;;
-    verify-hybrid) step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda \
+    verify-hybrid) step verify-hybrid 240 python3 bench/verify_rounds.py --device cuda ${VERIFY_ARGS:-} \
         --hybrid --layers 8 ;;
     verify-mtp) step verify-mtp 300 python3 bench/verify_rounds.py --device cuda --mtp \
         --layers 8 --drafts 1,2,3 --streams 1,4 ;;

@@ -211,7 +211,7 @@ def timed(action, sync) -> tuple[object, float]:
 
 
 def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: int,
-             vocab: int, sync) -> float:
+             vocab: int, sync, profile: bool = False) -> float:
     """ms a round of `rows` rows a stream (1: decode rows; more: verify entries, all kept),
     for `streams` streams `prompt` tokens into their conversations."""
     rng = np.random.default_rng(rows)
@@ -223,8 +223,30 @@ def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: 
     for _ in range(3):  # captures, compiles, warm-up
         driver.round(feeds)
     ms = median_round_ms(lambda: driver.round(feeds), rounds, sync)
+    if profile:
+        print_profile(lambda: driver.round(feeds), f"{streams} streams, {rows} rows each",
+                      sync)
     driver.close(slots)
     return ms
+
+
+def print_profile(one_round, what: str, sync, rounds: int = 3) -> None:
+    """`rounds` rounds under torch's profiler: the kernels and host ops that cost most."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(rounds):
+            one_round()
+        sync()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"### profile, {what}, {rounds} rounds, by {sort}", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60),
+          flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10,
+                                    max_name_column_width=60), flush=True)
 
 
 def median_round_ms(one_round, rounds: int, sync) -> float:
@@ -245,6 +267,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--profile", default="",
+                        help="streams:drafts pairs (8:3,8:5) whose rounds are also profiled")
     parser.add_argument("--mtp", action="store_true",
                         help="a hybrid with an MTP head: also time drafting with it")
     parser.add_argument("--small", action="store_true", help="with --mtp: a small hybrid")
@@ -280,7 +304,8 @@ def main() -> int:
         rows.append([n, 0, f"{plain:.2f}", "1.00", *([""] * 4 if args.mtp else [])])
         print(rows[-1], flush=True)
         for k in drafts:
-            ms = round_ms(driver, n, k + 1, args.rounds, args.prompt, vocab, sync)
+            ms = round_ms(driver, n, k + 1, args.rounds, args.prompt, vocab, sync,
+                          profile=f"{n}:{k}" in args.profile.split(","))
             row = [n, k, f"{ms:.2f}", f"{ms / plain:.2f}"]
             if args.mtp:
                 head, alone = head_ms(stage, n, k, args.rounds, args.prompt, vocab, sync)
