@@ -25,7 +25,8 @@ projection still fills the GPU); the chunks' float32 partial sums are added by a
 kernel in chunk order, so for given shapes the result is the same bytes on every run: the
 grid and the order of the sums depend on the shapes only, not on the device or timing
 (atomics would). The tiles and split counts are what bench/packed_tuning.py measured best
-on an H200 over the 8B's and the 27B hybrid's linear shapes (docs/benchmarks.md).
+over the 8B's and the 27B hybrid's linear shapes (docs/benchmarks.md): the dot kernel's on
+an H200, the planes kernel's on an H100.
 
 Every launch has a grid fixed by the shapes and no host synchronisation, so decode rounds
 capture as CUDA graphs. Kernels compile on first use (a stage's warm-up steps, before any
@@ -46,12 +47,14 @@ from engine.backends import quant_policy
 
 BITS = quant_policy.TRITON_BITS  # codes that never straddle a word, four or more a word
 DOT_ROWS_MAX = 64  # up to this many rows: the dot kernel; above: dequantize, then cuBLAS
-# The planes kernel: one warp over 4 outputs and 128 words (4 words a thread, side by side).
-PLANES_OUTPUTS, PLANES_WORDS = 4, 128
-# Programs a launch aims for at most (split-K chunks are added until it would pass them).
-# Constants, not the device's SM count, so the partial sums (and the bytes) are the same on
-# every GPU that runs the same shapes.
-PLANES_PROGRAMS, DOT_PROGRAMS = 16384, 1536
+# The planes kernel: a warp over 4 outputs and 128 words a step (4 words a thread, side by
+# side), up to PLANES_WARPS_MAX warps of a program sharing its inputs.
+PLANES_OUTPUTS, PLANES_WORDS, PLANES_WARPS_MAX = 4, 128, 4
+# Warps the planes kernel's launch aims for (a narrow projection's programs get more warps,
+# then split-K chunks), and programs the dot kernel's aims for at most (split-K chunks are
+# added until it would pass them). Constants, not the device's SM count, so the partial
+# sums (and the bytes) are the same on every GPU that runs the same shapes.
+PLANES_WARPS, DOT_PROGRAMS = 1024, 1536
 DOT_SPLITS_MAX = 8
 
 
@@ -237,10 +240,19 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int, bits: 
     process running these shapes adds the same partial sums in the same order."""
     per_word = 32 // bits
     if rows == 1 and dtype == torch.bfloat16:
-        words = _largest_power_of_two_dividing(in_features // per_word, PLANES_WORDS)
+        # Measured (docs/benchmarks.md, the tuning sweep): one warp a program and each
+        # program's inputs whole, where the outputs give PLANES_WARPS warps; a narrower
+        # projection's programs take more warps side by side along the inputs (summed within
+        # the program) before split-K programs, whose parts a second kernel adds.
+        per_row = in_features // per_word
         tiles = triton.cdiv(out_features, PLANES_OUTPUTS)
-        splits = _splits(in_features // (words * per_word), tiles, PLANES_PROGRAMS, 32)
-        return Launch(1, PLANES_OUTPUTS, words * per_word, splits, 1, 2)
+        warps = 1
+        while (warps < PLANES_WARPS_MAX and tiles * warps < PLANES_WARPS
+               and per_row % (2 * warps * PLANES_WORDS) == 0):
+            warps *= 2
+        words = _largest_power_of_two_dividing(per_row, warps * PLANES_WORDS)
+        splits = _splits(per_row // words, tiles, PLANES_WARPS // warps, 32)
+        return Launch(1, PLANES_OUTPUTS, words * per_word, splits, warps, 2)
     block_m = max(16, triton.next_power_of_2(rows))
     block_k = group_size * _largest_power_of_two_dividing(in_features // group_size,
                                                           max(1, 128 // group_size))
