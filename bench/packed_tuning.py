@@ -45,10 +45,20 @@ def candidates(rows: int, out_features: int, in_features: int) -> list:
 
     found = []
     if rows == 1:  # the planes kernel: 32 * warps threads along the words, v words each
-        for warps, v, block_n in itertools.product((1, 2, 4), (1, 2, 4), (4, 8, 16)):
+        for warps, v, block_n, stages in itertools.product((1, 2, 4), (1, 2, 4), (4, 8, 16),
+                                                           (1, 2, 3, 4)):
             block_k = 32 * warps * v * 32 // BITS
-            found += [Launch(1, block_n, block_k, splits, warps, 2)
-                      for splits in splits_of(block_k)]
+            found += [Launch(1, block_n, block_k, splits, warps, stages)
+                      for splits in splits_of(block_k)
+                      if stages == 1 or in_features // block_k // splits >= stages]
+        # Tiles by tensor descriptor (a descriptor's tile is at most 256 words wide).
+        for warps, v, block_n, stages in itertools.product((1, 2, 4), (2, 4), (4, 16, 32),
+                                                           (1, 2, 3, 4)):
+            block_k = 32 * warps * v * 32 // BITS
+            if warps * v <= 8:
+                found += [Launch(1, block_n, block_k, splits, warps, stages, tma=True)
+                          for splits in splits_of(block_k)
+                          if stages == 1 or in_features // block_k // splits >= stages]
         return found
     block_m = max(16, 1 << (rows - 1).bit_length())
     # Around what a first sweep found best on an H200 (4 warps, 64 outputs, 128 inputs).
@@ -98,7 +108,7 @@ def warm(work: list) -> int:
 
 def describe(tiles) -> str:
     return (f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} s{tiles.splits} "
-            f"w{tiles.num_warps} st{tiles.num_stages}")
+            f"w{tiles.num_warps} st{tiles.num_stages}" + " tma" * tiles.tma)
 
 
 def per_copy_us(action, copies: int) -> float:
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows, out_features, in_features, tiles_list in jobs:
         for tiles in tiles_list:
             key = (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-                   tiles.num_stages, tiles.splits > 1)
+                   tiles.num_stages, tiles.tma, tiles.splits > 1)
             by_kernel.setdefault(key, []).append((rows, out_features, in_features, tiles))
     kernel_lists = list(by_kernel.values())
     work = [[item for kernel in kernel_lists[k::args.jobs] for item in kernel]

@@ -94,6 +94,22 @@ def test_split_k_adds_its_chunks_in_a_fixed_order(kernels, bits):
         assert torch.equal(got, kernels.packed_matmul(*args, launch=launch))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_one_row_kernel_by_tensor_descriptor_is_the_dense_product(kernels, bits):
+    """Tiles brought by tensor descriptor (TMA on Hopper), steps loaded ahead, split-K: the
+    same sums as the pointer loads, in the same order."""
+    params = QuantParams(32, bits)
+    words, scales, biases, dense = stored(40, 1024, params, torch.bfloat16, 6)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for splits in (1, 2):
+        by_pointer = kernels.packed_matmul(x, words, scales, biases, bits, 32,
+                                           launch=kernels.Launch(1, 4, 256, splits, 1, 2))
+        got = kernels.packed_matmul(x, words, scales, biases, bits, 32,
+                                    launch=kernels.Launch(1, 16, 256, splits, 1, 3, tma=True))
+        assert_is_the_dense_product(got, x, dense)
+        assert torch.equal(got, by_pointer)
+
+
 def test_prompt_chunks_dequantize_then_multiply(kernels):
     params = QuantParams(64, 8)
     words, scales, biases, dense = stored(24, 128, params, torch.bfloat16, 9)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from engine.backends import quant_policy
 
@@ -84,23 +85,41 @@ def _plane(words, j: tl.constexpr, BITS: tl.constexpr):
 def _gemv_planes_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, words_split, steps,
                         stride_wn, stride_sn,
                         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr):
+                        BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr, TMA: tl.constexpr,
+                        STAGES: tl.constexpr):
     """One bfloat16 row: out[n] (or chunk pid_s's partial sum) = sum over k of x[k] * w[n, k].
-    x_ptr is the row viewed as int64: four inputs a load, taken apart with shifts."""
+    x_ptr is the row viewed as int64: four inputs a load, taken apart with shifts.
+    STAGES: steps whose tiles are loaded at once (into shared memory, ahead of their sums;
+    1: each step's loads, then its sums). TMA: w_ptr, s_ptr and b_ptr are tensor
+    descriptors, and the tiles come by Hopper's copy engine."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
     QUADS: tl.constexpr = PER_WORD // 4  # int64 loads of inputs per word
     WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
+    GROUPS: tl.constexpr = BLOCK_W // WORDS_PER_GROUP
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_w = tl.arange(0, BLOCK_W)
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    s_rows = offs_n[:, None] * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     w_start = pid_s * words_split
-    for step in range(steps):
+    for step in tl.range(0, steps, num_stages=STAGES):
         kw = w_start + step * BLOCK_W + offs_w
-        words = tl.load(w_rows + kw[None, :], mask=n_ok[:, None], other=0)
+        if TMA:
+            k0 = w_start + step * BLOCK_W
+            words = w_ptr.load([pid_n * BLOCK_N, k0])
+            # A group's scale and bias, repeated for each of its words.
+            scale = tl.reshape(tl.broadcast_to(
+                s_ptr.load([pid_n * BLOCK_N, k0 // WORDS_PER_GROUP])[:, :, None],
+                (BLOCK_N, GROUPS, WORDS_PER_GROUP)), (BLOCK_N, BLOCK_W)).to(tl.float32)
+            bias = tl.reshape(tl.broadcast_to(
+                b_ptr.load([pid_n * BLOCK_N, k0 // WORDS_PER_GROUP])[:, :, None],
+                (BLOCK_N, GROUPS, WORDS_PER_GROUP)), (BLOCK_N, BLOCK_W)).to(tl.float32)
+        else:
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + kw[None, :],
+                            mask=n_ok[:, None], other=0)
+            g = offs_n[:, None] * stride_sn + (kw // WORDS_PER_GROUP)[None, :]
+            scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
         dots = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         xsum = tl.zeros((1, BLOCK_W), dtype=tl.float32)
         for c in tl.static_range(QUADS):
@@ -114,9 +133,6 @@ def _gemv_planes_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, words_split, ste
             dots += _plane(words, 4 * c + 2, BITS) * x2
             dots += _plane(words, 4 * c + 3, BITS) * x3
             xsum += (x0 + x1) + (x2 + x3)
-        g = s_rows + (kw // WORDS_PER_GROUP)[None, :]
-        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
         acc += dots * scale + xsum * bias
     total = tl.sum(acc, axis=1)
     if PARTIAL:
@@ -209,7 +225,9 @@ def _dequantize_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn,
 @dataclass(frozen=True)
 class Launch:
     """How one matmul shape runs: block_m 1 is the planes kernel (block_k inputs a step as
-    32 * num_warps threads' words), else the dot kernel; splits input chunks (split-K)."""
+    32 * num_warps threads' words), else the dot kernel; splits input chunks (split-K).
+    num_stages: the planes kernel's steps loaded at once (1: none ahead), the dot kernel's
+    software pipeline."""
 
     block_m: int
     block_n: int
@@ -217,6 +235,7 @@ class Launch:
     splits: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # the planes kernel: tiles by tensor descriptors (Hopper's copy engine)
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:
@@ -252,7 +271,7 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int, bits: 
             warps *= 2
         words = _largest_power_of_two_dividing(per_row, warps * PLANES_WORDS)
         splits = _splits(per_row // words, tiles, PLANES_WARPS // warps, 32)
-        return Launch(1, PLANES_OUTPUTS, words * per_word, splits, warps, 2)
+        return Launch(1, PLANES_OUTPUTS, words * per_word, splits, warps, 1)
     block_m = max(16, triton.next_power_of_2(rows))
     block_k = group_size * _largest_power_of_two_dividing(in_features // group_size,
                                                           max(1, 128 // group_size))
@@ -289,12 +308,19 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
             x = x.clone()
         per_word = 32 // bits
         grid = (triton.cdiv(out_features, launch.block_n), launch.splits)
+        stride_wn, stride_sn = words.stride(0), scales.stride(0)
+        if launch.tma:
+            w_tile = [launch.block_n, launch.block_k // per_word]
+            s_tile = [launch.block_n, launch.block_k // group_size]
+            words, scales, biases = (TensorDescriptor.from_tensor(words, w_tile),
+                                     TensorDescriptor.from_tensor(scales, s_tile),
+                                     TensorDescriptor.from_tensor(biases, s_tile))
         _gemv_planes_kernel[grid](x.view(torch.int64), words, scales, biases, target,
-                                  out_features, k_split // per_word, steps, words.stride(0),
-                                  scales.stride(0), BITS=bits, GROUP=group_size,
+                                  out_features, k_split // per_word, steps, stride_wn,
+                                  stride_sn, BITS=bits, GROUP=group_size,
                                   BLOCK_N=launch.block_n, BLOCK_W=launch.block_k // per_word,
-                                  PARTIAL=partial, num_warps=launch.num_warps,
-                                  num_stages=launch.num_stages)
+                                  PARTIAL=partial, TMA=launch.tma, STAGES=launch.num_stages,
+                                  num_warps=launch.num_warps, num_stages=launch.num_stages)
     else:
         grid = (triton.cdiv(out_features, launch.block_n), triton.cdiv(rows, launch.block_m),
                 launch.splits)
