@@ -110,6 +110,22 @@ def test_the_one_row_kernel_by_tensor_descriptor_is_the_dense_product(kernels, b
         assert torch.equal(got, by_pointer)
 
 
+def test_a_weight_descriptors_cannot_take_is_read_by_pointer(kernels):
+    """TMA wants 16-byte aligned rows: a view whose row stride is not (a weight cut out of a
+    wider one) runs the pointer loads instead, with the same sums."""
+    params = QuantParams(32, 4)
+    words, scales, biases, dense = stored(40, 1056, params, torch.bfloat16, 7)
+    cut = (words[:, :128], scales[:, :32], biases[:, :32])  # 1,024 inputs, rows 33 groups apart
+    launch = kernels.Launch(1, 16, 256, 1, 1, 3, tma=True)
+    assert not kernels._descriptors_fit(launch, *cut, 4, 32)
+    assert kernels._descriptors_fit(launch, *(t.contiguous() for t in cut), 4, 32)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    got = kernels.packed_matmul(x, *cut, 4, 32, launch=launch)
+    assert torch.equal(got, kernels.packed_matmul(x, *(t.contiguous() for t in cut), 4, 32,
+                                                  launch=launch))
+    assert_is_the_dense_product(got, x, dense[:, :1024])
+
+
 def test_prompt_chunks_dequantize_then_multiply(kernels):
     params = QuantParams(64, 8)
     words, scales, biases, dense = stored(24, 128, params, torch.bfloat16, 9)

@@ -235,7 +235,9 @@ class Launch:
     splits: int
     num_warps: int
     num_stages: int
-    tma: bool = False  # the planes kernel: tiles by tensor descriptors (Hopper's copy engine)
+    # The planes kernel: tiles by tensor descriptors (Hopper's copy engine) where the weight's
+    # alignment allows (else pointer loads: the same sums, the same bytes).
+    tma: bool = False
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:
@@ -280,6 +282,17 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int, bits: 
     return Launch(block_m, 64, block_k, splits, 4, 3)
 
 
+def _descriptors_fit(launch: Launch, words: torch.Tensor, scales: torch.Tensor,
+                     biases: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether the planes kernel's tiles can come by tensor descriptor: TMA wants 16-byte
+    aligned bases and row strides, rows contiguous, and a tile 16 bytes to 256 values wide."""
+    tile_words, tile_groups = launch.block_k * bits // 32, launch.block_k // group_size
+    return (all(t.data_ptr() % 16 == 0 and t.stride(1) == 1
+                and t.stride(0) * t.element_size() % 16 == 0 for t in (words, scales, biases))
+            and 4 <= tile_words <= 256 and 16 // scales.element_size() <= tile_groups <= 256
+            and launch.block_n <= 256)
+
+
 def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                   biases: torch.Tensor, bits: int, group_size: int,
                   launch: Launch | None = None) -> torch.Tensor:
@@ -309,7 +322,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
         per_word = 32 // bits
         grid = (triton.cdiv(out_features, launch.block_n), launch.splits)
         stride_wn, stride_sn = words.stride(0), scales.stride(0)
-        if launch.tma:
+        if launch.tma and _descriptors_fit(launch, words, scales, biases, bits, group_size):
             w_tile = [launch.block_n, launch.block_k // per_word]
             s_tile = [launch.block_n, launch.block_k // group_size]
             words, scales, biases = (TensorDescriptor.from_tensor(words, w_tile),
@@ -319,7 +332,8 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                                   out_features, k_split // per_word, steps, stride_wn,
                                   stride_sn, BITS=bits, GROUP=group_size,
                                   BLOCK_N=launch.block_n, BLOCK_W=launch.block_k // per_word,
-                                  PARTIAL=partial, TMA=launch.tma, STAGES=launch.num_stages,
+                                  PARTIAL=partial, TMA=isinstance(words, TensorDescriptor),
+                                  STAGES=launch.num_stages,
                                   num_warps=launch.num_warps, num_stages=launch.num_stages)
     else:
         grid = (triton.cdiv(out_features, launch.block_n), triton.cdiv(rows, launch.block_m),
