@@ -2,18 +2,19 @@
 8 key heads of 128, bfloat16) over 32 layers' worth of KV: one query row a stream, every
 stream at the same conversation length.
 
-(a) today's path: `KVCache.attend` under FLEET_DECODE_ATTENTION=sdpa (SDPA's
-    memory-efficient kernel over a strided view of the run's slots up to the key bucket,
-    under a [n, 1, 1, bucket] mask), eager and in a captured CUDA graph;
-(b) `KVCache.attend` with the Triton split-K kernel (`decode_attention_triton`), eager and
-    in a captured CUDA graph;
+(a) `KVCache.attend` under FLEET_DECODE_ATTENTION=sdpa (SDPA's memory-efficient kernel
+    over each slot's pages gathered in order up to the key bucket, under a
+    [n, 1, 1, bucket] mask), eager and in a captured CUDA graph;
+(b) `KVCache.attend` with the Triton split-K kernel (`decode_attention_triton`, reading
+    through the page table), eager and in a captured CUDA graph;
 (c) plain SDPA (enable_gqa, no mask) over contiguous per-stream KV of exactly the live
     length: the reference a copy-free kernel should reach;
 (d) the floor: the live KV bytes a step reads over this GPU's device-to-device copy
     bandwidth, measured in the same run.
 
-The cache is laid out as a stage's ([layers, slots, kv_heads, context, head_dim], context
-32768 by default), and a step runs 32 layers. 32 layers of 32 slots at 32768 positions
+The cache is laid out as a stage's (pages of [kv_heads, 64 positions, head_dim], every
+slot's context 32768 by default, its pages taken a page a slot in turn, as conversations
+that grow side by side take them), and a step runs 32 layers. 32 layers of 32 slots at 32768 positions
 would be 137 GB, so only as many layers as --cache-gb holds are allocated and a step
 cycles through them (the "layers held" column): a step still reads 32 layers' bytes, from
 enough distinct memory that the L2 cache cannot serve it, except for 96-token rows,
@@ -37,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import captured, copy_bandwidth_gbs, table
 from engine.backends.pytorch.kv_cache import KVCache, decode_index, key_bucket
+from engine.kv_pages import PAGE_POSITIONS
+from engine.rounds import RowLayout, RowSpan
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -99,6 +102,7 @@ def main() -> int:
             held = max(1, min(LAYERS, int(args.cache_gb * GB // layer_bytes)))
             cache = KVCache(held, n, KV_HEADS, args.context, HEAD_DIM, DTYPE,
                             torch.device("cuda"))
+            take_pages_in_turn(cache, n)
             cache.k.normal_()
             cache.v.normal_()
             for length in lengths:
@@ -114,6 +118,15 @@ def main() -> int:
     print("\nOne layer's cache (or --cache-gb's worth of layers) is allocated and each step "
           f"runs {LAYERS} layers through it; the floor counts {LAYERS} layers of live K and V.")
     return 0
+
+
+def take_pages_in_turn(cache: KVCache, n: int) -> None:
+    """Every slot's whole context in pages, taken a page a slot in turn, as conversations
+    that grow side by side take them: a slot's pages are not next to each other."""
+    for column in range(cache.positions // PAGE_POSITIONS):
+        end = (column + 1) * PAGE_POSITIONS
+        cache.cover(RowLayout([], [], [], [], [], [RowSpan(0, 0, slot, 0, end)
+                                                   for slot in range(n)]))
 
 
 def run_case(cache: KVCache, n: int, length: int, held: int, bandwidth: float,
@@ -135,8 +148,10 @@ def run_case(cache: KVCache, n: int, length: int, held: int, bandwidth: float,
 
     live_layer = 2 * n * KV_HEADS * length * HEAD_DIM * DTYPE.itemsize
     held_contiguous = max(1, min(LAYERS, int(args.contiguous_gb * GB // live_layer)))
-    kc = [cache.k[j % held, :n, :, :length].contiguous() for j in range(held_contiguous)]
-    vc = [cache.v[j % held, :n, :, :length].contiguous() for j in range(held_contiguous)]
+    slots = torch.arange(n, device="cuda")
+    kc, vc = zip(*(cache.gather(j % held, slots, length) for j in range(held_contiguous)),
+                 strict=True)
+    kc, vc = [k.contiguous() for k in kc], [v.contiguous() for v in vc]
 
     def contiguous(layer: int) -> torch.Tensor:
         j = layer % held_contiguous

@@ -170,14 +170,6 @@ class RowLayout:
         return max(Counter(self.single_slots).values(), default=0)
 
     @property
-    def single_run(self) -> tuple[int, int] | None:
-        """The single rows' slots as [a, b) when they are consecutive (read as a view)."""
-        slots = self.single_slots
-        if slots and slots == list(range(slots[0], slots[0] + len(slots))):
-            return slots[0], slots[0] + len(slots)
-        return None
-
-    @property
     def single_span(self) -> tuple[int, int] | None:
         """The single rows' slots as [a, b) when they run through every slot from a to
         b - 1 in order, each one row or more (a decode round, verify rows among it): the

@@ -207,6 +207,7 @@ class Stage(ABC):
         # Read before the table moves: whether each slot's last entry was a verify entry.
         keeping = [e for e in plan.entries if self.slots.restores_draft(e)]
         self.slots.apply(plan)
+        self._drop_state([e.stream_id for e in plan.entries if e.op in (Op.OPEN, Op.CANCEL)])
         # A hybrid keeps part of a verify entry from the states kept after its rows; before
         # the return below, since the table moved even for an entry of no rows.
         with self._computing():
@@ -342,6 +343,11 @@ class Stage(ABC):
     def _settle(self, rows: Any) -> Any:
         """Rows whose computation has been issued (a lazy framework evaluates them here)."""
         return rows
+
+    def _drop_state(self, slots: list[int]) -> None:
+        """What `slots` held is dropped (an OPEN over a closed slot's kept state, a CANCEL):
+        a backend whose KV lives in pages hands theirs back. One that preallocates every
+        slot's whole context has nothing to hand back."""
 
     def _finish(self) -> None:
         """Wait until the device has done all this stage issued (an asynchronous device)."""

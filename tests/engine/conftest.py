@@ -59,3 +59,36 @@ def teacher_forced_agreement(drivers, feeds: dict[int, list[int]], rounds: int,
                 decided += 1
         feeds = {slot: [int(row.argmax())] for slot, row in want.items()}
     return decided
+
+
+def poison_torch_kv_past(cache, start: int) -> None:
+    """An injected fault for a paged PyTorch KV cache (`kv_cache.KVCache`): NaN in every
+    slot's K and V at positions [start, context), as far as they are ever reached.
+
+    A slot's pages are taken as its rows arrive, so the fault follows them: every time the
+    cache covers a round, each page it holds past `start` is NaN from there on, and every
+    column of a slot's table row at or past `start` that holds no page points at a spare
+    page of NaN (the pool's last, which a short conversation never takes: pages go lowest
+    first). A read of those positions, even under a mask, poisons the output (0 x NaN is
+    NaN); the positions below `start` that a slot holds no page for read page 0, finite,
+    as a real stage's stale pages are."""
+    from engine.kv_pages import PAGE_POSITIONS
+
+    spare = cache.pages.free[0]
+    cache.pages.free.remove(spare)
+    for pool in (cache.k, cache.v):
+        pool[:, spare] = float("nan")
+    first_column = start // PAGE_POSITIONS
+    cover = cache.cover
+
+    def covering_then_poisoning(layout) -> None:
+        cover(layout)
+        for slot, held in enumerate(cache.pages.held):
+            cache.table[slot, max(first_column, len(held)):] = spare
+            for column, page in enumerate(held[first_column:], first_column):
+                cut = max(0, start - column * PAGE_POSITIONS)
+                for pool in (cache.k, cache.v):
+                    pool[:, page, :, cut:] = float("nan")
+
+    cache.cover = covering_then_poisoning
+    cache.table[:, first_column:] = spare

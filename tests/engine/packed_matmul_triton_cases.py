@@ -158,7 +158,6 @@ def test_the_compiled_decode_step_takes_packed_weights(kernels, make_model):
     matmul is an operator Inductor keeps, and the compiled layer computes what the eager
     one does, over a cache of three slots with keys written at unequal positions."""
     from engine.backends.pytorch.compiled_step import compiled_decode_block
-    from engine.backends.pytorch.kv_cache import visible_keys
     from engine.backends.pytorch.llama import Rope, decode_block
     from engine.family import LayerWeights
     from engine.harness.local_pipeline import model_config
@@ -183,16 +182,15 @@ def test_the_compiled_decode_step_takes_packed_weights(kernels, make_model):
                      packed(h, inter), q_norm=norm(32), k_norm=norm(32))
     rope = Rope(config, 64, torch.device("cpu"), torch.float32)
     positions = torch.tensor([5, 17, 0])
-    keys = 18
-    mask = visible_keys(positions[:, None], keys, None)[:, None, None, :]
     x = torch.randn(3, h, generator=generator)
-    # k, v: [slots, kv, pos, dim], two tensors as KVCache holds them (the compiled layer
-    # takes the slots as a symbol, and cannot prove two views of one tensor apart).
-    cache = [torch.randn(3, 2, 64, 32, generator=generator) for _ in "kv"]
+    # k, v: [pages, kv, page, dim], two tensors as KVCache holds them (the compiled layer
+    # cannot prove two views of one tensor apart); each slot's one page, out of order.
+    cache = [torch.randn(4, 2, 64, 32, generator=generator) for _ in "kv"]
+    pages = torch.tensor([[2], [0], [3]])
     step = compiled_decode_block()
     with torch.inference_mode():
         want = decode_block(x, w, config, rope.cos, rope.sin,
-                            *(c.clone() for c in cache), positions, mask)
-        got = step(x, w, config, rope.cos, rope.sin, *(c.clone() for c in cache), positions,
-                   mask)
+                            *(c.clone() for c in cache), pages, positions)
+        got = step(x, w, config, rope.cos, rope.sin, *(c.clone() for c in cache), pages,
+                   positions)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,7 @@ from engine.backends.pytorch.compiled_step import compiles, inductor_cache_dir
 from engine.backends.pytorch.kv_cache import decode_index
 from engine.config import ModelConfig
 from engine.harness.local_pipeline import model_config
+from engine.kv_pages import PAGE_POSITIONS, pages_for
 from tests.engine.conftest import layout_of, stage_driver, teacher_forced_agreement
 
 PROMPTS = {0: [5, 17, 9, 250, 3, 77, 41], 1: [8, 8, 120, 64], 2: [33] * 13}
@@ -60,6 +61,11 @@ def test_the_inductor_cache_survives_reboots_unless_the_user_chose(monkeypatch, 
     assert inductor_cache_dir() == tmp_path / "mine"
 
 
+def whole_pages(keys: int) -> int:
+    """Keys [0, keys) rounded up to whole pages: what `run_decode` reads."""
+    return pages_for(keys) * PAGE_POSITIONS
+
+
 def make_stage(model_dir, compile_mode: str):
     layers = model_config(model_dir).num_hidden_layers
     return load_stage(StageSpec(model_dir, (0, layers), "torch-cpu", 3, 256, 64,
@@ -75,12 +81,12 @@ def test_the_eager_decode_block_gives_the_captured_paths_bytes(make_model, famil
     stage_driver(stage).greedy(PROMPTS, STEPS)
     positions = torch.tensor([len(p) + STEPS for p in PROMPTS.values()])
     rows = torch.randn(3, stage.hidden_size, generator=torch.Generator().manual_seed(1))
-    keys = int(positions.max()) + 1
+    keys = whole_pages(int(positions.max()) + 1)  # what run_decode reads, as a bucket is
     window = stage.config.sliding_window
     with torch.inference_mode():
         before = stage.model.run_layers(rows, decode_index(positions, (0, 3), keys, window))
         k_before = stage.model.cache.k.clone()
-        decoded = stage.model.run_decode(rows, positions, (0, 3), keys, window)
+        decoded = stage.model.run_decode(rows, positions, (0, 3), keys)
     assert torch.equal(decoded, before)
     assert torch.equal(stage.model.cache.k, k_before)  # it wrote the same K
 
@@ -121,13 +127,12 @@ def test_verify_rows_take_the_decode_path_with_each_rows_own_slot(make_model):
     positions = torch.tensor(layout.single_positions)
     offsets = torch.tensor(layout.single_slots)
     rows = torch.randn(8, stage.hidden_size, generator=torch.Generator().manual_seed(2))
-    keys, window = layout.single_keys, stage.config.sliding_window
+    keys, window = whole_pages(layout.single_keys), stage.config.sliding_window
     cache = stage.model.cache.k.clone(), stage.model.cache.v.clone()
     with torch.inference_mode():
         captured = stage.model.run_layers(rows, decode_index(positions, (0, 3), keys, window,
                                                              offsets))
-        decoded = stage.model.run_decode(rows, positions, (0, 3), keys, window,
-                                         offsets=offsets)
+        decoded = stage.model.run_decode(rows, positions, (0, 3), keys, offsets=offsets)
         # The same rows as prompt chunks (slot 1's decode row first, then the two spans).
         spans = layout_of([(1, at[1])], [(0, at[0], at[0] + 3), (2, at[2], at[2] + 4)])
         order = torch.tensor([3, 0, 1, 2, 4, 5, 6, 7])

@@ -9,7 +9,7 @@ import transformers
 
 from engine.backends.base import StageSpec, load_stage
 from engine.rounds import Op, RoundPlan, StreamEntry
-from tests.engine.conftest import stage_driver
+from tests.engine.conftest import poison_torch_kv_past, stage_driver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -115,8 +115,7 @@ def graph_conversation(model_dir, context: int, steps: int, *, live_keys: bool =
     stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 3, context, 64,
                                  live_keys=live_keys))
     if poison_from is not None:
-        stage.model.cache.k[:, :, :, poison_from:] = float("nan")
-        stage.model.cache.v[:, :, :, poison_from:] = float("nan")
+        poison_torch_kv_past(stage.model.cache, poison_from)
     prompts = {s: np.random.default_rng(20 + s).integers(0, 300, 6 + 5 * s).tolist()
                for s in range(3)}
     driver = stage_driver(stage)

@@ -87,14 +87,14 @@ def test_the_kernels_compile_for_an_h200(dtype, group, head_dim, window):
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-                 "slots_ptr": "*i64", "lengths_ptr": "*i32", "m_ptr": "*fp32",
-                 "l_ptr": "*fp32", "acc_ptr": "*fp32"}
-    signature |= dict.fromkeys(["stride_q_row", "stride_q_head", "stride_k_slot",
-                                "stride_k_head", "stride_k_pos", "stride_v_slot",
-                                "stride_v_head", "stride_v_pos"], "i32")
+                 "table_ptr": "*i64", "slots_ptr": "*i64", "lengths_ptr": "*i32",
+                 "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    signature |= dict.fromkeys(["stride_q_row", "stride_q_head", "stride_table",
+                                "stride_k_page", "stride_k_head", "stride_k_pos",
+                                "stride_v_page", "stride_v_head", "stride_v_pos"], "i32")
     signature |= {"scale_log2": "fp32", "window": "i32", "keys_per_split": "i32"}
     compiled_for_sm90(kernel._partial, signature, dict(
-        GROUP=group, HEAD_DIM=head_dim, HAS_WINDOW=window, BLOCK_G=16,
+        PAGE=64, GROUP=group, HEAD_DIM=head_dim, HAS_WINDOW=window, BLOCK_G=16,
         BLOCK_N=kernel.BLOCK_KEYS if block_d <= 128 else kernel.BLOCK_KEYS // 2,
         BLOCK_D=block_d, PRECISION="ieee" if dtype == "fp32" else "tf32", WIDEN=False),
         num_warps=4, num_stages=2)

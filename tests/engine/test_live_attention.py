@@ -25,7 +25,7 @@ from engine.backends.pytorch.kv_cache import (
 )
 from engine.harness.local_pipeline import model_config
 from engine.rounds import Op, RoundPlan, RowLayout, StreamEntry
-from tests.engine.conftest import stage_driver
+from tests.engine.conftest import poison_torch_kv_past, stage_driver
 
 BACKENDS = ["torch-cpu", "mlx-cpu"]
 # Prompts of unequal lengths, so batched decode rows read past a shorter slot's end.
@@ -72,9 +72,10 @@ def test_a_bucket_reads_the_same_attention_as_the_live_length():
     gen = torch.Generator().manual_seed(3)
     context, slots, kv_heads, heads, head_dim = 1024, 3, 2, 4, 16
     cache = KVCache(1, slots, kv_heads, context, head_dim, torch.float32, torch.device("cpu"))
+    positions = [90, 200, 37]
+    cache.cover(decode_layout(positions))
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
-    positions = [90, 200, 37]
     q = torch.randn(slots, heads, head_dim, generator=gen)
     eager = cache.attend(0, RoundIndex.build(decode_layout(positions), torch.device("cpu"),
                                              None), q)
@@ -96,8 +97,7 @@ def poison_past(stage, start: int) -> None:
     """NaN in every slot's K and V at positions [start, context) (an injected fault)."""
     cache = stage.model.cache.kv if stage.config.is_hybrid else stage.model.cache
     if stage.spec.backend.startswith("torch"):
-        cache.k[:, :, :, start:] = float("nan")
-        cache.v[:, :, :, start:] = float("nan")
+        poison_torch_kv_past(cache, start)
         return
     import mlx.core as mx
 

@@ -40,6 +40,7 @@ def test_torch_chunks_without_a_mask_give_the_masked_bytes(round_name, dtype):
     gen = torch.Generator().manual_seed(5)
     cache = torch_kv.KVCache(1, SLOTS, KV_HEADS, CONTEXT, HEAD_DIM, getattr(torch, dtype),
                              torch.device("cpu"))
+    cache.cover(layout)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
     cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
     q = torch.randn(len(layout.positions), HEADS, HEAD_DIM, generator=gen).to(cache.k.dtype)

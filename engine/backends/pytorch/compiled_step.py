@@ -114,12 +114,11 @@ def _compiled(fn: Callable[..., torch.Tensor], sizes: dict[int, tuple[int, ...]]
 
 
 def compiled_decode_block() -> DecodeBlock:
-    """`decode_block` compiled: rows (x, positions, mask, offsets), the run's slots (the
-    caches) and the keys read (mask) symbolic. Arguments by position, as `run_decode`
+    """`decode_block` compiled: rows (x, positions, offsets), the run's slots and the pages
+    read (its rows of the page table) symbolic. Arguments by position, as `run_decode`
     passes them."""
-    rows, slots = (0,), (0,)
-    return _compiled(decode_block, {0: rows, 5: slots, 6: slots, 7: rows, 8: (0, 3),
-                                    10: rows})
+    rows = (0,)
+    return _compiled(decode_block, {0: rows, 7: (0, 1), 8: rows, 10: rows})
 
 
 def compiled_layer_parts() -> LayerParts:

@@ -1,12 +1,13 @@
 """Decode attention read straight from the KV cache: split-K flash-decoding in Triton.
 
-One query row a slot (decode), q [n, heads, head_dim] over a layer's cache
-k, v [slots, kv_heads, positions, head_dim], each row at its own slot and length. The
-SDPA path slices a strided view of the run's keys and carries a [n, 1, 1, keys] mask; its
-masked kernel is far from the memory floor over long conversations, and slots that are
-not consecutive were gathered (every key copied). Here nothing is copied or masked: each
-program reads one chunk of one row's keys for one key head by strides, and every query
-head of that key head's group rides along (GQA), so each key is read once.
+One query row a slot (decode), q [n, heads, head_dim] over a layer of the paged cache
+k, v [pages, kv_heads, page, head_dim], each row at its own slot and length, a slot's
+positions found through its row of the page table (position p lies in page
+table[slot, p // page] at p % page). The SDPA path gathers a slot's pages into one run of
+keys and carries a [n, 1, 1, keys] mask; its masked kernel is far from the memory floor
+over long conversations. Here nothing is copied or masked: each program reads one chunk of
+one row's keys for one key head through the table, and every query head of that key
+head's group rides along (GQA), so each key is read once.
 
 Two kernels: `_partial` writes each chunk's running max, sum and weighted values in
 float32; `_combine` merges a row's chunks. The chunk count depends only on the rows, the
@@ -35,12 +36,12 @@ CPU_SMS = 4  # Triton's interpreter on a CPU: any small number of "SMs" will do
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
-             stride_q_row, stride_q_head,
-             stride_k_slot, stride_k_head, stride_k_pos,
-             stride_v_slot, stride_v_head, stride_v_pos,
+def _partial(q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+             stride_q_row, stride_q_head, stride_table,
+             stride_k_page, stride_k_head, stride_k_pos,
+             stride_v_page, stride_v_head, stride_v_pos,
              scale_log2, window, keys_per_split,
-             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     row = tl.program_id(0)
@@ -48,7 +49,7 @@ def _partial(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     heads = tl.num_programs(1) * GROUP
-    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot x slot stride can pass 2^31
+    slot = tl.load(slots_ptr + row).to(tl.int64)  # its row of the page table
     length = tl.load(lengths_ptr + row).to(tl.int32)  # keys [0, length): position + 1
     first = split * keys_per_split
     stop = tl.minimum(first + keys_per_split, length)
@@ -63,8 +64,9 @@ def _partial(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
     d_in = offs_d < HEAD_DIM  # head dims that are not a power of two are padded
     q = tl.load(q_ptr + row * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
                 mask=g_in[:, None] & d_in[None, :], other=0.0)
-    k_base = k_ptr + slot * stride_k_slot + kv_head * stride_k_head
-    v_base = v_ptr + slot * stride_v_slot + kv_head * stride_v_head
+    pages = table_ptr + slot * stride_table
+    k_base = k_ptr + kv_head * stride_k_head
+    v_base = v_ptr + kv_head * stride_v_head
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -74,8 +76,11 @@ def _partial(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
         pos = start + offs_n
         n_in = pos < stop
         tile = n_in[:, None] & d_in[None, :]
-        k = tl.load(k_base + pos[:, None] * stride_k_pos + offs_d[None, :], mask=tile,
-                    other=0.0)
+        # int64: page x page stride can pass 2^31. A block lies in one page or two.
+        page = tl.load(pages + pos // PAGE, mask=n_in, other=0).to(tl.int64)
+        within = pos % PAGE
+        k = tl.load(k_base + (page * stride_k_page + within * stride_k_pos)[:, None]
+                    + offs_d[None, :], mask=tile, other=0.0)
         if WIDEN:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -86,8 +91,8 @@ def _partial(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + pos[:, None] * stride_v_pos + offs_d[None, :], mask=tile,
-                    other=0.0)
+        v = tl.load(v_base + (page * stride_v_page + within * stride_v_pos)[:, None]
+                    + offs_d[None, :], mask=tile, other=0.0)
         p = p.to(v.dtype)  # the tensor cores' operand type; its products sum in float32
         if WIDEN:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -141,15 +146,17 @@ def split_keys(rows: int, kv_heads: int, keys: int, device: torch.device) -> tup
     return math.ceil(keys / per_split), per_split
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, keys: int, window: int | None = None,
-                     splits: int | None = None) -> torch.Tensor:
-    """Row i of q [n, heads, head_dim] attends over keys [start, lengths[i]) of slot
-    slots[i] of k, v [slots, kv_heads, positions, head_dim] (strided views are fine: a
-    layer of the cache), start = max(0, lengths[i] - window) under a sliding window.
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, keys: int,
+                     window: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """Row i of q [n, heads, head_dim] attends over positions [start, lengths[i]) of slot
+    slots[i], start = max(0, lengths[i] - window) under a sliding window. k, v
+    [pages, kv_heads, page, head_dim]: a layer of the paged cache (strided views are fine);
+    table [slots, pages a slot]: the page holding each slot's positions [j x page,
+    (j + 1) x page) at column j (a view of some of the cache's rows is fine).
 
     `keys` bounds every length (a graph's key bucket) and sets the chunking; `splits`
-    overrides the chunk count (tests). slots, lengths: [n] integer device tensors, read
+    overrides the chunk count (tests). table, slots, lengths: integer device tensors, read
     on the device only. Returns [n, heads, head_dim] in q's dtype, softmax in float32.
     """
     n, heads, head_dim = q.shape
@@ -158,8 +165,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
             or not q.dtype == k.dtype == v.dtype):
         raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype} does not fit k "
                          f"{tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("decode_attention: k and v need unit stride along head_dim")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or table.stride(-1) != 1:
+        raise ValueError("decode_attention: k and v need unit stride along head_dim, and "
+                         "the table along its pages")
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = heads // kv_heads
     if splits is None:
@@ -177,11 +185,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot's least size is 16
     block_n = BLOCK_KEYS if block_d <= 128 else BLOCK_KEYS // 2  # registers for 256 dims
     _partial[(n, kv_heads, splits)](
-        q, k, v, slots, lengths, m, l_sum, acc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        q, k, v, table, slots, lengths, m, l_sum, acc,
+        q.stride(0), q.stride(1), table.stride(0), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         head_dim ** -0.5 * LOG2E, window or 0, per_split,
-        GROUP=group, HEAD_DIM=head_dim, HAS_WINDOW=bool(window),
+        PAGE=k.shape[2], GROUP=group, HEAD_DIM=head_dim, HAS_WINDOW=bool(window),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         # float32 caches keep float32 products (tf32 would cost 3 digits); 16-bit ones
         # take the tensor cores with float32 sums either way.
@@ -196,15 +204,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 
 @torch.library.custom_op("ringfleet::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        slots: torch.Tensor, lengths: torch.Tensor, keys: int,
-                        window: int | None) -> torch.Tensor:
+                        table: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                        keys: int, window: int | None) -> torch.Tensor:
     """`decode_attention` as an operator torch.compile keeps whole: Inductor neither traces
     into the launches (their grids are host values) nor replaces them with its own
     attention (which expanded every grouped key head into a copy of the cache)."""
-    return decode_attention(q, k, v, slots, lengths, keys, window)
+    return decode_attention(q, k, v, table, slots, lengths, keys, window)
 
 
 @decode_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-      lengths: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+      slots: torch.Tensor, lengths: torch.Tensor, keys: int,
+      window: int | None) -> torch.Tensor:
     return torch.empty_like(q)

@@ -105,8 +105,7 @@ class DecodeGraphs:
               offsets: torch.Tensor) -> torch.Tensor:
         run, _rows, keys, steps = key
         if self.step is not None:
-            return self.model.run_decode(rows, positions, run, keys, self.window, self.step,
-                                         offsets=offsets)
+            return self.model.run_decode(rows, positions, run, keys, self.step, offsets=offsets)
         return self.model.run_layers(rows, decode_index(positions, run, keys, self.window,
                                                         offsets, steps))
 

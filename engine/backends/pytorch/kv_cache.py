@@ -1,8 +1,10 @@
-"""Per-slot KV state for one stage's layers, preallocated, and attention over it.
+"""Per-slot KV state for one stage's layers, in pages, and attention over it.
 
-Shapes never change after start ([layers, slots, kv_heads, context, head_dim]), so a
-captured decode graph can later write into the same storage. Rolling back (trim) is a
-change of the slot's offset in `engine.slots.SlotTable`; positions past it are never read.
+The storage is a pool of pages ([layers, pages, kv_heads, page, head_dim]) and a table of
+which page holds which of a slot's positions (`engine.kv_pages`). Shapes never change after
+start, so a captured decode graph can later write into the same storage through the same
+table. Rolling back (trim) is a change of the slot's offset in `engine.slots.SlotTable`;
+positions past it are never read.
 
 Attention reads only the keys a round's rows can see, never the whole context, so a step
 costs what the conversations hold, not what the fleet configured: an eager round reads
@@ -10,10 +12,11 @@ keys [0, its rows' highest position + 1) of each slot it serves (a prompt span i
 slot's [0, span end)), and a captured decode step reads [0, `key_bucket` of that).
 
 Decode rows on CUDA go through a Triton split-K kernel (`decode_attention_triton`) that
-reads each row's slot and length from device tensors and the cache by strides: no view of
-a run, no gather of scattered slots, no mask, and every key of a group's query heads read
-once. FLEET_DECODE_ATTENTION=sdpa (or a CUDA without Triton) keeps SDPA under the mask,
-which is what the CPU and MPS always run.
+reads each row's slot and length from device tensors and its keys through the page table:
+no gather, no mask, and every key of a group's query heads read once.
+FLEET_DECODE_ATTENTION=sdpa (or a CUDA without Triton) keeps SDPA under the mask over
+each slot's pages gathered in order (`KVCache.gather`), which is what the CPU and MPS
+always run.
 
 A prompt span on CUDA without a sliding window builds no mask: its rows are the last of
 the keys they read, so causality is `causal_lower_right`, which SDPA runs as a flash or
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.env import read_switch
+from engine.kv_pages import PAGE_POSITIONS, PageAllocator, pages_for
 from engine.rounds import RowLayout
 
 
@@ -84,9 +88,6 @@ class RoundIndex:
     single_slots: torch.Tensor  # [n]
     single_mask: torch.Tensor | None  # [n, 1, 1, keys] bool; None under the decode kernel
     spans: list[PromptSpan]
-    # Decode slots that are consecutive (the usual case) are read as a view of the cache;
-    # any other set is gathered for SDPA, which copies every key of those slots.
-    single_run: tuple[int, int] | None = None
     single_keys: int = 0  # the decode rows read keys [0, single_keys) at most
     # [n] int32, each decode row's keys (position + 1) for the decode kernel, which reads
     # them on the device instead of a mask; None: SDPA under single_mask.
@@ -131,17 +132,17 @@ class RoundIndex:
             steps = verify_steps(as_tensor(groups), groups[-1] + 1, layout.rows_a_slot)
         return cls(as_tensor(layout.positions), as_tensor(layout.slots),
                    as_tensor(layout.single_rows), as_tensor(layout.single_slots), single_mask,
-                   spans, layout.single_run, layout.single_keys, single_lengths,
+                   spans, layout.single_keys, single_lengths,
                    sliding_window, steps,
                    device.type == "cuda" and read_switch("prompt_attention") == "cudnn")
 
 
-# Positions a slot's cache holds are the context rounded up to this, so every slot's and
-# head's keys start on a 64-byte boundary whatever the context (64 positions x head_dim x
-# itemsize is a multiple of 64). CPU matrix kernels take alignment-dependent paths whose
+# Positions a slot's cache holds are the context rounded up to whole pages, so every page's
+# and head's keys start on a 64-byte boundary whatever the context (64 positions x head_dim
+# x itemsize is a multiple of 64). CPU matrix kernels take alignment-dependent paths whose
 # last bits differ: with head_dim 18, a context of 33 and one of 32768 gave different
 # logits for the same conversation; aligned, any two contexts give the same bytes.
-ALIGN_POSITIONS = 64
+ALIGN_POSITIONS = PAGE_POSITIONS
 KEY_BUCKET_FLOOR = 256  # a round whose rows need fewer keys still reads this many
 KEY_BUCKETS_PER_OCTAVE = 4  # bucket sizes between 2^n and 2^(n+1): at most 25 % read in vain
 
@@ -195,11 +196,9 @@ def decode_index(positions: torch.Tensor, run: tuple[int, int], keys: int,
         lengths = (positions + 1).to(torch.int32)
     else:
         mask = _visible(positions[:, None], keys, window, device)[:, None, None, :]
-    one_row_a_slot = len(offsets) == b - a  # then the run's keys are read as a view
     rows_by_step = verify_steps(offsets, b - a, steps) if steps > 1 else None
     return RoundIndex(positions, slots, torch.arange(len(offsets), device=device), slots,
-                      mask, [], run if one_row_a_slot else None, keys, lengths, window,
-                      rows_by_step)
+                      mask, [], keys, lengths, window, rows_by_step)
 
 
 def decode_kernel_runs(device: torch.device) -> bool:
@@ -281,21 +280,64 @@ def heads_as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class KVCache:
+    """A stage's KV as a pool of pages (`engine.kv_pages`): K and V are
+    [layers, pages, kv_heads, page, head_dim], and `table` [slots, pages a slot] says which
+    page holds each slot's positions [j x page, (j + 1) x page). The table lives on the
+    device, is changed in place only, and is read by every path (so a captured graph sees
+    the pages a slot took after its capture). The pool holds every slot's whole context
+    for now, so a slot never waits for a page."""
+
     def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.positions = allocated_positions(context)  # what a slot holds, aligned
-        shape = (layers, slots, kv_heads, self.positions, head_dim)
+        self.positions = allocated_positions(context)  # what a slot can hold, aligned
+        pages_a_slot = self.positions // PAGE_POSITIONS
+        self.pages = PageAllocator(slots, pages_a_slot, slots * pages_a_slot)
+        shape = (layers, self.pages.pages, kv_heads, PAGE_POSITIONS, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.table = torch.zeros(slots, pages_a_slot, dtype=torch.int64, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + self.table.nbytes
+
+    def cover(self, layout: RowLayout) -> None:
+        """Pages for every position the round's rows write, taken before any layer runs
+        (and before a captured graph replays: its rows write through the table)."""
+        ends: dict[int, int] = {}
+        for slot, position in zip(layout.single_slots, layout.single_positions, strict=True):
+            ends[slot] = max(ends.get(slot, 0), position + 1)
+        for span in layout.spans:
+            ends[span.slot] = max(ends.get(span.slot, 0), span.end)
+        taken = [(slot, column, page) for slot, end in ends.items()
+                 for column, page in self.pages.cover(slot, end)]
+        if taken:
+            slots, columns, pages = (torch.tensor(values, dtype=torch.int64,
+                                                  device=self.table.device)
+                                     for values in zip(*taken, strict=True))
+            self.table[slots, columns] = pages
+
+    def release(self, slot: int) -> None:
+        """The slot's state is dropped: its pages go back to the pool."""
+        self.pages.release(slot)
+
+    def pages_of(self, slots: torch.Tensor, keys: int) -> torch.Tensor:
+        """[n, pages] the pages holding positions [0, keys) of each of `slots` [n]."""
+        return self.table[slots, :pages_for(keys)]
+
+    def gather(self, layer: int, slots: torch.Tensor, keys: int,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [0, keys) of each of `slots` [n], as SDPA takes them:
+        [n, kv_heads, keys, head_dim] each, copied out of their pages."""
+        pages = self.pages_of(slots, keys)
+        return (in_order(self.k[layer], pages, keys), in_order(self.v[layer], pages, keys))
 
     def write(self, layer: int, index: RoundIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [rows, kv_heads, head_dim] at each row's (slot, position)."""
-        self.k[layer, index.slots, :, index.positions] = k
-        self.v[layer, index.slots, :, index.positions] = v
+        pages = self.table[index.slots, index.positions // PAGE_POSITIONS]
+        within = index.positions % PAGE_POSITIONS
+        self.k[layer, pages, :, within] = k
+        self.v[layer, pages, :, within] = v
 
     def attend(self, layer: int, index: RoundIndex, q: torch.Tensor) -> torch.Tensor:
         """q: [rows, heads, head_dim] -> [rows, heads, head_dim]."""
@@ -304,24 +346,16 @@ class KVCache:
             from engine.backends.pytorch.decode_attention_triton import decode_attention
 
             rows = index.single_rows
-            out[rows] = decode_attention(q[rows], self.k[layer], self.v[layer],
+            out[rows] = decode_attention(q[rows], self.k[layer], self.v[layer], self.table,
                                          index.single_slots, index.single_lengths,
                                          index.single_keys, index.window)
         elif index.single_mask is not None:
-            keys = index.single_mask.shape[-1]
-            if index.single_run:
-                a, b = index.single_run
-                k = self.k[layer, a:b, :, :keys]  # [n, kv_heads, keys, head_dim], a view
-                v = self.v[layer, a:b, :, :keys]
-            else:
-                k = self.k[layer, index.single_slots, :, :keys]
-                v = self.v[layer, index.single_slots, :, :keys]
+            k, v = self.gather(layer, index.single_slots, index.single_mask.shape[-1])
             out[index.single_rows] = attend_one_row_each(q[index.single_rows], k, v,
                                                           index.single_mask)
         for span in index.spans:
             keys = span.keys
-            k = self.k[layer, span.slot, :, :keys][None]  # [1, kv_heads, keys, head_dim]
-            v = self.v[layer, span.slot, :, :keys][None]
+            k, v = self.gather(layer, index.slots[span.start:span.start + 1], keys)
             qs = q[span.start:span.stop].transpose(0, 1)[None]  # [1, heads, rows, head_dim]
             if span.mask is None and index.spans_by_cudnn:
                 from engine.backends.pytorch.prompt_attention import chunk_attention
@@ -335,3 +369,12 @@ class KVCache:
                 o = attention(qs, k, v, span.mask)
             out[span.start:span.stop] = o[0].transpose(0, 1)
         return out
+
+
+def in_order(layer: torch.Tensor, pages: torch.Tensor, keys: int) -> torch.Tensor:
+    """A layer's pages [pages, kv_heads, page, head_dim] read at `pages` [n, p] as
+    [n, kv_heads, keys, head_dim]: each row's positions [0, keys), in order."""
+    n, p = pages.shape
+    _, kv_heads, page, head_dim = layer.shape
+    run = layer[pages].transpose(1, 2).reshape(n, kv_heads, p * page, head_dim)
+    return run[:, :, :keys]

@@ -15,9 +15,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, decode_kernel_runs, visible_keys
+from engine.backends.pytorch.kv_cache import (
+    KVCache,
+    RoundIndex,
+    decode_kernel_runs,
+    in_order,
+    visible_keys,
+)
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
+from engine.kv_pages import pages_for
 
 if TYPE_CHECKING:
     from engine.backends.base import StageSpec
@@ -97,54 +104,51 @@ def block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope, cac
 
 
 def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: torch.Tensor,
-                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 positions: torch.Tensor, mask: torch.Tensor, kernel: bool = False,
+                 sin: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                 pages: torch.Tensor, positions: torch.Tensor, kernel: bool = False,
                  offsets: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of a decode round over a run of consecutive slots: `block`'s math with
     every input a tensor (no round index, no layer number), so that one compiled graph
     serves every layer and every round of a shape (`compiled_step.py`).
 
-    x: [n, hidden]; k_cache, v_cache: [slots, kv_heads, positions, head_dim], this layer's
-    run of slots (a view: written in place); positions: [n]; cos, sin: the RoPE tables
-    [context, head_dim]; mask: [n, 1, 1, keys] bool, the keys [0, keys) the rows read;
-    offsets: [n], each row's slot in the run where rows share slots (a verify entry's rows),
-    None: one row a slot, in order (whether they share is this argument, not a comparison of
-    sizes, so that the compiled layer takes every size as symbolic: `compiled_step.py`).
-    kernel: attention through the Triton decode kernel (CUDA, `kv_cache.decode_kernel_runs`)
-    instead of SDPA under the mask.
+    x: [n, hidden]; k_pages, v_pages: this layer's pages [pages, kv_heads, page, head_dim]
+    (written in place); pages: [slots, p], the run's rows of the page table cut to the p
+    pages that hold the keys the rows read, [0, p x page); positions: [n]; cos, sin: the
+    RoPE tables [context, head_dim]; offsets: [n], each row's slot in the run where rows
+    share slots (a verify entry's rows), None: one row a slot, in order (whether they share
+    is this argument, not a comparison of sizes, so that the compiled layer takes every size
+    as symbolic: `compiled_step.py`). kernel: attention through the Triton decode kernel
+    (CUDA, `kv_cache.decode_kernel_runs`) instead of SDPA under a mask.
     """
     # Sizes that are equal, said so for the compiled layer, which takes each as a symbol of
     # its own (compiled_step.py); eagerly these are plain comparisons.
     torch._check(positions.shape[0] == x.shape[0])
-    torch._check(mask.shape[0] == x.shape[0])
-    torch._check(v_cache.shape[0] == k_cache.shape[0])
+    torch._check(v_pages.shape[0] == k_pages.shape[0])
     q, k, v = attention_inputs(x, w, config, cos, sin, positions)
-    shared = offsets is not None
-    if shared:
-        torch._check(offsets.shape[0] == x.shape[0])
-    else:
+    if offsets is None:
         offsets = torch.arange(x.shape[0], device=x.device)
-    k_cache[offsets, :, positions] = k  # every row's, before any row attends
-    v_cache[offsets, :, positions] = v
-    keys = mask.shape[-1]
+    else:
+        torch._check(offsets.shape[0] == x.shape[0])
+    page = k_pages.shape[2]
+    keys = pages.shape[1] * page
     torch._check(keys > 0)
-    torch._check(keys <= k_cache.shape[2])
-    if kernel:  # each row reads keys [0, its position]: its slot's, by strides, no copy
-        o = torch.ops.ringfleet.decode_attention(q, k_cache, v_cache, offsets, positions + 1,
-                                                 keys, config.sliding_window)
-    elif shared:  # verify rows share slots: each row's keys, gathered
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[offsets, :, :keys],
-                                           v_cache[offsets, :, :keys], attn_mask=mask,
-                                           enable_gqa=True)
+    at = pages[offsets, positions // page]  # the page of each row's position
+    within = positions % page
+    k_pages[at, :, within] = k  # every row's, before any row attends
+    v_pages[at, :, within] = v
+    if kernel:  # each row reads keys [0, its position] through the table, no copy
+        o = torch.ops.ringfleet.decode_attention(q, k_pages, v_pages, pages, offsets,
+                                                 positions + 1, keys, config.sliding_window)
     else:
         # SDPA's own grouped heads, not kv_cache.attend_one_row_each: Inductor compiles this
         # form without the math kernel's copies, and the rows form here made an 8B's step
         # after 8,000-token conversations 2x slower on an H200 (docs/benchmarks.md, "36
         # layers").
-        torch._check(x.shape[0] == k_cache.shape[0])  # one row a slot
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :keys],
-                                           v_cache[:, :, :keys], attn_mask=mask,
-                                           enable_gqa=True)
+        mask = visible_keys(positions[:, None], keys, config.sliding_window)[:, None, None, :]
+        rows_pages = pages[offsets]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], in_order(k_pages, rows_pages, keys),
+                                           in_order(v_pages, rows_pages, keys),
+                                           attn_mask=mask, enable_gqa=True)
     return layer_output(x, o, w, config)
 
 
@@ -176,21 +180,23 @@ class LlamaRange:
         return x
 
     def run_decode(self, x: torch.Tensor, positions: torch.Tensor, run: tuple[int, int],
-                   keys: int, window: int | None, step: DecodeBlock = decode_block, *,
+                   keys: int, step: DecodeBlock = decode_block, *,
                    offsets: torch.Tensor | None = None) -> torch.Tensor:
         """A decode round of the slots in `run` [a, b), each row at `positions` in slot
-        a + `offsets` (None: one row a slot), its rows reading keys [0, keys), layer by
+        a + `offsets` (None: one row a slot), its rows reading keys [0, keys) (under the
+        model's sliding window, if any), layer by
         layer through `step` (compiled or not). Device tensors only, no host values: it
         can be captured in a CUDA graph."""
         a, b = run
-        mask = visible_keys(positions[:, None], keys, window)[:, None, None, :]
+        # Whole pages of keys (a graph's bucket already is): the keys past a row's position
+        # weigh nothing under its mask, and the kernel reads none of them.
+        pages = self.cache.table[a:b, :pages_for(keys)]  # a view: a graph reads it at replay
         kernel = decode_kernel_runs(x.device)  # True once the operator's module imported
-        if x.shape[0] == b - a:  # one row a slot, in order: no gathering
+        if x.shape[0] == b - a:  # one row a slot, in order
             offsets = None
         for layer_slot, w in enumerate(self.layers):
-            x = step(x, w, self.config, self.rope.cos, self.rope.sin,
-                     self.cache.k[layer_slot, a:b], self.cache.v[layer_slot, a:b], positions,
-                     mask, kernel, offsets)
+            x = step(x, w, self.config, self.rope.cos, self.rope.sin, self.cache.k[layer_slot],
+                     self.cache.v[layer_slot], pages, positions, kernel, offsets)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from engine.backends.pytorch.kv_cache import KVCache
 from engine.config import ModelConfig
 from engine.families.kinds import VERIFY_STATES
+from engine.rounds import RowLayout
 
 
 class RecurrentState:
@@ -113,6 +114,12 @@ class HybridState:
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes + self.recurrent.nbytes
+
+    def cover(self, layout: RowLayout) -> None:
+        self.kv.cover(layout)
+
+    def release(self, slot: int) -> None:
+        self.kv.release(slot)
 
     def save_recurrent(self, slot: int) -> None:
         self.recurrent.save(slot)

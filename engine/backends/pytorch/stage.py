@@ -108,7 +108,12 @@ class TorchStage(Stage):
         return self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.int64,
                                                     device=self.device))
 
+    def _drop_state(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.model.cache.release(slot)
+
     def _run_layers(self, rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+        self.model.cache.cover(layout)  # pages for every position the rows write
         run = layout.single_span
         if run and not layout.spans and (self.graphs or self.decode_step):
             # Decode rows (verify rows among them) through a run of consecutive slots.
@@ -122,8 +127,7 @@ class TorchStage(Stage):
             # Compiled without graphs (the CPU, or CUDA with FLEET_CUDA_GRAPHS=0): the live
             # keys, whose count the compiled layer takes as a symbolic size.
             return self.model.run_decode(rows, positions, run, layout.single_keys,
-                                         self.config.sliding_window, self.decode_step,
-                                         offsets=offsets)
+                                         self.decode_step, offsets=offsets)
         index = RoundIndex.build(layout, self.device, self.config.sliding_window,
                                  recurrent=self.model.recurrent is not None)
         return self.model.run_layers(rows, index)

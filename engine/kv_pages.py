@@ -1,0 +1,65 @@
+"""Which pages of a stage's KV pool each slot holds: the host's side of a paged cache.
+
+A stage's KV is a pool of pages of `PAGE_POSITIONS` positions each, and every slot owns a
+list of them: its positions [j x page, (j + 1) x page) lie in its j-th page. A slot takes
+pages as its rows arrive (`cover`) and gives them all back when its state is dropped
+(`release`: an OPEN over what a closed slot kept, a CANCEL). A slot's pages need not be
+next to each other, so what the pool holds is the positions its conversations hold, not
+a whole context per slot.
+
+No other stage needs to know where this stage's rows sit: every stage applies the same
+plans to the same slot table, so every stage covers and releases the same slots at the
+same positions, each in a pool of its own. The backend keeps a device copy of the table
+(a row per slot, a column per page) that its kernels read; this class says what changed.
+"""
+
+from __future__ import annotations
+
+# Positions a page holds: the cache's alignment (kv_cache.ALIGN_POSITIONS), so a slot's
+# allocated positions are whole pages, and the decode kernel's block of keys (64) lies in
+# one page wherever a block starts on a multiple of it.
+PAGE_POSITIONS = 64
+
+
+class PagesExhausted(RuntimeError):
+    """A slot needed a page and the pool had none free."""
+
+
+def pages_for(positions: int) -> int:
+    """Pages that hold positions [0, positions)."""
+    return -(-positions // PAGE_POSITIONS)
+
+
+class PageAllocator:
+    def __init__(self, slots: int, pages_a_slot: int, pages: int) -> None:
+        self.pages_a_slot = pages_a_slot  # a slot's whole context
+        self.pages = pages
+        self.held: list[list[int]] = [[] for _ in range(slots)]
+        self.free = list(range(pages - 1, -1, -1))  # pop() hands out the lowest first
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.pages - len(self.free)
+
+    def cover(self, slot: int, positions: int) -> list[tuple[int, int]]:
+        """Give `slot` pages for its positions [0, positions); returns each page it took as
+        (its column in the slot's row of the table, the page)."""
+        held = self.held[slot]
+        wanted = pages_for(positions)
+        if wanted > self.pages_a_slot:
+            raise ValueError(f"slot {slot}: positions [0, {positions}) need {wanted} pages, "
+                             f"past the {self.pages_a_slot} of a whole context")
+        taken = []
+        while len(held) < wanted:
+            if not self.free:
+                raise PagesExhausted(f"slot {slot}: no KV page free for positions up to "
+                                     f"{positions} (all {self.pages} in use)")
+            taken.append((len(held), self.free.pop()))
+            held.append(taken[-1][1])
+        return taken
+
+    def release(self, slot: int) -> None:
+        """Every page `slot` holds goes back to the pool; its table row is left as it was
+        (a row past a slot's length reads stale, finite values that no attention weighs)."""
+        self.free.extend(reversed(self.held[slot]))
+        self.held[slot] = []
