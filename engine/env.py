@@ -42,7 +42,7 @@ TUNING = {"FLEET_MAX_WAITING": "max_waiting", "FLEET_DRAIN_S": "drain_s",
           "FLEET_COMPILE": "compile",
           "FLEET_QUANT": "quant", "FLEET_ROUNDS_IN_FLIGHT": "rounds_in_flight",
           "FLEET_HOP_TRANSPORT": "hop_transport",
-          "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots",
+          "FLEET_PROMPT_CACHE_SLOTS": "prompt_cache_slots", "FLEET_KV_PAGES": "kv_pages",
           "FLEET_DECODE_ATTENTION": "decode_attention", "FLEET_PACKED_KERNEL": "packed_kernel",
           "FLEET_PROMPT_ATTENTION": "prompt_attention",
           "FLEET_DRAFTER": "drafter", "FLEET_DRAFT_TOKENS": "draft_tokens"}
@@ -140,6 +140,9 @@ class EngineEnv:
     # Slots past `parallel` that only keep finished conversations for the prompt cache: each
     # stage holds parallel + these slots' state (docs/prompt-cache.md).
     prompt_cache_slots: int = 0
+    # KV pages of 64 positions every stage's pool holds (engine/kv_pages.py), the same number
+    # on every stage; rank 0 admits requests by them. 0: a whole context for every slot.
+    kv_pages: int = 0
     chunk: int = 256
     max_waiting: int = 64
     model_id: str = ""  # "": the checkpoint directory's name
@@ -281,6 +284,7 @@ class EngineEnv:
             context=integer("FLEET_CONTEXT", "context"),
             parallel=integer("FLEET_PARALLEL", "parallel"),
             prompt_cache_slots=integer("FLEET_PROMPT_CACHE_SLOTS", "prompt_cache_slots", 0),
+            kv_pages=integer("FLEET_KV_PAGES", "kv_pages", 0),
             drafter=choice("FLEET_DRAFTER", "drafter", DRAFTERS),
             draft_tokens=draft_tokens(),
             chunk=integer("FLEET_CHUNK", "chunk"),

@@ -14,6 +14,12 @@ full prompt chunk ended (`snapshot`), and resumes there alone. Every stage keeps
 record from the same plans, so a resume that any stage could not serve is refused by name
 on every stage, never served from different positions.
 
+Where every stage's KV pool is smaller than a whole context a slot (FLEET_KV_PAGES), the
+table counts each slot's pages (`Slot.pages`) and refuses a plan that would hold more than
+the pool, on every stage alike. Rank 0 keeps its plans inside the pool: it admits a request
+by the pages it may reach and drops a kept state it no longer wants with a CANCEL on that
+closed slot, so no stage ever chooses on its own which kept state to lose.
+
 A verify entry (`StreamEntry.verifies`: a stream's newest token and its drafted tokens)
 may be kept in part: the next entry's `accepted` says how many of its rows stay. KV rows
 roll back by the offset alone. A hybrid's stages keep the recurrent state after each row
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.kv_pages import pages_for
 from engine.link.errors import BadEntry, GenerationMismatch
 from engine.rounds import Op, RoundPlan, StreamEntry
 
@@ -42,13 +49,19 @@ class Slot:
     # The previous round's entry was a verify entry: a hybrid's stages kept the recurrent
     # state after each of its rows, so the next entry may keep fewer of them.
     last_verified: bool = False
+    # KV pages its state holds (engine.kv_pages): the pages of the furthest position any
+    # row wrote since its state was last dropped, open or kept.
+    pages: int = 0
 
 
 class SlotTable:
     def __init__(self, parallel: int, context: int, *, can_roll_back: bool = True,
-                 chunk: int = 0, keeps_verify_rows: bool = True) -> None:
+                 chunk: int = 0, keeps_verify_rows: bool = True, pages: int = 0) -> None:
         self.parallel = parallel
         self.context = context
+        # The KV pages every stage's pool holds (FLEET_KV_PAGES): a plan whose slots would
+        # hold more is refused. 0: every slot's whole context (nothing to count).
+        self.pages = pages
         # False where the state has a recurrent part (a Gated DeltaNet layer's), which is
         # overwritten every token: a keep cannot be undone by moving the offset back, only
         # from the per-row states a verify entry kept (`restores_draft`).
@@ -80,8 +93,21 @@ class SlotTable:
         """
         for entry in plan.entries:
             self._check(entry)
+        if self.pages:
+            self._check_pages(plan)
         for entry in plan.entries:
             self._advance(entry)
+
+    def pages_held(self) -> int:
+        """KV pages every slot's state holds, open or kept."""
+        return sum(s.pages for s in self.slots)
+
+    def _check_pages(self, plan: RoundPlan) -> None:
+        held = {e.stream_id: _pages_after(self.slots[e.stream_id], e) for e in plan.entries}
+        needed = sum(held.get(i, s.pages) for i, s in enumerate(self.slots))
+        if needed > self.pages:
+            raise BadEntry(f"round {plan.round_no}: its slots would hold {needed} KV pages, "
+                           f"past this stage's pool of {self.pages}")
 
     def _check(self, e: StreamEntry) -> None:
         if not 0 <= e.stream_id < self.parallel:
@@ -92,6 +118,11 @@ class SlotTable:
                 raise BadEntry(f"stream {e.stream_id}: open on a slot that is already open")
         elif e.op == Op.RESUME:
             self._check_resume(e, slot)
+        elif e.op == Op.CANCEL and not slot.open:  # a kept state dropped (its pages freed)
+            if e.generation != slot.generation:
+                raise GenerationMismatch(
+                    f"stream {e.stream_id}: cancel of a closed slot's kept state expects "
+                    f"generation {e.generation}, this stage holds {slot.generation}")
         else:
             if not slot.open:
                 raise BadEntry(f"stream {e.stream_id}: {e.op.name.lower()} on a closed slot")
@@ -152,21 +183,24 @@ class SlotTable:
         slot = self.slots[e.stream_id]
         if e.op == Op.CLOSE:  # its state stays for a RESUME, until the slot opens again
             self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1,
-                                           kept=slot.offset, snapshot=slot.snapshot)
+                                           kept=slot.offset, snapshot=slot.snapshot,
+                                           pages=slot.pages)
             return
-        if e.op == Op.CANCEL:  # abandoned: nothing of it is kept
+        if e.op == Op.CANCEL:  # abandoned, or a kept state dropped: nothing of it is kept
             self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1)
             return
         if e.op == Op.OPEN:
             slot = Slot(open=True, generation=0)
         elif e.op == Op.RESUME:  # a restore advances the generation (RFC 6.2)
-            slot = Slot(open=True, generation=slot.generation + 1, snapshot=slot.snapshot)
+            slot = Slot(open=True, generation=slot.generation + 1, snapshot=slot.snapshot,
+                        pages=slot.pages)
         elif e.accepted < slot.last_rows:  # a keep: roll back to the accepted path
             slot = replace(slot, generation=slot.generation + 1)
         if self.saves_snapshot(e):
             slot = replace(slot, snapshot=e.end)
         self.slots[e.stream_id] = replace(slot, offset=e.end, last_rows=e.rows,
-                                          last_verified=e.verifies)
+                                          last_verified=e.verifies,
+                                          pages=max(slot.pages, pages_for(e.end)))
 
     def saves_snapshot(self, e: StreamEntry) -> bool:
         """Whether a hybrid saves this entry's slot's recurrent state once its rows ran: a
@@ -186,3 +220,13 @@ class SlotTable:
         slot = self.slots[e.stream_id]
         return (not self.can_roll_back and e.op == Op.CONTINUE and slot.last_verified
                 and e.accepted < slot.last_rows)
+
+
+def _pages_after(slot: Slot, e: StreamEntry) -> int:
+    """The KV pages `slot` holds once entry `e` ran (`SlotTable._advance`'s rule)."""
+    if e.op == Op.CANCEL:
+        return 0
+    if e.op == Op.CLOSE:
+        return slot.pages
+    before = 0 if e.op == Op.OPEN else slot.pages
+    return max(before, pages_for(e.end))

@@ -18,7 +18,7 @@ ENGINE_LAYERS: tuple[tuple[str, ...], ...] = (
     # The shared vocabulary: names, rounds, slots, the sampling rule's types, the model's
     # config and checkpoint format, the hop choice, the link's error tree.
     ("engine", "engine.addresses", "engine.backend_names", "engine.hop_choice",
-     "engine.rounds", "engine.slots", "engine.sampling", "engine.logs", "engine.signals",
+     "engine.rounds", "engine.slots", "engine.kv_pages", "engine.sampling", "engine.logs", "engine.signals",
      "engine.heap",
      "engine.config",
      "engine.family", "engine.families", "engine.row_format", "engine.checkpoint", "engine.link.errors",

@@ -30,11 +30,27 @@ from aiohttp import web
 from engine.api.auth import api_secret_middlewares
 from engine.api.bodies import read_body
 from engine.api.connections import ConnectionGuard, HttpLimits
-from engine.api.errors import RETRY_AFTER_S, ApiError, request_failed, sse_event, unavailable
+from engine.api.errors import (
+    RETRY_AFTER_S,
+    ApiError,
+    bad,
+    request_failed,
+    sse_event,
+    unavailable,
+)
 from engine.api.json_values import load_body
 from engine.api.metrics import EngineMetrics
 from engine.api.schema import ParsedRequest, ServedModel, parse_chat, parse_completion
-from engine.lanes.host import Busy, Done, EngineFailed, Failed, LaneHost, Stream, Token
+from engine.lanes.host import (
+    Busy,
+    Done,
+    EngineFailed,
+    Failed,
+    LaneHost,
+    NeverFits,
+    Stream,
+    Token,
+)
 from engine.lanes.text import TextCodec
 
 log = structlog.get_logger()
@@ -214,6 +230,8 @@ async def _generate(request: web.Request, parse: Callable, fmt: type) -> web.Str
         stream = host.submit(parsed.generation)
     except Busy as exc:
         raise unavailable(str(exc)) from exc
+    except NeverFits as exc:
+        raise bad(str(exc), "max_tokens", "context_length_exceeded") from exc
     except EngineFailed as exc:
         raise unavailable(f"the engine has failed: {exc}") from exc
     request.app[METRICS].prompt_tokens.inc(len(parsed.generation.prompt_ids))

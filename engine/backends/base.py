@@ -63,6 +63,9 @@ class StageSpec:
     # loads the head (engine.draft_head) beside the embeddings, and the last stage returns
     # every row of a round, since the head reads a prompt's rows too.
     draft_head: bool = False
+    # KV pages of the stage's pool (FLEET_KV_PAGES), counted in its slot table; 0: every
+    # slot's whole context.
+    kv_pages: int = 0
 
     @property
     def verify_states(self) -> int:
@@ -76,7 +79,7 @@ class StageSpec:
         return cls(env.model_dir, env.layer_range or (0, n_layers), env.backend, env.slots,
                    env.context, env.chunk, env.cuda_graphs, delta_kernel=env.delta_kernel,
                    quant=env.quant, compile=env.compile, drafting=drafts(env.drafter),
-                   draft_head=env.drafter in HEAD_DRAFTERS)
+                   draft_head=env.drafter in HEAD_DRAFTERS, kv_pages=env.kv_pages)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ class Stage(ABC):
         self.hidden_size = config.hidden_size
         self.row_format = RowFormat.of(config)  # what goes on the wire, both ways
         self.slots = SlotTable(spec.parallel, spec.context, can_roll_back=not config.is_hybrid,
-                               chunk=spec.chunk, keeps_verify_rows=spec.drafting)
+                               chunk=spec.chunk, keeps_verify_rows=spec.drafting,
+                               pages=spec.kv_pages)
         # The checkpoint's draft head (engine.draft_head) where rank 0 drafts with it.
         self.draft_head: DraftHead | None = None
 

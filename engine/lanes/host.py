@@ -38,6 +38,7 @@ import structlog
 
 from engine.lanes.drafting import Drafting, PromptLookup
 from engine.lanes.model_drafting import ModelDrafting
+from engine.lanes.page_ledger import PageLedger
 from engine.lanes.prompt_cache import (
     ChunkRecord,
     KeptPrompt,
@@ -68,6 +69,10 @@ HeadRows = tuple[tuple[int, ...], int, tuple[int, ...]]
 
 class Busy(Exception):
     """Every slot is taken and the wait queue is full: come back later (HTTP 503)."""
+
+
+class NeverFits(Exception):
+    """The request needs more KV pages than the pool holds: it can never run (HTTP 400)."""
 
 
 class RoundFailed(Exception):
@@ -184,6 +189,7 @@ class Stream:
     verifying: tuple[int, ...] = ()  # the drafts of its round in flight
     # Rows of its last round its state keeps (None: all): a verify round's accepted path.
     keep_rows: int | None = None
+    pages: int = 0  # KV pages it may reach, held from admission (engine.lanes.page_ledger)
 
     @property
     def decoding(self) -> bool:
@@ -254,6 +260,11 @@ class LaneHost:
         # Every stage keeps any prefix of a verify entry: a dense state by its offset, a
         # hybrid's from the recurrent states kept after each of its rows (engine.slots).
         self.drafts = drafts
+        # Admission by KV pages where every stage's pool is smaller than whole windows
+        # (FLEET_KV_PAGES), and the closed slots whose kept state goes in the next round.
+        pool = runner.slots.pages
+        self.ledger = PageLedger(pool, runner.slots.context) if pool else None
+        self.dropping: set[int] = set()
         self.waiting: deque[Stream] = deque()
         self.failure: str | None = None
         self.draining = False
@@ -285,6 +296,9 @@ class LaneHost:
             raise EngineFailed(self.failure)
         if self.draining:
             raise Busy("the engine is draining: it takes no new requests")
+        request_pages = (len(request.prompt_ids), request.max_tokens)
+        if self.ledger is not None and (why := self.ledger.never_fits(*request_pages)):
+            raise NeverFits(why)
         was_idle = self.idle()
         stream = Stream(request, TextStream(self.codec, request.stop), Sampler(request.sampling))
         if self.drafts is not None and self.drafts.head:
@@ -294,8 +308,8 @@ class LaneHost:
                                        len(request.prompt_ids) + request.max_tokens)
         if self._closing_slot_reuses_more(stream):
             self.waiting.append(stream)  # placed a round from now, when that slot's CLOSE lands
-        elif self._can_place():
-            self._place(stream)
+        elif self._can_place() and self._place(stream):
+            pass
         elif len(self.waiting) < self.max_waiting:
             self.waiting.append(stream)
         else:
@@ -320,8 +334,12 @@ class LaneHost:
         """Whether a launch or a landing is still running on the round thread."""
         return self._round_calls_done != self._round_calls_handed
 
+    def _free_slots(self) -> list[int]:
+        """Slots no stream holds, but for those whose kept state goes in the next round."""
+        return [i for i, s in enumerate(self.slots) if s is None and i not in self.dropping]
+
     def _can_place(self) -> bool:
-        return self.slots_in_use() < self.streams and any(s is None for s in self.slots)
+        return self.slots_in_use() < self.streams and bool(self._free_slots())
 
     def _closing_slot_reuses_more(self, stream: Stream) -> bool:
         """Whether a slot whose stream has finished, its CLOSE not yet landed, would give
@@ -330,17 +348,19 @@ class LaneHost:
         once, the next turn would miss the very state it continues."""
         prompt = stream.request.prompt_ids
         best_free = max((resume_point(self.kept[i], prompt, self.chunk, self.recurrent)
-                         for i, s in enumerate(self.slots) if s is None), default=0)
+                         for i in self._free_slots()), default=0)
         return any(resume_point(self._kept(s, self.round_no), prompt, self.chunk,
                                 self.recurrent) > best_free
                    for s in self.slots if s is not None and s.finished and not s.failed)
 
-    def _place(self, stream: Stream) -> None:
+    def _place(self, stream: Stream) -> bool:
         """Put `stream` in the free slot whose kept prompt state it reuses most (the prompt
-        cache), its first rows resuming there; else in a slot that keeps nothing."""
-        free = [i for i, s in enumerate(self.slots) if s is None]
-        slot, resume = choose_slot(free, self.kept, stream.request.prompt_ids, self.chunk,
-                                   self.recurrent)
+        cache), its first rows resuming there; else in a slot that keeps nothing. False:
+        its KV pages do not fit the pool yet (it waits)."""
+        slot, resume = choose_slot(self._free_slots(), self.kept, stream.request.prompt_ids,
+                                   self.chunk, self.recurrent)
+        if self.ledger is not None and not self._reserve_pages(stream, slot, resume):
+            return False
         if isinstance(stream.drafting, ModelDrafting):  # the draft head's entries of the slot
             stream.drafting.resumed(head_entries_kept(self.kept[slot],
                                                       stream.request.prompt_ids, resume))
@@ -350,6 +370,34 @@ class LaneHost:
         stream.chunks = ChunkRecord(self.chunk, exact_until=resume, snapshot=resume)
         if self.metrics is not None:
             self.metrics.prompt_cache(reused_tokens=resume)
+        return True
+
+    def _reserve_pages(self, stream: Stream, slot: int, resume: int) -> bool:
+        """Hold the KV pages `stream` may reach in `slot`, dropping kept states for them
+        (kept states no request can reuse first, then the least recently closed); False
+        where they would not fit with every other kept state dropped."""
+        table = self.runner.slots.snapshot()
+        request = stream.request
+        wanted = self.ledger.reservation(len(request.prompt_ids), request.max_tokens,
+                                         table[slot].pages if resume else 0)
+        kept = [i for i, s in enumerate(self.slots)
+                if s is None and i != slot and i not in self.dropping and table[i].pages]
+        in_use = (sum(s.pages for s in self.slots if s is not None)
+                  + sum(table[i].pages for i in kept))
+
+        def last_use(i: int) -> tuple[bool, int]:
+            record = self.kept[i]
+            return (record is not None, record.closed_round if record else 0)
+
+        dropped = self.ledger.drops(wanted, in_use, [(i, table[i].pages)
+                                                     for i in sorted(kept, key=last_use)])
+        if dropped is None:
+            return False
+        for i in dropped:
+            self.dropping.add(i)
+            self.kept[i] = None
+        stream.pages = wanted
+        return True
 
     def _admit_waiting(self) -> None:
         """Waiters into the free slots, in arrival order (one that ended while it waited
@@ -360,9 +408,8 @@ class LaneHost:
             stream = self.waiting.popleft()
             if stream.cancelled or stream.finished:
                 continue
-            if self._can_place() and not self._closing_slot_reuses_more(stream):
-                self._place(stream)
-            else:
+            if not (self._can_place() and not self._closing_slot_reuses_more(stream)
+                    and self._place(stream)):
                 still.append(stream)
         self.waiting = still
 
@@ -515,6 +562,8 @@ class LaneHost:
         decode_only = True
         for entry, start, stop in plan.row_spans():
             stream = self.slots[entry.stream_id]
+            if stream is None:  # a kept state dropped (the page ledger): no stream had it
+                continue
             stream.busy_in = plan.round_no
             if entry.op in (Op.CLOSE, Op.CANCEL):
                 continue
@@ -554,9 +603,11 @@ class LaneHost:
         # Groups of decode rows, one per stage, to keep every stage busy.
         decoding = sum(s is not None and s.decoding for s in self.slots)
         decode_rows = decode_rows_per_round(decoding, self.depth)
+        dropping = Lane((), 0, ending=Op.CANCEL, drops_kept=True)
         return RoundInputs(
             round_no=self.round_no + 1,
-            lanes=tuple(None if s is None else s.lane(self.chunk) for s in self.slots),
+            lanes=tuple(dropping if i in self.dropping else None if s is None
+                        else s.lane(self.chunk) for i, s in enumerate(self.slots)),
             slots=self.runner.slots.snapshot(), chunk=self.chunk,
             decode_rows=decode_rows)  # waiters were placed already (_admit_waiting)
 
@@ -569,6 +620,7 @@ class LaneHost:
             self.slots[slot] = None
         if built.plan is not None:
             self.round_no = built.plan.round_no
+            self.dropping -= {e.stream_id for e in built.plan.entries if e.op == Op.CANCEL}
         self._note_settled()
 
     def _deliver(self, launched: Launched, sampled: SampledRows) -> None:
@@ -577,6 +629,8 @@ class LaneHost:
         at = launched.drawn
         for entry in launched.plan.entries:
             stream = self.slots[entry.stream_id]
+            if stream is None:  # a kept state dropped (the page ledger): no stream had it
+                continue
             if stream.busy_in == launched.plan.round_no:
                 stream.busy_in = 0
             if entry.op in (Op.CLOSE, Op.CANCEL):

@@ -35,6 +35,9 @@ class Lane:
     resume: int = 0
     # Rows of its slot's last round that stay (a verify round's accepted path); None: all.
     accepted: int | None = None
+    # A CANCEL that drops a closed slot's kept state (rank 0's page ledger frees its pages):
+    # sent although the slot is not open.
+    drops_kept: bool = False
 
     def __post_init__(self) -> None:
         if self.ending is not None and self.ending not in ENDINGS:
@@ -103,7 +106,7 @@ def build_round(inputs: RoundInputs) -> BuiltRound:
             continue
         state = inputs.slots[slot]
         if lane.ending is not None:
-            if state.open:
+            if state.open or lane.drops_kept:
                 entries.append(StreamEntry(slot, lane.ending, 0, 0, 0, 0, state.generation))
             else:
                 released.append(slot)  # never opened: nothing to release on any stage

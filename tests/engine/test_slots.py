@@ -183,3 +183,33 @@ def test_rank_0s_record_saves_the_snapshot_where_the_stages_do(chunk):
             record.ran(first, rows)
             first, last_rows = first + rows, rows
         assert record.snapshot == table.slots[0].snapshot, cut
+
+
+def test_a_pool_of_pages_bounds_what_the_slots_hold_and_a_cancel_frees_a_kept_state():
+    """FLEET_KV_PAGES: every slot's pages count against the pool (a closed slot's kept
+    state too); a plan past it is refused by name with nothing moved; a CANCEL on a closed
+    slot drops what it kept, pages and all, so a later plan fits."""
+    table = SlotTable(parallel=3, context=256, pages=4)
+    table.apply(plan(StreamEntry(0, Op.OPEN, 0, 130, 0, 0, 0)))  # 3 pages
+    table.apply(plan(StreamEntry(0, Op.CLOSE, 0, 0, 0, 0, 0),
+                     StreamEntry(1, Op.OPEN, 0, 64, 0, 0, 0), round_no=2))  # 1 page
+    assert [s.pages for s in table.slots] == [3, 1, 0] and table.pages_held() == 4
+    before = table.snapshot()
+    with pytest.raises(BadEntry, match="would hold 5 KV pages, past this stage's pool of 4"):
+        table.apply(plan(StreamEntry(1, Op.CONTINUE, 64, 1, 64, 0, 0), round_no=3))
+    assert table.snapshot() == before
+    # Rank 0 drops slot 0's kept state in the same plan that grows slot 1: it fits.
+    table.apply(plan(StreamEntry(0, Op.CANCEL, 0, 0, 0, 0, 1),
+                     StreamEntry(1, Op.CONTINUE, 64, 1, 64, 0, 0), round_no=3))
+    assert [s.pages for s in table.slots] == [0, 2, 0]
+    assert (table.slots[0].kept, table.slots[0].generation) == (0, 2)
+    with pytest.raises(GenerationMismatch, match="cancel of a closed slot's kept state"):
+        table.apply(plan(StreamEntry(0, Op.CANCEL, 0, 0, 0, 0, 1), round_no=4))
+
+
+def test_a_resume_keeps_the_pages_its_slot_held():
+    table = SlotTable(parallel=1, context=256, pages=3)
+    table.apply(plan(StreamEntry(0, Op.OPEN, 0, 150, 0, 0, 0)))
+    table.apply(plan(StreamEntry(0, Op.CLOSE, 0, 0, 0, 0, 0), round_no=2))
+    table.apply(plan(StreamEntry(0, Op.RESUME, 64, 2, 0, 64, 1), round_no=3))
+    assert table.slots[0].pages == 3  # its rows past 66 are stale, but their pages stay

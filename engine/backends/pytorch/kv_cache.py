@@ -284,14 +284,15 @@ class KVCache:
     [layers, pages, kv_heads, page, head_dim], and `table` [slots, pages a slot] says which
     page holds each slot's positions [j x page, (j + 1) x page). The table lives on the
     device, is changed in place only, and is read by every path (so a captured graph sees
-    the pages a slot took after its capture). The pool holds every slot's whole context
-    for now, so a slot never waits for a page."""
+    the pages a slot took after its capture). `pages`: the pool's size (FLEET_KV_PAGES),
+    which the stage's slot table keeps every plan within; 0: every slot's whole context."""
 
     def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, pages: int = 0) -> None:
         self.positions = allocated_positions(context)  # what a slot can hold, aligned
         pages_a_slot = self.positions // PAGE_POSITIONS
-        self.pages = PageAllocator(slots, pages_a_slot, slots * pages_a_slot)
+        whole = slots * pages_a_slot  # more than this no table can ever hold
+        self.pages = PageAllocator(slots, pages_a_slot, min(pages, whole) if pages else whole)
         shape = (layers, self.pages.pages, kv_heads, PAGE_POSITIONS, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -328,9 +329,15 @@ class KVCache:
     def gather(self, layer: int, slots: torch.Tensor, keys: int,
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions [0, keys) of each of `slots` [n], as SDPA takes them:
-        [n, kv_heads, keys, head_dim] each, copied out of their pages."""
+        [n, kv_heads, keys, head_dim] each, copied out of their pages. On a CPU a
+        half-precision cache is widened to float32 in that copy, which `attention` would
+        make next (it says why)."""
         pages = self.pages_of(slots, keys)
-        return (in_order(self.k[layer], pages, keys), in_order(self.v[layer], pages, keys))
+        widened = None
+        if self.k.device.type == "cpu" and self.k.dtype in (torch.bfloat16, torch.float16):
+            widened = torch.float32
+        return (in_order(self.k[layer], pages, keys, widened),
+                in_order(self.v[layer], pages, keys, widened))
 
     def write(self, layer: int, index: RoundIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [rows, kv_heads, head_dim] at each row's (slot, position)."""
@@ -371,10 +378,16 @@ class KVCache:
         return out
 
 
-def in_order(layer: torch.Tensor, pages: torch.Tensor, keys: int) -> torch.Tensor:
+def in_order(layer: torch.Tensor, pages: torch.Tensor, keys: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """A layer's pages [pages, kv_heads, page, head_dim] read at `pages` [n, p] as
-    [n, kv_heads, keys, head_dim]: each row's positions [0, keys), in order."""
+    [n, kv_heads, keys, head_dim]: each row's positions [0, keys), in order. `dtype`: the
+    copy's element type, where it is not the cache's (converted in the same pass)."""
     n, p = pages.shape
     _, kv_heads, page, head_dim = layer.shape
-    run = layer[pages].transpose(1, 2).reshape(n, kv_heads, p * page, head_dim)
-    return run[:, :, :keys]
+    by_head = layer[pages].transpose(1, 2)  # [n, kv_heads, p, page, head_dim]
+    if dtype is None or dtype == layer.dtype:
+        return by_head.reshape(n, kv_heads, p * page, head_dim)[:, :, :keys]
+    run = torch.empty(by_head.shape, dtype=dtype, device=layer.device)
+    run.copy_(by_head)
+    return run.view(n, kv_heads, p * page, head_dim)[:, :, :keys]

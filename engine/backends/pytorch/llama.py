@@ -211,7 +211,7 @@ def build_range(config: ModelConfig, spec: StageSpec,
     """The stage's range and its KV cache: this family's entry for the PyTorch stage."""
     layers = spec.layer_range[1] - spec.layer_range[0]
     cache = KVCache(layers, spec.parallel, config.num_key_value_heads, spec.context,
-                    config.head_dim, dtype, device)
+                    config.head_dim, dtype, device, pages=spec.kv_pages)
     rope = Rope(config, spec.context, device, dtype)
     with torch.inference_mode():
         return LlamaRange(config, spec.layer_range, load, cache, rope, on_layer)

@@ -249,7 +249,7 @@ def build_range(config: ModelConfig, spec: StageSpec,
     layers: this family's entry for the PyTorch stage."""
     attention_layers, deltanet_layers = layer_counts(config, spec.layer_range)
     cache = KVCache(attention_layers, spec.parallel, config.num_key_value_heads,
-                    spec.context, config.head_dim, dtype, device)
+                    spec.context, config.head_dim, dtype, device, pages=spec.kv_pages)
     rope = Rope(config, spec.context, device, dtype)
     with torch.inference_mode():
         state = HybridState(cache, RecurrentState(config, deltanet_layers, spec.parallel,
