@@ -46,32 +46,33 @@ def model() -> Path:
     return out
 
 
-async def serve_all(url: str, requests: int, max_tokens: int) -> tuple[float, int, int]:
-    """(wall seconds, the most replies decoding at once, completion tokens)."""
+async def serve_all(url: str, requests: int, max_tokens: int) -> tuple[float, int, int, int]:
+    """(wall seconds, the most replies decoding at once, completion tokens, the longest
+    prompt in tokens)."""
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     name = (await client.models.list()).data[0].id
 
-    async def one(i: int) -> tuple[float, float, int]:
+    async def one(i: int) -> tuple[float, float, int, int]:
         words = " ".join(f"item{i}-{j}" for j in range(40))
         stream = await client.chat.completions.create(
             model=name, messages=[{"role": "user", "content": words}], max_tokens=max_tokens,
             temperature=0, stream=True, stream_options={"include_usage": True})
         first = last = 0.0
-        tokens = 0
+        tokens = prompt = 0
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content is not None:
                 last = time.monotonic()
                 first = first or last
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return first, last, tokens
+                tokens, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+        return first, last, tokens, prompt
 
     started = time.monotonic()
     spans = await asyncio.gather(*(one(i) for i in range(requests)))
     wall = time.monotonic() - started
-    at_once = max(sum(a <= t <= b for a, b, _ in spans) for t, _, _ in spans)
+    at_once = max(sum(a <= t <= b for a, b, _, _ in spans) for t, _, _, _ in spans)
     await client.close()
-    return wall, at_once, sum(tokens for _, _, tokens in spans)
+    return (wall, at_once, sum(span[2] for span in spans), max(span[3] for span in spans))
 
 
 def main() -> int:
@@ -92,11 +93,12 @@ def main() -> int:
                        extra_env=env) as fleet:
             fleet.wait_ready()
             results[name] = asyncio.run(serve_all(fleet.url, args.requests, args.max_tokens))
-        wall, at_once, tokens = results[name]
+        wall, at_once, tokens, prompt = results[name]
         rows.append([name, parallel, pool * PAGE_POSITIONS, at_once, f"{wall:.1f}",
                      f"{tokens / wall:.1f}"])
-    (whole_wall, whole_at_once, _), (pool_wall, pool_at_once, _) = results.values()
-    table(f"{args.requests} requests of ~90 prompt tokens and {args.max_tokens} reply tokens, "
+    (whole_wall, whole_at_once, _, _), (pool_wall, pool_at_once, _, _) = results.values()
+    table(f"{args.requests} requests of up to {prompt} prompt tokens and {args.max_tokens} "
+          f"reply tokens, "
           f"sent at once; KV memory of {args.windows} windows of {CONTEXT} positions a stage",
           ["KV", "streams (FLEET_PARALLEL)", "positions a stage holds", "most decoding at once",
            "wall s", "tokens/s"], rows)
