@@ -300,7 +300,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.table.nbytes
+        """K and V: what placement charges (supervisor.memory). The page table beside them,
+        8 bytes a page of a slot's whole context, is left out as the slot table is."""
+        return self.k.nbytes + self.v.nbytes
 
     def cover(self, layout: RowLayout) -> None:
         """Pages for every position the round's rows write, taken before any layer runs
