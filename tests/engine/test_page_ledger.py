@@ -15,6 +15,7 @@ from engine.lanes.text import TextCodec
 from engine.pipeline.runner import LocalRunner
 from engine.sampling import SamplingParams
 from tests.engine.conftest import whole_stage
+from tests.waiting import wait_until_async
 
 CONTEXT, CHUNK = 512, 16  # a whole window is 8 pages of 64 positions
 
@@ -48,9 +49,19 @@ def host_of(model_dir, *, kv_pages: int, parallel: int = 6, streams: int | None 
                     streams=streams)
 
 
-async def replies(host: LaneHost, requests: list[GenerationRequest], *, placed: list | None = None,
-                  ) -> list[tuple[list[int], Done]]:
-    """Every request's tokens and Done; `placed`: the streams in slots right after submit."""
+def served(host: LaneHost, requests: list[GenerationRequest], *,
+           placed: list | None = None) -> list[tuple[list[int], Done]]:
+    """`replies` in an event loop of its own; the host is closed after."""
+    try:
+        return asyncio.run(replies(host, requests, placed=placed))
+    finally:
+        host.close()
+
+
+async def replies(host: LaneHost, requests: list[GenerationRequest], *,
+                  placed: list | None = None) -> list[tuple[list[int], Done]]:
+    """Every request's tokens and Done, once every slot's CLOSE has landed (the host idle);
+    `placed`: the streams in slots right after submit."""
     loop = asyncio.create_task(host.run())
     streams = [host.submit(r) for r in requests]
     if placed is not None:
@@ -62,8 +73,8 @@ async def replies(host: LaneHost, requests: list[GenerationRequest], *, placed: 
             assert isinstance(event, Token), event
             tokens.append(event.token_id)
         out.append((tokens, event))
+    await wait_until_async(host.idle, within_s=60, what="every stream's CLOSE landed")
     loop.cancel()
-    host.close()
     return out
 
 
@@ -75,8 +86,8 @@ def test_short_requests_share_one_windows_pages_with_the_bytes_of_whole_windows(
     """A pool of 8 pages (one whole window) runs six short streams at once."""
     requests = [request(seed, 10 + seed, 24) for seed in range(6)]
     placed: list[int] = []
-    pooled = asyncio.run(replies(host_of(model_dir, kv_pages=8), requests, placed=placed))
-    whole = asyncio.run(replies(host_of(model_dir, kv_pages=0), requests))
+    pooled = served(host_of(model_dir, kv_pages=8), requests, placed=placed)
+    whole = served(host_of(model_dir, kv_pages=0), requests)
     assert placed == [6, 0]  # every stream admitted at once: a page each
     assert tokens_of(pooled) == tokens_of(whole)
     assert all(len(tokens) == 24 for tokens in tokens_of(pooled))
@@ -89,9 +100,9 @@ def test_a_request_past_the_pool_is_refused_and_one_that_must_wait_waits(model_d
         host.submit(request(1, 100, 340))
     requests = [request(2, 100, 150), request(3, 90, 160)]  # 4 pages each: one at a time
     placed: list[int] = []
-    pooled = asyncio.run(replies(host, requests, placed=placed))
+    pooled = served(host, requests, placed=placed)
     assert placed == [1, 1]
-    whole = asyncio.run(replies(host_of(model_dir, kv_pages=0), requests))
+    whole = served(host_of(model_dir, kv_pages=0), requests)
     assert tokens_of(pooled) == tokens_of(whole)
 
 
@@ -105,20 +116,12 @@ def test_kept_conversations_give_way_to_a_new_request(model_dir, kv_pages, hit):
     host = host_of(model_dir, kv_pages=kv_pages, parallel=3, streams=1)
 
     async def turns():
-        return [(await replies_one(host, r)) for r in (first, second, first)]
+        return [(await replies(host, [r]))[0] for r in (first, second, first)]
 
-    async def replies_one(host, r):
-        loop = asyncio.create_task(host.run())
-        stream = host.submit(r)
-        tokens = []
-        while not isinstance(event := await asyncio.wait_for(stream.events.get(), 60), Done):
-            tokens.append(event.token_id)
-        await asyncio.sleep(0.05)  # its CLOSE lands
-        loop.cancel()
-        return tokens, event
-
-    results = asyncio.run(turns())
-    host.close()
+    try:
+        results = asyncio.run(turns())
+    finally:
+        host.close()
     stage_slots = host.runner.slots.slots
     assert sum(s.pages for s in stage_slots) <= kv_pages
     assert results[2][0] == results[0][0]
