@@ -308,12 +308,11 @@ class LaneHost:
                                        len(request.prompt_ids) + request.max_tokens)
         if self._closing_slot_reuses_more(stream):
             self.waiting.append(stream)  # placed a round from now, when that slot's CLOSE lands
-        elif self._can_place() and self._place(stream):
-            pass
-        elif len(self.waiting) < self.max_waiting:
+        elif not (self._can_place() and self._place(stream)):
+            if len(self.waiting) >= self.max_waiting:
+                raise Busy(f"all {self.streams} streams are busy and {self.max_waiting} "
+                           f"requests wait")
             self.waiting.append(stream)
-        else:
-            raise Busy(f"all {self.streams} streams are busy and {self.max_waiting} requests wait")
         if was_idle:
             self._progress_s = self.clock()  # owed from now, not from the last round long ago
         self._settled.clear()

@@ -41,8 +41,8 @@ def _partial(q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, lengths_ptr, m_ptr, l_pt
              stride_k_page, stride_k_head, stride_k_pos,
              stride_v_page, stride_v_head, stride_v_pos,
              scale_log2, window, keys_per_split,
-             PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
-             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             PAGE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,7 +76,9 @@ def _partial(q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, lengths_ptr, m_ptr, l_pt
         pos = start + offs_n
         n_in = pos < stop
         tile = n_in[:, None] & d_in[None, :]
-        # int64: page x page stride can pass 2^31. A block lies in one page or two.
+        # Each key's page from the slot's row of the table (a block of keys may span pages:
+        # a window starts anywhere, and a page may hold fewer keys than a block). int64:
+        # page x page stride can pass 2^31.
         page = tl.load(pages + pos // PAGE, mask=n_in, other=0).to(tl.int64)
         within = pos % PAGE
         k = tl.load(k_base + (page * stride_k_page + within * stride_k_pos)[:, None]

@@ -235,6 +235,20 @@ def _visible(q: torch.Tensor, keys: int, window: int | None, device: torch.devic
     return mask
 
 
+def attends_in_float32(t: torch.Tensor) -> bool:
+    """Whether attention over `t` runs in float32 (`attention` says why): half precision
+    on a CPU."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def located(table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's (slot, position) lies in the pages of `table` (rows of the page
+    table: slots index them): its page, and its position within that page."""
+    page = PAGE_POSITIONS
+    return table[slots, positions // page], positions % page
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
     """Scaled dot-product attention (grouped heads) of q over k, v under `mask`.
 
@@ -244,7 +258,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> t
     rows over 96 (one thread; bench/cpu_attention.py). The float32 copy of the keys and
     values read lives for the call only. GPUs keep their native kernels.
     """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if attends_in_float32(q):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                               enable_gqa=True).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -335,16 +349,13 @@ class KVCache:
         half-precision cache is widened to float32 in that copy, which `attention` would
         make next (it says why)."""
         pages = self.pages_of(slots, keys)
-        widened = None
-        if self.k.device.type == "cpu" and self.k.dtype in (torch.bfloat16, torch.float16):
-            widened = torch.float32
+        widened = torch.float32 if attends_in_float32(self.k) else None
         return (in_order(self.k[layer], pages, keys, widened),
                 in_order(self.v[layer], pages, keys, widened))
 
     def write(self, layer: int, index: RoundIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [rows, kv_heads, head_dim] at each row's (slot, position)."""
-        pages = self.table[index.slots, index.positions // PAGE_POSITIONS]
-        within = index.positions % PAGE_POSITIONS
+        pages, within = located(self.table, index.slots, index.positions)
         self.k[layer, pages, :, within] = k
         self.v[layer, pages, :, within] = v
 

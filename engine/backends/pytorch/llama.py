@@ -20,6 +20,7 @@ from engine.backends.pytorch.kv_cache import (
     RoundIndex,
     decode_kernel_runs,
     in_order,
+    located,
     visible_keys,
 )
 from engine.config import ModelConfig, rope_inv_freq
@@ -129,11 +130,9 @@ def decode_block(x: torch.Tensor, w: LayerWeights, config: ModelConfig, cos: tor
         offsets = torch.arange(x.shape[0], device=x.device)
     else:
         torch._check(offsets.shape[0] == x.shape[0])
-    page = k_pages.shape[2]
-    keys = pages.shape[1] * page
+    keys = pages.shape[1] * k_pages.shape[2]
     torch._check(keys > 0)
-    at = pages[offsets, positions // page]  # the page of each row's position
-    within = positions % page
+    at, within = located(pages, offsets, positions)
     k_pages[at, :, within] = k  # every row's, before any row attends
     v_pages[at, :, within] = v
     if kernel:  # each row reads keys [0, its position] through the table, no copy
@@ -184,9 +183,8 @@ class LlamaRange:
                    offsets: torch.Tensor | None = None) -> torch.Tensor:
         """A decode round of the slots in `run` [a, b), each row at `positions` in slot
         a + `offsets` (None: one row a slot), its rows reading keys [0, keys) (under the
-        model's sliding window, if any), layer by
-        layer through `step` (compiled or not). Device tensors only, no host values: it
-        can be captured in a CUDA graph."""
+        model's sliding window, if any), layer by layer through `step` (compiled or not).
+        Device tensors only, no host values: it can be captured in a CUDA graph."""
         a, b = run
         # Whole pages of keys (a graph's bucket already is): the keys past a row's position
         # weigh nothing under its mask, and the kernel reads none of them.
