@@ -15,6 +15,11 @@ same positions, each in a pool of its own. The backend keeps a device copy of th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.rounds import RowLayout
+
 # Positions a page holds: the cache's alignment (kv_cache.ALIGN_POSITIONS), so a slot's
 # allocated positions are whole pages, and the decode kernel's block of keys (64) lies in
 # one page wherever a block starts on a multiple of it.
@@ -57,6 +62,17 @@ class PageAllocator:
             taken.append((len(held), self.free.pop()))
             held.append(taken[-1][1])
         return taken
+
+    def cover_round(self, layout: RowLayout) -> list[tuple[int, int, int]]:
+        """Pages for every position a round's rows write, taken before any layer runs;
+        returns each page taken as (slot, its column in the slot's row, page)."""
+        ends: dict[int, int] = {}
+        for slot, position in zip(layout.single_slots, layout.single_positions, strict=True):
+            ends[slot] = max(ends.get(slot, 0), position + 1)
+        for span in layout.spans:
+            ends[span.slot] = max(ends.get(span.slot, 0), span.end)
+        return [(slot, column, page) for slot, end in ends.items()
+                for column, page in self.cover(slot, end)]
 
     def release(self, slot: int) -> None:
         """Every page `slot` holds goes back to the pool; its table row is left as it was

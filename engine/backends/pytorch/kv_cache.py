@@ -321,13 +321,7 @@ class KVCache:
     def cover(self, layout: RowLayout) -> None:
         """Pages for every position the round's rows write, taken before any layer runs
         (and before a captured graph replays: its rows write through the table)."""
-        ends: dict[int, int] = {}
-        for slot, position in zip(layout.single_slots, layout.single_positions, strict=True):
-            ends[slot] = max(ends.get(slot, 0), position + 1)
-        for span in layout.spans:
-            ends[span.slot] = max(ends.get(span.slot, 0), span.end)
-        taken = [(slot, column, page) for slot, end in ends.items()
-                 for column, page in self.pages.cover(slot, end)]
+        taken = self.pages.cover_round(layout)
         if taken:
             slots, columns, pages = (torch.tensor(values, dtype=torch.int64,
                                                   device=self.table.device)
