@@ -350,8 +350,9 @@ class Stage(ABC):
 
     def _drop_state(self, slots: list[int]) -> None:
         """What `slots` held is dropped (an OPEN over a closed slot's kept state, a CANCEL):
-        a backend whose KV lives in pages hands theirs back. One that preallocates every
-        slot's whole context has nothing to hand back."""
+        a KV cache in pages hands theirs back (one of whole windows has nothing to)."""
+        for slot in slots:
+            self.model.cache.release(slot)
 
     def _finish(self) -> None:
         """Wait until the device has done all this stage issued (an asynchronous device)."""

@@ -5,7 +5,8 @@ explicitly: `round({slot: token_ids})` opens or continues each slot with all of 
 and returns the logits of each slot's last row; `greedy_round` does the same and returns
 each slot's next token drawn on the head's device, as serving does (only ids reach the
 host); `sampled_round` hands back the round's SampledRows (a mid-prompt chunk's, with no
-draw; every row kept for a draft head); `close(slots)` releases them.
+draw; every row kept for a draft head); `close(slots)` releases them, keeping their
+states, and `drop(slots)` drops what closed slots kept.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ class RoundDriver:
 
     def close(self, slots: list[int]) -> None:
         built = self._build({slot: Lane((), 0, ending=Op.CLOSE) for slot in slots})
+        if built.plan is not None:
+            self.runner.run_round(built.plan, ())
+
+    def drop(self, slots: list[int]) -> None:
+        """CANCELs that drop closed slots' kept states, as rank 0's page ledger sends them."""
+        built = self._build({slot: Lane((), 0, ending=Op.CANCEL, drops_kept=True)
+                             for slot in slots})
         if built.plan is not None:
             self.runner.run_round(built.plan, ())
 

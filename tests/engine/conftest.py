@@ -11,11 +11,12 @@ from engine.rounds import RowLayout, RowSpan
 
 
 def whole_stage(model_dir: Path, *, parallel: int = 4, context: int = 256, chunk: int = 64,
-                layers: tuple[int, int] | None = None, kv_pages: int = 0):
+                layers: tuple[int, int] | None = None, kv_pages: int = 0,
+                backend: str = "torch-cpu"):
     from engine.harness.local_pipeline import model_config
 
     n_layers = model_config(model_dir).num_hidden_layers  # text_config's, where it is nested
-    spec = StageSpec(model_dir, layers or (0, n_layers), "torch-cpu", parallel, context, chunk,
+    spec = StageSpec(model_dir, layers or (0, n_layers), backend, parallel, context, chunk,
                      kv_pages=kv_pages)
     return load_stage(spec)
 

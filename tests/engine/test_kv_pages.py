@@ -1,5 +1,5 @@
-"""A PyTorch stage's KV in pages (engine/kv_pages.py): which pages a slot takes and gives
-back, and that where its pages lie never changes a conversation's bytes."""
+"""A stage's KV in pages (engine/kv_pages.py): which pages a slot takes and gives back, and
+that where its pages lie never changes a conversation's bytes, on PyTorch and on MLX."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.harness.driver import RoundDriver
 from engine.kv_pages import PAGE_POSITIONS, PageAllocator, PagesExhausted, pages_for
 from engine.rounds import Op, RoundPlan, StreamEntry
 from tests.engine.conftest import stage_driver, whole_stage
@@ -62,6 +63,40 @@ def test_pages_scattered_by_earlier_conversations_give_a_fresh_stages_bytes(make
         assert want.keys() == got.keys()
         for slot in want:
             assert got[slot].tobytes() == want[slot].tobytes(), slot
+
+
+def greedy_logits(driver: RoundDriver, rounds: int = 6) -> list[dict[int, np.ndarray]]:
+    """PROMPT's two conversations, `rounds` greedy tokens after their prompts: every
+    round's logits."""
+    logits = [driver.round(PROMPT)]
+    for _ in range(rounds):
+        logits.append(driver.round({s: [int(np.argmax(row))] for s, row in logits[-1].items()}))
+    return logits
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_an_mlx_pool_with_scattered_pages_gives_whole_windows_bytes(make_model, family):
+    """MLX reads a slot's pages as one slice where they are consecutive and gathers them
+    where they are not: both give the bytes of a stage holding a whole window a slot.
+    Earlier conversations, kept and then dropped, leave the pool's free pages out of order
+    for the next streams."""
+    model_dir = make_model(family, seed=12)
+    windows = whole_stage(model_dir, context=512, backend="mlx-cpu")
+    pooled = whole_stage(model_dir, context=512, backend="mlx-cpu", kv_pages=20)
+    earlier = stage_driver(pooled)
+    earlier.greedy({2: list(range(5, 205)), 0: list(range(9, 79)), 3: [6] * 100}, 3)
+    earlier.close([0, 2, 3])
+    cache = pooled.model.cache
+    pages = (cache.kv if family == "qwen3_5" else cache).pages  # a hybrid's attention layers'
+    assert pages.held[0] == [0, 1] and pages.held[3] == [6, 7]
+    earlier.drop([0, 3])  # slot 0's pages go back, then slot 3's: taken 6, 7, 0, 1
+    assert pages.pages_in_use == 4
+    want, got = greedy_logits(stage_driver(windows)), greedy_logits(earlier)
+    assert pages.held[0] == [6, 7, 0]  # read by a gather, not a slice
+    for want_round, got_round in zip(want, got, strict=True):
+        assert want_round.keys() == got_round.keys()
+        for slot in want_round:
+            assert got_round[slot].tobytes() == want_round[slot].tobytes(), slot
 
 
 def test_a_cancel_and_an_open_hand_back_a_slots_pages(make_model):

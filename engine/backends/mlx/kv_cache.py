@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.kv_pages import PAGE_POSITIONS, PageAllocator, pages_for
 from engine.rounds import RowLayout
 
 
@@ -137,29 +138,148 @@ class KVCache:
     def attend(self, layer: int, index: RoundIndex, q: mx.array, scale: float) -> mx.array:
         """q: [rows, heads, head_dim] -> [rows, heads, head_dim]."""
         parts = []
-        cache_k, cache_v = self.k[layer], self.v[layer]
         if index.single_rows is not None:
-            keys = index.single_keys
-            # Slice, then gather: `cache[slots, :, :keys]` gathers every slot's whole context
-            # before slicing (20 ms instead of 0.2 ms for 2 slots of a 4096-position layer).
-            if index.one_entry is not None:
-                slot = index.one_entry[0]
-                k = cache_k[slot:slot + 1, :, :keys]  # [1, kv_heads, keys, head_dim]
-                v = cache_v[slot:slot + 1, :, :keys]
-            else:
-                k = mx.take(cache_k[:, :, :keys], index.single_slots, axis=0)  # [n, kv, keys, hd]
-                v = mx.take(cache_v[:, :, :keys], index.single_slots, axis=0)
+            k, v = self._singles_keys(layer, index)  # [n, kv_heads, keys, head_dim] each
             qs = q if index.singles_in_order else q[index.single_rows]
             qs = qs[:, :, None, :]  # [n, heads, 1, head_dim]
             o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale,
                                                      mask=index.single_mask)
             parts.append(o[:, :, 0, :])
         for span in index.spans:
-            k = cache_k[span.slot:span.slot + 1, :, :span.keys]  # [1, kv_heads, keys, head_dim]
-            v = cache_v[span.slot:span.slot + 1, :, :span.keys]
+            k, v = self._slot_keys(layer, span.slot, span.keys)  # [1, kv_heads, keys, head_dim]
             qs = q[span.start:span.stop].transpose(1, 0, 2)[None]  # [1, heads, rows, head_dim]
             mask = "causal" if span.mask is None else span.mask
             o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)
             parts.append(o[0].transpose(1, 0, 2))
         out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
         return out if index.order is None else out[index.order]
+
+    def _singles_keys(self, layer: int, index: RoundIndex) -> tuple[mx.array, mx.array]:
+        """K and V of positions [0, single_keys) of each batched single row's slot."""
+        keys = index.single_keys
+        if index.one_entry is not None:
+            return self._slot_keys(layer, index.one_entry[0], keys)
+        # Slice, then gather: `cache[slots, :, :keys]` gathers every slot's whole context
+        # before slicing (20 ms instead of 0.2 ms for 2 slots of a 4096-position layer).
+        return (mx.take(self.k[layer][:, :, :keys], index.single_slots, axis=0),
+                mx.take(self.v[layer][:, :, :keys], index.single_slots, axis=0))
+
+    def _slot_keys(self, layer: int, slot: int, keys: int) -> tuple[mx.array, mx.array]:
+        """K and V of one slot's positions [0, keys): [1, kv_heads, keys, head_dim] each."""
+        return (self.k[layer][slot:slot + 1, :, :keys],
+                self.v[layer][slot:slot + 1, :, :keys])
+
+    def cover(self, layout: RowLayout) -> None:
+        """Nothing to take: every slot's whole context is already held."""
+
+    def release(self, slot: int) -> None:
+        """Nothing to hand back: the slot's window stays allocated for its next stream."""
+
+
+def kv_cache(layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
+             dtype: mx.Dtype, pages: int) -> KVCache:
+    """A stage's KV: a pool of `pages` (FLEET_KV_PAGES), or a whole window a slot (0)."""
+    if pages:
+        return PagedKVCache(layers, slots, kv_heads, context, head_dim, dtype, pages)
+    return KVCache(layers, slots, kv_heads, context, head_dim, dtype)
+
+
+class PagedKVCache(KVCache):
+    """A stage's KV as a pool of pages (`engine.kv_pages`, FLEET_KV_PAGES), so that it holds
+    the positions its conversations hold rather than a whole context a slot.
+
+    Each layer's K and V are [kv_heads, pages x page, head_dim]: the pool's pages end to
+    end along the position axis, so a slot whose pages are consecutive is read as one
+    slice, as a whole-window cache's slot is. MLX has no paged attention kernel and its
+    fused SDPA needs a slot's keys in one run: a slot whose pages are not consecutive is
+    gathered into one each round (a copy of its live keys; docs/mlx-backend.md measures
+    it). The page table is the host's: each round's positions are looked up in `cover`,
+    once for every layer."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
+                 dtype: mx.Dtype, pages: int) -> None:
+        pages_a_slot = pages_for(context)
+        self.pages = PageAllocator(slots, pages_a_slot, min(pages, slots * pages_a_slot))
+        shape = (kv_heads, self.pages.pages * PAGE_POSITIONS, head_dim)
+        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(layers)]
+        mx.eval(self.k, self.v)
+        # This round's places in the pool, found once for every layer: its rows', and the
+        # keys it reads, (slot, keys) -> a slice of consecutive pages or the pages [1, p],
+        # and (-1, keys) -> the batched single rows' slots' pages [n, p].
+        self.written_at: slice | mx.array = slice(0, 0)
+        self.runs: dict[tuple[int, int], slice | mx.array] = {}
+
+    def cover(self, layout: RowLayout) -> None:
+        """Pages for every position the round writes, and where in the pool each row goes."""
+        self.pages.cover_round(layout)
+        self.runs = {}
+        self.written_at = _as_run([
+            self._pool_position(slot, position)
+            for slot, position in zip(layout.slots, layout.positions, strict=True)])
+
+    def release(self, slot: int) -> None:
+        """The slot's state is dropped: its pages go back to the pool."""
+        self.pages.release(slot)
+
+    def write(self, layer: int, index: RoundIndex, k: mx.array, v: mx.array) -> None:
+        """k, v: [rows, kv_heads, head_dim] at each row's place in the pool (`cover`)."""
+        self.k[layer][:, self.written_at] = k.transpose(1, 0, 2)
+        self.v[layer][:, self.written_at] = v.transpose(1, 0, 2)
+
+    def _singles_keys(self, layer: int, index: RoundIndex) -> tuple[mx.array, mx.array]:
+        keys = index.single_keys
+        if index.one_entry is not None:
+            return self._slot_keys(layer, index.one_entry[0], keys)
+        if (-1, keys) not in self.runs:
+            # A slot with fewer pages than the longest reads page 0 past its own: stale
+            # values its mask weighs at zero.
+            self.runs[-1, keys] = mx.array(
+                [self._pages(slot, keys, padded=True) for slot in index.single_slots.tolist()],
+                dtype=mx.int32)
+        pages = self.runs[-1, keys]
+        return _gathered(self.k[layer], pages, keys), _gathered(self.v[layer], pages, keys)
+
+    def _slot_keys(self, layer: int, slot: int, keys: int) -> tuple[mx.array, mx.array]:
+        if (slot, keys) not in self.runs:
+            held = self._pages(slot, keys)
+            consecutive = held == list(range(held[0], held[0] + len(held)))
+            self.runs[slot, keys] = (
+                slice(held[0] * PAGE_POSITIONS, held[0] * PAGE_POSITIONS + keys) if consecutive
+                else mx.array([held], dtype=mx.int32))
+        run = self.runs[slot, keys]
+        if isinstance(run, slice):
+            return self.k[layer][None, :, run], self.v[layer][None, :, run]
+        return _gathered(self.k[layer], run, keys), _gathered(self.v[layer], run, keys)
+
+    def _pool_position(self, slot: int, position: int) -> int:
+        page = self.pages.held[slot][position // PAGE_POSITIONS]
+        return page * PAGE_POSITIONS + position % PAGE_POSITIONS
+
+    def _pages(self, slot: int, keys: int, padded: bool = False) -> list[int]:
+        """The pages holding a slot's positions [0, keys); `padded`: page 0 stands in for
+        those it has not taken."""
+        held = self.pages.held[slot][:pages_for(keys)]
+        return held + [0] * (pages_for(keys) - len(held)) if padded else held
+
+
+def _gathered(pool: mx.array, pages: mx.array, keys: int) -> mx.array:
+    """A layer's pool [kv_heads, pages x page, head_dim] read at `pages` [n, p] as
+    [n, kv_heads, keys, head_dim]: each row's positions [0, keys), in order, a copy."""
+    kv_heads, _, head_dim = pool.shape
+    n, p = pages.shape
+    by_page = pool.reshape(kv_heads, -1, PAGE_POSITIONS, head_dim)
+    run = mx.take(by_page, pages.reshape(-1), axis=1)  # [kv_heads, n x p, page, head_dim]
+    run = run.reshape(kv_heads, n, p * PAGE_POSITIONS, head_dim)[:, :, :keys]
+    return run.transpose(1, 0, 2, 3)
+
+
+def _as_run(positions: list[int]) -> slice | mx.array:
+    """Pool positions as a slice where they are consecutive (one entry's rows in its
+    pages, the common case), else as an index array."""
+    if not positions:
+        return slice(0, 0)
+    first = positions[0]
+    if positions == list(range(first, first + len(positions))):
+        return slice(first, first + len(positions))
+    return mx.array(positions, dtype=mx.int32)

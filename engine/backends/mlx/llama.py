@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.backends.mlx.kv_cache import KVCache, RoundIndex
+from engine.backends.mlx.kv_cache import KVCache, RoundIndex, kv_cache
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.config import ModelConfig, rope_inv_freq
 from engine.family import LayerWeights, load_range
@@ -130,6 +130,7 @@ def build_range(config: ModelConfig, spec: StageSpec,
                 load: Callable[[dict[str, tuple[int, ...]]], dict[str, Weight]],
                 dtype: mx.Dtype, on_layer: Callable[[int], None] | None = None) -> LlamaRange:
     """The stage's range and its KV cache: this family's entry for the MLX stage."""
-    cache = KVCache(spec.layer_range[1] - spec.layer_range[0], spec.parallel,
-                    config.num_key_value_heads, spec.context, config.head_dim, dtype)
+    cache = kv_cache(spec.layer_range[1] - spec.layer_range[0], spec.parallel,
+                     config.num_key_value_heads, spec.context, config.head_dim, dtype,
+                     spec.kv_pages)
     return LlamaRange(config, spec.layer_range, load, cache, Rope(config), on_layer)

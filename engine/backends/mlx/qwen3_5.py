@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.backends.mlx.kv_cache import KVCache
+from engine.backends.mlx.kv_cache import KVCache, kv_cache
 from engine.backends.mlx.llama import Rope, linear, mlp
 from engine.backends.mlx.quant import QuantizedWeight, Weight
 from engine.backends.mlx.recurrent_state import (
@@ -277,12 +277,13 @@ class Qwen35Range:
 
     @staticmethod
     def state_for(config: ModelConfig, layer_range: tuple[int, int], slots: int, context: int,
-                  dtype: mx.Dtype, verify_states: int) -> HybridState:
-        """Preallocated KV for the range's attention layers, recurrent state for the rest."""
+                  dtype: mx.Dtype, verify_states: int, pages: int = 0) -> HybridState:
+        """KV for the range's attention layers (a pool of `pages`, else whole windows),
+        recurrent state for the rest."""
         types = [config.layer_type(i) for i in range(*layer_range)]
         deltanet = types.count(LINEAR_ATTENTION)
-        kv = KVCache(len(types) - deltanet, slots, config.num_key_value_heads, context,
-                     config.head_dim, dtype)
+        kv = kv_cache(len(types) - deltanet, slots, config.num_key_value_heads, context,
+                      config.head_dim, dtype, pages)
         recurrent = RecurrentState(deltanet, slots, config.linear_conv_kernel_dim,
                                    config.linear_conv_width, config.linear_num_value_heads,
                                    config.linear_value_head_dim, config.linear_key_head_dim,
@@ -333,5 +334,5 @@ def build_range(config: ModelConfig, spec: StageSpec,
     """The stage's range, KV for its attention layers and recurrent state for its DeltaNet
     layers: this family's entry for the MLX stage."""
     state = Qwen35Range.state_for(config, spec.layer_range, spec.parallel, spec.context, dtype,
-                                  spec.verify_states)
+                                  spec.verify_states, spec.kv_pages)
     return Qwen35Range(config, spec.layer_range, load, state, Rope(config), on_layer)

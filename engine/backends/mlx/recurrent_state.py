@@ -182,6 +182,12 @@ class HybridState:
     def arrays(self) -> list[mx.array]:
         return self.kv.arrays() + self.recurrent.arrays()
 
+    def cover(self, layout: RowLayout) -> None:
+        self.kv.cover(layout)
+
+    def release(self, slot: int) -> None:
+        self.kv.release(slot)
+
     def save_recurrent(self, slot: int) -> None:
         self.recurrent.save(slot)
 

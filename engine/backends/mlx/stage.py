@@ -115,6 +115,7 @@ class MlxStage(Stage):
         return self.model.embed_tokens(mx.array(list(token_ids), dtype=mx.int32))
 
     def _run_layers(self, rows: mx.array, layout: RowLayout) -> mx.array:
+        self.model.cache.cover(layout)  # pages for every position the rows write
         return self.model.run_layers(rows, self.model.round_index(layout))
 
     def _take_rows(self, rows: mx.array, indices: list[int]) -> mx.array:

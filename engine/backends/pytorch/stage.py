@@ -108,10 +108,6 @@ class TorchStage(Stage):
         return self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.int64,
                                                     device=self.device))
 
-    def _drop_state(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.model.cache.release(slot)
-
     def _run_layers(self, rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         self.model.cache.cover(layout)  # pages for every position the rows write
         run = layout.single_span
