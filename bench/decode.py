@@ -73,9 +73,9 @@ class Decoding:
 
     def __init__(self, model_dir: Path, backend: str, parallel: int, context: int, chunk: int,
                  cuda_graphs: bool = True, live_keys: bool = True,
-                 compile_mode: str = "auto", on_device: bool = True) -> None:
+                 compile_mode: str = "auto", on_device: bool = True, kv_pages: int = 0) -> None:
         spec = StageSpec(model_dir, (0, n_layers(model_dir)), backend, parallel, context,
-                         chunk, cuda_graphs, live_keys, compile=compile_mode)
+                         chunk, cuda_graphs, live_keys, compile=compile_mode, kv_pages=kv_pages)
         self.driver = RoundDriver(LocalRunner(load_stage(spec)))
         self.on_device = on_device
 
