@@ -9,6 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.kv_pages import PAGE_POSITIONS
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ROUND_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 DECODE_ROUND = "ringfleet_decode_round_seconds"
@@ -20,13 +22,34 @@ class CacheStage:
 
     rank: int
     layer_range: tuple[int, int]
-    slot_bytes: int  # what one slot's state takes there (engine.families.slot_state_bytes)
+    slot_bytes: int  # one slot's state with a whole window of KV (engine.families)
+    position_bytes: int = 0  # its KV of one position, which a pool holds a page at a time
+
+    def held_bytes(self, slots: int, pages: int | None, context: int) -> int:
+        """What `slots` kept conversations take here: whole slots, or under a KV pool the
+        `pages` they hold beside each slot's state that is not KV."""
+        if pages is None:
+            return slots * self.slot_bytes
+        not_kv = self.slot_bytes - context * self.position_bytes
+        return slots * not_kv + pages * PAGE_POSITIONS * self.position_bytes
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """A ring's pool of KV pages (FLEET_KV_PAGES) as rank 0 counts it: every stage holds
+    the same pages for the same slots (engine.slots)."""
+
+    pages: int  # the pool, on every stage
+    context: int  # positions a slot's whole window holds
+    in_use: Callable[[], int]  # pages the slots hold, open or kept
+    kept: Callable[[], int]  # pages the kept conversations hold
 
 
 class EngineMetrics:
     def __init__(self, slots_in_use: Callable[[], int], waiting: Callable[[], int],
                  cache_held: Callable[[], int] = lambda: 0,
-                 cache_stages: Sequence[CacheStage] = (), cache_slots: int = 0) -> None:
+                 cache_stages: Sequence[CacheStage] = (), cache_slots: int = 0,
+                 pool: KvPool | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ringfleet_requests", "HTTP API requests by endpoint and status",
@@ -64,9 +87,15 @@ class EngineMetrics:
             waiting)
         # The prompt cache's slots are the same on every stage (one slot table), their bytes
         # are each stage's own: rank 0 counts the closed slots that hold a conversation and
-        # multiplies by each stage's bytes per slot, which all of its state takes (it is
-        # preallocated whole).
+        # multiplies by each stage's bytes per slot, which all of its state takes where it
+        # is preallocated whole; under a KV pool, by the pages they hold.
         self.cache_held, self.cache_stages, self.cache_slots = cache_held, cache_stages, cache_slots
+        self.pool = pool
+        if pool is not None:
+            Gauge("ringfleet_kv_pages", "KV pages of 64 positions every stage's pool holds",
+                  registry=r).set(pool.pages)
+            Gauge("ringfleet_kv_pages_in_use", "KV pages the slots hold, open or kept",
+                  registry=r).set_function(pool.in_use)
         self.cache_hits = self.cache_misses = self.cache_reused_tokens = 0
         Gauge("ringfleet_prompt_cache_slots", "Slots kept past the streams for finished "
               "conversations", registry=r).set(cache_slots)
@@ -79,8 +108,13 @@ class EngineMetrics:
         for stage in cache_stages:
             labels = (str(stage.rank), f"{stage.layer_range[0]}:{stage.layer_range[1]}")
             slot_bytes.labels(*labels).set(stage.slot_bytes)
-            held_bytes.labels(*labels).set_function(
-                lambda size=stage.slot_bytes: cache_held() * size)
+            held_bytes.labels(*labels).set_function(lambda stage=stage: self.held_bytes(stage))
+
+    def held_bytes(self, stage: CacheStage) -> int:
+        """Bytes of `stage`'s state that hold kept conversations."""
+        if self.pool is None:
+            return stage.held_bytes(self.cache_held(), None, 0)
+        return stage.held_bytes(self.cache_held(), self.pool.kept(), self.pool.context)
 
     def token(self, *, first: bool, since_s: float) -> None:
         self.generated_tokens.inc()
@@ -104,12 +138,15 @@ class EngineMetrics:
 
     def prompt_cache_figures(self) -> dict[str, Any]:
         """The prompt cache as rank 0's /health tells it (the supervisor's status shows it)."""
-        held = self.cache_held()
-        return {"slots": self.cache_slots, "held": held, "hits": self.cache_hits,
-                "misses": self.cache_misses, "reused_tokens": self.cache_reused_tokens,
-                "stages": [{"rank": s.rank, "layers": list(s.layer_range),
-                            "slot_bytes": s.slot_bytes, "bytes_held": held * s.slot_bytes}
-                           for s in self.cache_stages]}
+        figures = {"slots": self.cache_slots, "held": self.cache_held(), "hits": self.cache_hits,
+                   "misses": self.cache_misses, "reused_tokens": self.cache_reused_tokens,
+                   "stages": [{"rank": s.rank, "layers": list(s.layer_range),
+                               "slot_bytes": s.slot_bytes, "bytes_held": self.held_bytes(s)}
+                              for s in self.cache_stages]}
+        if self.pool is not None:
+            figures["kv_pages"] = {"pool": self.pool.pages, "in_use": self.pool.in_use(),
+                                   "kept": self.pool.kept()}
+        return figures
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

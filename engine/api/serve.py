@@ -18,7 +18,7 @@ from aiohttp import web
 
 from engine.addresses import format_host_port
 from engine.api.connections import GuardedSite, HttpLimits, default_max_connections
-from engine.api.metrics import CacheStage, EngineMetrics
+from engine.api.metrics import CacheStage, EngineMetrics, KvPool
 from engine.api.repeated_errors import RepeatedLog
 from engine.api.repeated_errors import install as install_repeated_errors
 from engine.api.schema import ServedModel
@@ -64,8 +64,12 @@ def cache_stages(env: EngineEnv, config: ModelConfig) -> tuple[CacheStage, ...]:
     the description says)."""
     layout = env.layout or (env.layer_range or (0, config.num_hidden_layers),)
     itemsize = RowFormat.of(config).itemsize
-    return tuple(CacheStage(rank, layers, slot_state_bytes(config, layers, env.context, itemsize,
-                                                           drafts(env.drafter)))
+
+    def slot_bytes(layers: tuple[int, int], positions: int) -> int:
+        return slot_state_bytes(config, layers, positions, itemsize, drafts(env.drafter))
+
+    return tuple(CacheStage(rank, layers, slot_bytes(layers, env.context),
+                            slot_bytes(layers, 1) - slot_bytes(layers, 0))
                  for rank, layers in enumerate(layout))
 
 
@@ -97,9 +101,11 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
               "mtp": DraftPolicy(None, env.draft_tokens)}.get(env.drafter)
     host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting,
                     streams=env.parallel, drafts=drafts)
+    pool = (KvPool(host.ledger.pool, env.context, host.pages_in_use, host.pages_kept)
+            if host.ledger is not None else None)
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting),
                                  host.slots_kept, cache_stages(env, config),
-                                 env.prompt_cache_slots)
+                                 env.prompt_cache_slots, pool)
     served = ServedModel(env.model_id, env.context, config.vocab_size, codec)
     limits = http_limits(env)
     ring = getattr(runner, "ring", None)  # a pipeline's: how each hop's rows travel

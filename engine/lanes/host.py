@@ -291,6 +291,16 @@ class LaneHost:
         """Closed slots whose state holds a conversation a later request may resume."""
         return sum(s is None and k is not None for s, k in zip(self.slots, self.kept))
 
+    def pages_in_use(self) -> int:
+        """KV pages every stage holds for the slots, open or kept (engine.kv_pages)."""
+        return sum(slot.pages for slot in self.runner.slots.slots)
+
+    def pages_kept(self) -> int:
+        """KV pages the kept conversations hold."""
+        table = self.runner.slots.slots
+        return sum(table[i].pages for i, (s, k) in enumerate(zip(self.slots, self.kept))
+                   if s is None and k is not None)
+
     def submit(self, request: GenerationRequest) -> Stream:
         if self.failure:
             raise EngineFailed(self.failure)
