@@ -36,6 +36,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import structlog
 
+from engine.kv_pages import PAGE_POSITIONS
 from engine.lanes.drafting import Drafting, PromptLookup
 from engine.lanes.model_drafting import ModelDrafting
 from engine.lanes.page_ledger import PageLedger
@@ -320,8 +321,7 @@ class LaneHost:
             self.waiting.append(stream)  # placed a round from now, when that slot's CLOSE lands
         elif not (self._can_place() and self._place(stream)):
             if len(self.waiting) >= self.max_waiting:
-                raise Busy(f"all {self.streams} streams are busy and {self.max_waiting} "
-                           f"requests wait")
+                raise Busy(self._busy_reason())
             self.waiting.append(stream)
         if was_idle:
             self._progress_s = self.clock()  # owed from now, not from the last round long ago
@@ -346,6 +346,15 @@ class LaneHost:
     def _free_slots(self) -> list[int]:
         """Slots no stream holds, but for those whose kept state goes in the next round."""
         return [i for i, s in enumerate(self.slots) if s is None and i not in self.dropping]
+
+    def _busy_reason(self) -> str:
+        """Why a request found no room, for its 503: no stream free, or a stream free but
+        the KV pool's pages all reserved by the open streams."""
+        queue = f"and {self.max_waiting} requests wait"
+        if self.ledger is not None and self._can_place():
+            return (f"the open streams reserve the KV pool's pages ({self.ledger.pool} of "
+                    f"{PAGE_POSITIONS} positions) {queue}")
+        return f"all {self.streams} streams are busy {queue}"
 
     def _can_place(self) -> bool:
         return self.slots_in_use() < self.streams and bool(self._free_slots())

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from engine.lanes.host import Done, GenerationRequest, LaneHost, NeverFits, Token
+from engine.lanes.host import Busy, Done, GenerationRequest, LaneHost, NeverFits, Token
 from engine.lanes.page_ledger import PageLedger
 from engine.lanes.text import TextCodec
 from engine.pipeline.runner import LocalRunner
@@ -42,11 +42,12 @@ def model_dir(make_model):
     return make_model("qwen3", seed=21)
 
 
-def host_of(model_dir, *, kv_pages: int, parallel: int = 6, streams: int | None = None):
+def host_of(model_dir, *, kv_pages: int, parallel: int = 6, streams: int | None = None,
+            max_waiting: int = 8):
     stage = whole_stage(model_dir, parallel=parallel, context=CONTEXT, chunk=CHUNK,
                         kv_pages=kv_pages)
-    return LaneHost(LocalRunner(stage), TextCodec(model_dir), chunk=CHUNK, max_waiting=8,
-                    streams=streams)
+    return LaneHost(LocalRunner(stage), TextCodec(model_dir), chunk=CHUNK,
+                    max_waiting=max_waiting, streams=streams)
 
 
 def served(host: LaneHost, requests: list[GenerationRequest], *,
@@ -104,6 +105,24 @@ def test_a_request_past_the_pool_is_refused_and_one_that_must_wait_waits(model_d
     assert placed == [1, 1]
     whole = served(host_of(model_dir, kv_pages=0), requests)
     assert tokens_of(pooled) == tokens_of(whole)
+
+
+def test_a_full_queue_behind_a_full_pool_says_the_pages_are_short(model_dir):
+    """Slots are free, pages are not: the 503's reason names the pool, not the streams."""
+    host = host_of(model_dir, kv_pages=6, max_waiting=1)
+
+    async def submit_three() -> None:
+        host.submit(request(2, 100, 150))  # 4 pages: placed
+        host.submit(request(3, 90, 160))  # 4 more: waits
+        with pytest.raises(Busy, match=r"the open streams reserve the KV pool's pages \(6 of "
+                                       r"64 positions\) and 1 requests wait"):
+            host.submit(request(4, 100, 150))
+        assert (host.slots_in_use(), len(host.waiting)) == (1, 1)
+
+    try:
+        asyncio.run(submit_three())
+    finally:
+        host.close()
 
 
 @pytest.mark.parametrize(("kv_pages", "hit"), [(5, False), (8, True)])
