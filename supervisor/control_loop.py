@@ -284,9 +284,11 @@ class Supervisor:
             http=(rank0.host, rank0.http_port) if stage.rank == 0 else None,
             master=(rank0.host, replica.master_port), placement=replica.placement_id,
             model_id=spec.id, context=spec.context, parallel=spec.parallel,
-            # The kept slots placement chose (set, or bought by the stages' budgets): every
-            # stage must hold the same slot table.
-            prompt_cache_slots=replica.prompt_cache_slots, chunk=spec.chunk,
+            # The kept slots placement chose (set, or bought by the stages' budgets) and the
+            # pool of KV pages it charged: every stage must hold the same slot table and the
+            # same pool, since rank 0 admits requests by its own pool for all of them.
+            prompt_cache_slots=replica.prompt_cache_slots, kv_pages=replica.kv_pages,
+            chunk=spec.chunk,
             drain_s=self.settings.policy.drain_s, hop_transport=spec.hop_transport,
             drafter=spec.drafter, draft_tokens=spec.draft_tokens, **dict(spec.kernels))
         # The secrets travel inside the mutual-TLS request: agents need not share a disk.

@@ -21,6 +21,7 @@ from engine.addresses import AddressError, is_wildcard_host, parse_host_port
 from engine.backend_names import BACKENDS, DRAFTERS
 from engine.env import KERNEL_CHOICES, KERNEL_KNOBS, EngineEnv
 from engine.hop_choice import HOP_TRANSPORTS
+from engine.kv_pages import PAGE_POSITIONS, pages_for
 from engine.rounds import MAX_DRAFT_TOKENS
 from supervisor.yaml_fields import COMPOSER, FleetConfigError, YamlField
 
@@ -83,6 +84,10 @@ class ModelSpec:
     # Each stage's byte budget for those slots; None: DEFAULT_PROMPT_CACHE_SHARE of its
     # node's usable memory.
     prompt_cache_bytes: int | None = None
+    # KV pages of PAGE_POSITIONS every stage's pool holds (FLEET_KV_PAGES), shared by the
+    # streams and the kept conversations; rank 0 admits requests by them. Placement charges
+    # the pool instead of a whole context a slot (docs/prompt-cache.md). 0: whole windows.
+    kv_pages: int = 0
     chunk: int = DEFAULT_CHUNK  # prompt rows per round
     objective: str = "decode"  # or "prompt"
     placement: tuple[ExplicitStage, ...] = ()  # empty: auto
@@ -211,7 +216,7 @@ def _parse_nodes(at: YamlField) -> tuple[NodeConfig, ...]:
 
 
 _MODEL_FIELDS = ("id", "checkpoint", "backends", "context", "parallel", "prompt_cache_slots",
-                 "prompt_cache_bytes", "chunk", "objective",
+                 "prompt_cache_bytes", "kv_pages", "chunk", "objective",
                  "prompt_tokens", "placement", "rank0", "replicas", "hop_transport", "kernels",
                  "drafter", "draft_tokens")
 
@@ -227,6 +232,7 @@ def _parse_model(at: YamlField, node_names: tuple[str, ...]) -> ModelSpec:
     parallel = f["parallel"].integer() if "parallel" in f else DEFAULT_PARALLEL
     kept = f["prompt_cache_slots"].integer(minimum=0) if "prompt_cache_slots" in f else None
     budget = f["prompt_cache_bytes"].size() if "prompt_cache_bytes" in f else None
+    kv_pages = _parse_kv_pages(f["kv_pages"], context) if "kv_pages" in f else 0
     chunk = f["chunk"].integer() if "chunk" in f else DEFAULT_CHUNK
     objective = f["objective"].choice(OBJECTIVES, "objective") if "objective" in f else "decode"
     prompt_tokens = f["prompt_tokens"].integer() if "prompt_tokens" in f else None
@@ -256,11 +262,29 @@ def _parse_model(at: YamlField, node_names: tuple[str, ...]) -> ModelSpec:
                                           f"drafts, not {draft_tokens}", draft_tokens)
     return ModelSpec(id=model_id, checkpoint=checkpoint, backends=backends, context=context,
                      parallel=parallel, prompt_cache_slots=kept,
-                     prompt_cache_bytes=budget, chunk=chunk,
+                     prompt_cache_bytes=budget, kv_pages=kv_pages, chunk=chunk,
                      objective=objective, placement=placement,
                      rank0=rank0, replicas=replicas, prompt_tokens=prompt_tokens,
                      hop_transport=hop_transport, kernels=kernels, drafter=drafter,
                      draft_tokens=draft_tokens)
+
+
+def _parse_kv_pages(at: YamlField, context: int) -> int:
+    """0 (a whole context a slot), or a pool of at least one whole context: a request that
+    leaves `max_tokens` out reserves the rest of the context (engine.lanes.page_ledger), so
+    under a smaller pool every such request, and any prompt longer than the pool, would be
+    refused for good while the model claims `context` positions. A smaller pool is a
+    smaller context: that is the field to lower."""
+    pages = at.integer(minimum=0)
+    window = pages_for(context)
+    if 0 < pages < window:
+        raise at.error(
+            f"a pool of {pages} pages ({pages * PAGE_POSITIONS} positions) is smaller than "
+            f"one whole context of {context} positions ({window} pages of {PAGE_POSITIONS}): "
+            f"a request that leaves max_tokens out reserves the whole context and could "
+            f"never be admitted; set at least {window}, 0 for a whole context a slot, or a "
+            "smaller context", pages)
+    return pages
 
 
 def _parse_kernels(at: YamlField) -> tuple[tuple[str, str | bool], ...]:

@@ -211,9 +211,13 @@ def resident_text(stage: dict[str, Any]) -> str:
 
 
 def prompt_cache_line(r: dict[str, Any]) -> str:
-    """A replica's prompt cache for `fleetctl status`: its kept slots, and what rank 0's
-    /health counts (conversations held, hits, misses, tokens reused)."""
+    """A replica's prompt cache for `fleetctl status`: its kept slots, the pool of KV pages
+    they share with the streams on every stage, and what rank 0's /health counts
+    (conversations held, hits, misses, tokens reused)."""
     line = f"prompt cache: {r.get('prompt_cache_slots', 0)} kept slot(s)"
+    if pool := r.get("kv_pool"):
+        line += (f" in a KV pool of {pool['pages']} pages ({pool['positions']} positions) "
+                 "a stage")
     figures = r.get("prompt_cache")
     if not figures:
         return line + " (rank 0 has not reported its figures)"

@@ -241,6 +241,7 @@ def _place(s: Snapshot, spec: ModelSpec, placing: list[Replica], roll: _Roll) ->
         starting = _to(replica, STARTING, s.now, "", note=plan.note, why=placement.why,
                        stages=records, master_port=master_port, started_at=s.now,
                        prompt_cache_slots=placement.prompt_cache_slots,
+                       kv_pages=placement.kv_pages,
                        placement_id=placement_id([r.layer_range for r in records],
                                                  [r.backend for r in records]))
         started.append(starting)

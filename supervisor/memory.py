@@ -7,6 +7,9 @@ of rows, and rank 0 also holds the embeddings, the final norm, the head and the 
 samples from. Layers differ by type: a full-attention layer keeps K and V for every cached
 position of every stream; a Gated DeltaNet layer (the Qwen3.5 hybrid's linear attention)
 keeps a fixed recurrent state per stream, whatever the context. A dense family has one type.
+Where every stage keeps its KV in a pool of pages (`kv_pages`, FLEET_KV_PAGES), an
+attention layer holds the pool's positions instead of a whole context for every slot; the
+recurrent states stay one per slot.
 Compute workspace (attention scores, MLP activations) is not modelled: it must fit in the
 margin the agent keeps out of "usable".
 """
@@ -26,10 +29,12 @@ from engine.checkpoint.quant_config import QuantConfig, QuantConfigError
 from engine.config import FULL_ATTENTION, ConfigError, ModelConfig
 from engine.families.description import draft_head_bytes
 from engine.family import end_tensor_shapes, layer_tensor_shapes
+from engine.kv_pages import PAGE_POSITIONS
 
 # The most kept slots a byte budget buys: past it a slot table is long for rank 0 to search
 # and the stages preallocate more than a fleet's conversations need (a small model on a big
-# node). A count set in prompt_cache_slots is not capped.
+# node; under a pool of pages, where a dense model's kept slot costs no bytes of its own).
+# A count set in prompt_cache_slots is not capped.
 MAX_BUDGET_SLOTS = 64
 LOGIT_BYTES = 4  # rank 0 samples from float32 logits, whatever the weights' dtype
 GB = 1e9
@@ -173,32 +178,56 @@ class ExecutionShape:
     parallel: int  # streams served at once
     chunk: int  # prompt rows per round
     prompt_cache_slots: int = 0  # slots past `parallel` that keep finished conversations
+    # KV pages of PAGE_POSITIONS every stage's pool holds (FLEET_KV_PAGES), shared by the
+    # streams and the kept conversations; 0: a whole context for every slot.
+    kv_pages: int = 0
 
     @property
     def slots(self) -> int:
         """Slots whose state every stage holds: the streams' and the kept conversations'."""
         return self.parallel + self.prompt_cache_slots
 
+    @property
+    def kv_positions(self) -> int:
+        """Positions each attention layer of a stage keeps K and V for: the pool's, else a
+        whole context for every slot. A pool is charged as set, even one larger than every
+        slot's whole context (the engine then allocates only those): how many slots the
+        budget buys is not known while the ranges are searched, and the charge must not
+        grow once it is."""
+        if self.kv_pages:
+            return self.kv_pages * PAGE_POSITIONS
+        return self.context * self.slots
+
 
 def layer_bytes(layer: LayerType, execution: ExecutionShape) -> int:
-    """One layer's weights plus its KV for `context` positions and its recurrent state, for
-    every slot."""
-    kv = layer.kv_bytes_per_position * execution.context * execution.slots
+    """One layer's weights plus its KV (`kv_positions`) and its recurrent state for every
+    slot."""
+    kv = layer.kv_bytes_per_position * execution.kv_positions
     return layer.weight_bytes + kv + layer.state_bytes_per_slot * execution.slots
 
 
-def kept_slot_bytes(shape: ModelShape, context: int, layer_range: tuple[int, int]) -> int:
-    """What one slot's state holds on a stage of `layer_range`: KV for `context` positions
-    and the recurrent states. A kept slot holds all of it, whatever it keeps: the state is
-    preallocated."""
-    return (shape.range_sum("kv_bytes_per_position", layer_range) * context
-            + shape.range_sum("state_bytes_per_slot", layer_range))
+def kept_slot_bytes(shape: ModelShape, context: int, layer_range: tuple[int, int],
+                    kv_in_pool: bool = False) -> int:
+    """What one more slot costs a stage of `layer_range`: KV for `context` positions and the
+    recurrent states. A kept slot costs all of it, whatever it keeps: the state is
+    preallocated. With `kv_in_pool` its KV lives in the stage's pool of pages, which is
+    charged as a whole, so a kept slot costs its recurrent states alone (nothing, for a
+    dense model)."""
+    kv = 0 if kv_in_pool else shape.range_sum("kv_bytes_per_position", layer_range) * context
+    return kv + shape.range_sum("state_bytes_per_slot", layer_range)
 
 
 def slots_bought(budgets: Sequence[int], slot_bytes: Sequence[int]) -> int:
     """Kept slots a byte budget per stage buys: as many as the tightest stage holds (every
-    stage keeps the same slot table), at most MAX_BUDGET_SLOTS."""
-    return min(MAX_BUDGET_SLOTS, *(budget // max(1, size)
+    stage keeps the same slot table), at most MAX_BUDGET_SLOTS. A slot of no bytes (a dense
+    model's under a pool) costs a budget nothing: any budget buys the most, and a budget of
+    0 (`prompt_cache_bytes: 0`) still buys none."""
+    def bought(budget: int, size: int) -> int:
+        if size == 0:
+            return MAX_BUDGET_SLOTS if budget > 0 else 0
+        return budget // size
+
+    return min(MAX_BUDGET_SLOTS, *(bought(budget, size)
                                    for budget, size in zip(budgets, slot_bytes, strict=True)))
 
 
@@ -209,6 +238,7 @@ def fixed_bytes(shape: ModelShape, execution: ExecutionShape, is_rank0: bool) ->
     if not is_rank0:
         return StageMemory(weights_bytes=0, kv_bytes=0, staging_bytes=staging)
     logits = execution.parallel * shape.vocab_size * LOGIT_BYTES
+    # The draft head's KV is not paged (engine.draft_head): a whole context a slot, pool or not.
     draft_head = (shape.draft_head_weight_bytes + shape.draft_head_kv_bytes_per_position
                   * execution.context * execution.slots)
     return StageMemory(weights_bytes=0, kv_bytes=0, staging_bytes=staging + logits,
@@ -221,10 +251,9 @@ def stage_memory(shape: ModelShape, execution: ExecutionShape, layer_range: tupl
                  is_rank0: bool) -> StageMemory:
     """Memory of a stage holding the layers of `layer_range` (and rank 0's extras on rank 0)."""
     fixed = fixed_bytes(shape, execution, is_rank0)
-    streams_positions = execution.context * execution.slots
     return StageMemory(
         weights_bytes=shape.range_sum("weight_bytes", layer_range),
-        kv_bytes=shape.range_sum("kv_bytes_per_position", layer_range) * streams_positions,
+        kv_bytes=shape.range_sum("kv_bytes_per_position", layer_range) * execution.kv_positions,
         state_bytes=shape.range_sum("state_bytes_per_slot", layer_range) * execution.slots,
         staging_bytes=fixed.staging_bytes, embedding_bytes=fixed.embedding_bytes,
         final_norm_bytes=fixed.final_norm_bytes, head_bytes=fixed.head_bytes,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from engine.kv_pages import PAGE_POSITIONS
 from supervisor.boundaries import min_total_ms
 from supervisor.fleet_config import ModelSpec
 from supervisor.memory import (
@@ -105,6 +106,7 @@ class Placement:
     runner_up: Alternative | None
     why: tuple[str, ...]
     prompt_cache_slots: int = 0  # kept past `parallel` on every stage: set, or bought
+    kv_pages: int = 0  # every stage's pool of KV pages (the spec's); 0: a whole context a slot
     # rank 0's final norm, head and sampling, in each decode round (the largest group's rows)
     head_ms: float = 0.0
 
@@ -333,9 +335,10 @@ def _layers_text(problem: RingCosts) -> str:
     for t in problem.shape.types:
         text = f"{t.name} x{counts[t.name]}: weights {format_bytes(t.weight_bytes)}"
         if t.kv_bytes_per_position or not t.state_bytes_per_slot:
-            kv = t.kv_bytes_per_position * execution.context * execution.slots
-            text += (f" + KV {format_bytes(kv)} for {execution.context} x "
-                     f"{execution.slots} positions")
+            kv = t.kv_bytes_per_position * execution.kv_positions
+            text += f" + KV {format_bytes(kv)} for " + (
+                _pool_text(execution.kv_pages) if execution.kv_pages
+                else f"{execution.context} x {execution.slots} positions")
         if t.state_bytes_per_slot:
             text += (f" + recurrent state {format_bytes(t.state_bytes_per_slot * execution.slots)}"
                      f" for {execution.slots} slot(s)")
@@ -345,6 +348,10 @@ def _layers_text(problem: RingCosts) -> str:
                      f"{execution.prompt_cache_slots} kept for the prompt cache "
                      "(prompt_cache_slots)")
     return "; ".join(parts)
+
+
+def _pool_text(kv_pages: int) -> str:
+    return f"a pool of {kv_pages} pages ({kv_pages * PAGE_POSITIONS} positions)"
 
 
 def _does_not_fit(problem: RingCosts, candidates: Sequence[str],
@@ -447,9 +454,14 @@ def _prompt_cache(problem: RingCosts, ring: tuple[str, ...],
                   ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int], str]:
     """(kept slots, each stage's bytes per kept slot, why) for this ring: the count the
     spec sets, else what each stage's budget buys on the tightest stage. A budget set in
-    fleet.yaml that buys no slot is refused: the cache was asked for and would be silent."""
+    fleet.yaml that buys no slot is refused: the cache was asked for and would be silent.
+    Under a pool of KV pages a kept slot's KV is the pool's, so a slot costs its recurrent
+    states alone: nothing for a dense model, whose budget then buys the most."""
     spec, shape = problem.spec, problem.shape
-    sizes = [kept_slot_bytes(shape, spec.context, r) for r in ranges]
+    pooled = spec.kv_pages > 0
+    sizes = [kept_slot_bytes(shape, spec.context, r, kv_in_pool=pooled) for r in ranges]
+    slot_text = ("its recurrent states; its KV is in the pool" if pooled
+                 else f"{spec.context} positions")
     if spec.prompt_cache_slots is not None:
         over = (f", over prompt_cache_bytes {format_bytes(spec.prompt_cache_bytes)}"
                 if spec.prompt_cache_bytes is not None else "")
@@ -465,14 +477,19 @@ def _prompt_cache(problem: RingCosts, ring: tuple[str, ...],
             f"{spec.id}: prompt_cache_bytes {format_bytes(spec.prompt_cache_bytes)} buys no "
             f"kept slot: the tightest stage, rank {tight} on {ring[tight]} (layers "
             f"{ranges[tight][0]}:{ranges[tight][1]}), holds {format_bytes(sizes[tight])} per "
-            f"slot ({spec.context} positions); raise it to at least that, or set "
+            f"slot ({slot_text}); raise it to at least that, or set "
             "prompt_cache_bytes: 0 to keep none")
     cap = " (the most a budget buys)" if kept == MAX_BUDGET_SLOTS else ""
+    if pooled and not any(sizes):
+        return kept, sizes, (
+            f"prompt cache: {kept} kept slot(s){cap}, bought by {source}: under "
+            f"{_pool_text(spec.kv_pages)} a kept slot's KV is the pool's, and the model keeps "
+            "no recurrent state, so a slot costs no bytes of its own")
     return kept, sizes, (
         f"prompt cache: {kept} kept slot(s){cap}, bought by {source} "
         + ", ".join(f"{n} {format_bytes(b)}" for n, b in zip(ring, budgets))
         + f"; the tightest stage is rank {tight} on {ring[tight]}, "
-        f"{format_bytes(sizes[tight])} per slot")
+        f"{format_bytes(sizes[tight])} per slot" + (f" ({slot_text})" if pooled else ""))
 
 
 def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], explicit: bool,
@@ -483,6 +500,10 @@ def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], exp
     ranges = layer_ranges(counts)
     kept, slot_bytes, cache_why = _prompt_cache(problem, ring, ranges)
     execution = replace(problem.execution, prompt_cache_slots=kept)
+    if spec.kv_pages:
+        why = (*why, (f"KV: {_pool_text(spec.kv_pages)} on every stage (kv_pages), shared by "
+                      f"the {spec.parallel} stream(s) and the {kept} kept slot(s); rank 0 "
+                      "admits requests by its pages"))
     stages = tuple(
         Stage(rank=i, node=name, backend=problem.nodes[name].backend, layer_range=rng,
               memory=stage_memory(problem.shape, execution, rng, i == 0),
@@ -505,4 +526,5 @@ def _build(problem: RingCosts, ring: tuple[str, ...], counts: Sequence[int], exp
                      decode_ms_per_token_single=problem.decode_ms(ring, counts, 1),
                      prompt_ms=problem.prompt_ms(ring, counts), explicit=explicit,
                      runner_up=runner_up, why=(*why, cache_why), prompt_cache_slots=kept,
+                     kv_pages=spec.kv_pages,
                      head_ms=problem.head_ms(ring[0], max(problem.decode_groups(ring))))

@@ -48,15 +48,16 @@ def spec_digest(spec: ModelSpec) -> str:
     field's default could change."""
     # The replica count is left out: more or fewer replicas add or retire some, and leave
     # the serving ones where they are. An unset prompt length, the default hop transport,
-    # no kernel settings, no drafter (at any draft length) and an unset prompt cache count
-    # or budget are left out too, so the digests of specs written before they existed stay
-    # as they were.
+    # no kernel settings, no drafter (at any draft length), an unset prompt cache count
+    # or budget and whole KV windows (kv_pages 0) are left out too, so the digests of specs
+    # written before they existed stay as they were.
     fields_ = {k: v for k, v in asdict(spec).items()
                if k != "replicas" and not (k == "prompt_tokens" and v is None)
                and not (k == "hop_transport" and v == "auto")
                and not (k == "kernels" and not v)
                and not (k in ("drafter", "draft_tokens") and spec.drafter == "off")
-               and not (k in ("prompt_cache_slots", "prompt_cache_bytes") and v is None)}
+               and not (k in ("prompt_cache_slots", "prompt_cache_bytes") and v is None)
+               and not (k == "kv_pages" and v == 0)}
     canonical = json.dumps(fields_, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -81,6 +81,7 @@ class Replica:
     started_at: float = 0.0  # when its stages were asked to start
     load_s: float = 0.0  # from start to serving, once it served
     prompt_cache_slots: int = 0  # kept past `parallel` on every stage, as placement chose
+    kv_pages: int = 0  # every stage's pool of KV pages, as placement charged it (0: none)
 
     @property
     def url(self) -> str:

@@ -143,11 +143,14 @@ class RingCosts:
                  prompt_tokens: int) -> None:
         self.spec, self.shape = spec, shape
         self.execution = ExecutionShape(spec.context, spec.parallel, spec.chunk,
-                                        spec.prompt_cache_slots or 0)
+                                        spec.prompt_cache_slots or 0, spec.kv_pages)
         # What the prompt cache's budget takes from each node while the layers are placed:
         # the budget, or what MAX_BUDGET_SLOTS slots of the whole model hold if less (no
-        # stage's slot is larger); nothing where the spec sets the slot count.
-        whole_slot = kept_slot_bytes(shape, spec.context, (0, shape.n_layers))
+        # stage's slot is larger); nothing where the spec sets the slot count. Under a pool
+        # of pages a kept slot's KV is the pool's, charged with the layers: its slot holds
+        # its recurrent states alone, so a dense model's budget takes nothing.
+        whole_slot = kept_slot_bytes(shape, spec.context, (0, shape.n_layers),
+                                     kv_in_pool=spec.kv_pages > 0)
         self.cache_charge = {
             n.name: 0 if spec.prompt_cache_slots is not None
             else min(n.prompt_cache_budget_bytes, MAX_BUDGET_SLOTS * whole_slot) for n in nodes}

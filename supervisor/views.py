@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from engine.kv_pages import PAGE_POSITIONS
 from supervisor import lifecycle as lc
 from supervisor.control_loop import Supervisor
 from supervisor.front_door import Route
@@ -47,7 +48,8 @@ def status(supervisor: Supervisor) -> dict[str, Any]:
     replicas = [dict(r.to_dict(), stages=stage_memory(supervisor, r),
                      healthy=r.id in supervisor.healthy,
                      speed=speed(supervisor, r), hops=reported_hops(health.get(r.id)),
-                     prompt_cache=reported_prompt_cache(health.get(r.id)))
+                     prompt_cache=reported_prompt_cache(health.get(r.id)),
+                     kv_pool=kv_pool(r))
                 | drain_view(supervisor, r) for r in shown]
     stored = supervisor.state.desired()
     desired = supervisor.desired
@@ -109,6 +111,13 @@ def drain_view(supervisor: Supervisor, replica: lc.Replica) -> dict[str, Any]:
     return {"state": lc.DRAINING, "lifecycle_state": replica.state,
             "drain": {"in_flight": body.get("in_flight"),
                       "seconds_left": body.get("drain_seconds_left")}}
+
+
+def kv_pool(replica: lc.Replica) -> dict[str, int] | None:
+    """Every stage's pool of KV pages as placement charged it; None: a whole context a slot."""
+    if not replica.kv_pages:
+        return None
+    return {"pages": replica.kv_pages, "positions": replica.kv_pages * PAGE_POSITIONS}
 
 
 def reported_prompt_cache(health: dict[str, Any] | None) -> dict[str, Any] | None:

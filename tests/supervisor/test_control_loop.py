@@ -1,7 +1,7 @@
 """The control loop's spawn request carries each stage's environment contract whole, which
 the agent reads back with the engine's own parser, with the stage's addresses (an IPv6
-node's in brackets), and its model's kernel settings; its /health probe tells an answer
-(a 503 "draining" too) from none."""
+node's in brackets), its model's kernel settings and the pool of KV pages placement charged;
+its /health probe tells an answer (a 503 "draining" too) from none."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import aiohttp
 from aiohttp import web
 
 from agent.spawn import SpawnRequest
+from engine.backends.base import StageSpec
 from engine.env import KERNEL_KNOBS, EngineEnv
 from engine.harness.launch import free_port
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient
 from supervisor.control_loop import Supervisor
 from supervisor.settings import SupervisorSettings
-from tests.supervisor.test_lifecycle import config
+from tests.supervisor.test_lifecycle import config, snap
 
 
 def test_the_spawn_body_reads_back_as_each_stage_contract(tmp_path):
@@ -81,6 +82,32 @@ def test_a_models_kernels_reach_every_stages_contract(tmp_path):
         engine = SpawnRequest.from_dict(body).spec(drain_s=1.0, key_file=key).engine
         assert {attr: getattr(engine, attr) for attr in KERNEL_KNOBS} == dict(kernels)
         assert EngineEnv.from_environ(engine.to_environ()) == engine
+
+
+def test_the_pool_placement_charged_reaches_every_stage_it_starts(tmp_path):
+    """fleet.yaml's kv_pages: placed, recorded on the replica, written into each stage's
+    contract, read back by the agent and made the engine's stage spec."""
+    supervisor = Supervisor(SupervisorSettings(state_dir=tmp_path, calibration_budget_s=0),
+                            AgentClient(ssl.create_default_context()))
+    desired = config()  # the demo: a context of 1024 positions, 16 pages
+    spec = dataclasses.replace(desired.models[0], kv_pages=24)
+    desired = dataclasses.replace(desired, models=(spec,))
+    supervisor.desired = desired
+    placing = lc.decide(snap([], cfg=desired))[0].replica
+    [start] = lc.decide(snap([placing], cfg=desired))
+    assert start.placement.kv_pages == start.replica.kv_pages == 24
+    key = tmp_path / "link.key"
+    key.write_text("k" * 32)
+    for stage in start.replica.stages:
+        body = supervisor.spawn_body(start.replica, stage)
+        assert body["env"]["FLEET_KV_PAGES"] == "24"
+        engine = SpawnRequest.from_dict(body).spec(drain_s=1.0, key_file=key).engine
+        assert engine.kv_pages == 24 and EngineEnv.from_environ(engine.to_environ()) == engine
+        assert StageSpec.of(engine, 8).kv_pages == 24
+    # Whole windows write nothing: the engine's default.
+    plain = dataclasses.replace(start.replica, kv_pages=0)
+    supervisor.desired = config()
+    assert "FLEET_KV_PAGES" not in supervisor.spawn_body(plain, plain.stages[0])["env"]
 
 
 def test_the_health_probe_tells_a_draining_answer_from_silence():

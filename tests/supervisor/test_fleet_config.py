@@ -225,6 +225,34 @@ def test_prompt_cache_bytes_is_a_size_and_the_slots_override_it():
         model("    prompt_cache_slots: -2\n")
 
 
+def test_kv_pages_is_a_pool_of_at_least_one_whole_context():
+    from supervisor.planning import spec_digest
+
+    def model(lines: str):  # a context of 1000 positions: 16 pages of 64
+        return parse_fleet_config(PROMPT_CACHE.replace("context: 64", "context: 1000")
+                                  % lines).model("m")
+
+    unset = model("")
+    assert unset.kv_pages == 0 and model("    kv_pages: 0\n") == unset
+    assert model("    kv_pages: 16\n").kv_pages == 16
+    assert model("    kv_pages: 4096\n").kv_pages == 4096
+    # Whole windows leave the digest as it was before the field existed; a pool changes it.
+    assert spec_digest(model("    kv_pages: 16\n")) != spec_digest(unset)
+    assert diff(parse_fleet_config(PROMPT_CACHE % ""),
+                parse_fleet_config(PROMPT_CACHE % "    kv_pages: 2\n")) == [
+        "model m: kv_pages 0 -> 2"]
+    with pytest.raises(FleetConfigError, match=re.escape(
+            ":8: models[0].kv_pages: a pool of 15 pages (960 positions) is smaller than one "
+            "whole context of 1000 positions (16 pages of 64): a request that leaves "
+            "max_tokens out reserves the whole context and could never be admitted; set at "
+            "least 16, 0 for a whole context a slot, or a smaller context")):
+        model("    kv_pages: 15\n")
+    for bad in ("-1", "many", "true", "1.5", "~"):
+        with pytest.raises(FleetConfigError, match=r":8: models\[0\]\.kv_pages: expected an "
+                                                   "integer >= 0, got"):
+            model(f"    kv_pages: {bad}\n")
+
+
 KERNELS = ONE_MODEL % "    kernels:\n%s"
 
 

@@ -1,4 +1,5 @@
-"""fleetctl's rendering of a plan: the supervisor sends the placement as JSON, fleetctl draws it."""
+"""fleetctl's rendering of a plan, and of a replica's prompt cache and KV pool: the supervisor
+sends them as JSON, fleetctl draws them."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_render_plan_shows_what_each_stages_budget_bought():
     # One slot bought (mac's 6 layers take 0.6 MB a slot): 0.2 MB and 0.6 MB held of 1 MB.
     assert "0.2 MB of 1.0 MB" in text and "0.6 MB of 1.0 MB" in text
     assert "prompt cache: 1 kept slot(s), bought by the default budget" in text
+
+
+def test_plan_and_status_show_the_pool_of_kv_pages():
+    from supervisor import lifecycle as lc
+    from supervisor.fleetctl import prompt_cache_line
+    from supervisor.views import kv_pool
+
+    p = place(spec(prompt_cache_slots=None, kv_pages=32), SHAPE, mesh([node("gb10", 500)]))
+    console = Console(record=True, width=250)
+    console.print(render_plan(json.loads(json.dumps(p.to_dict()))))
+    assert "KV: a pool of 32 pages (2048 positions) on every stage" in console.export_text()
+    replica = lc.Replica("m-g1", "m", 1, lc.SERVING, 0.0, "d", prompt_cache_slots=64,
+                         kv_pages=32)
+    shown = json.loads(json.dumps(replica.to_dict() | {"kv_pool": kv_pool(replica)}))
+    assert prompt_cache_line(shown) == (
+        "prompt cache: 64 kept slot(s) in a KV pool of 32 pages (2048 positions) a stage "
+        "(rank 0 has not reported its figures)")
+    whole = dataclasses.replace(replica, kv_pages=0)
+    assert kv_pool(whole) is None
+    assert prompt_cache_line(whole.to_dict() | {"kv_pool": kv_pool(whole)}) == (
+        "prompt cache: 64 kept slot(s) (rank 0 has not reported its figures)")

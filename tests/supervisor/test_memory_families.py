@@ -3,7 +3,7 @@
 A checkpoint made by the repo's maker, one range loaded by a real torch-cpu and mlx-cpu
 stage: the weight bytes the stage holds (counted tensor by tensor, a tied table once) must
 equal `supervisor.memory`'s charge for that range, and its KV and recurrent state the
-charge for state. Also the checkpoint's own bytes, layer by layer, from its safetensors
+charge for state, whole windows or a pool of pages. Also the checkpoint's own bytes, layer by layer, from its safetensors
 headers: what the memory model charges per layer is what is on disk for it. The families:
 dense with and without a tied head, every dense model type, the Qwen3.5 hybrid in both
 layouts, odd shapes, and mlx-lm 4-bit checkpoints of both kinds.
@@ -11,6 +11,7 @@ layouts, odd shapes, and mlx-lm 4-bit checkpoints of both kinds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -71,11 +72,12 @@ def made(tmp_path_factory):
     return make
 
 
-def charged(model_dir: Path, backend: str, layers: tuple[int, int]):
+def charged(model_dir: Path, backend: str, layers: tuple[int, int],
+            execution: ExecutionShape = EXECUTION):
     raw = json.loads((model_dir / "config.json").read_text())
     dtype_bytes = RowFormat.of(ModelConfig.from_dict(raw)).itemsize
     shape = model_shape_from_config(raw, dtype_bytes, (backend,))
-    return stage_memory(shape, EXECUTION, layers, layers[0] == 0)
+    return stage_memory(shape, execution, layers, layers[0] == 0)
 
 
 def ranges(n_layers: int) -> list[tuple[int, int]]:
@@ -97,6 +99,24 @@ def test_a_stage_loads_exactly_the_bytes_placement_charges(made, case, backend):
         memory = charged(model_dir, backend, layers)
         assert stage.weights_nbytes == memory.weights_bytes + memory.rank0_extras_bytes, layers
         assert stage.state_nbytes == memory.kv_bytes + memory.state_bytes, layers
+
+
+@pytest.mark.parametrize("case", ["llama-untied", "qwen3-odd", "qwen3_5-untied"])
+def test_a_stage_in_a_pool_of_pages_holds_what_placement_charges(made, case):
+    """FLEET_KV_PAGES: a PyTorch stage's KV is its pool (2 pages here, fewer than its three
+    slots' whole windows), its recurrent states still one a slot. Only torch-cpu: an MLX
+    stage keeps a whole window a slot until its cache is in pages too."""
+    model_dir = made(case)
+    pooled = dataclasses.replace(EXECUTION, kv_pages=2)
+    n_layers = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text())
+                                     ).num_hidden_layers
+    for layers in ranges(n_layers):
+        stage = load_stage(StageSpec(model_dir, layers, "torch-cpu", pooled.slots,
+                                     pooled.context, pooled.chunk, kv_pages=pooled.kv_pages))
+        memory = charged(model_dir, "torch-cpu", layers, pooled)
+        assert stage.state_nbytes == memory.kv_bytes + memory.state_bytes, layers
+        assert memory.kv_bytes < charged(model_dir, "torch-cpu", layers).kv_bytes \
+            or memory.kv_bytes == 0, layers  # a DeltaNet-only range holds no KV
 
 
 def safetensors_sizes(model_dir: Path) -> dict[str, int]:
