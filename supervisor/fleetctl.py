@@ -221,8 +221,12 @@ def prompt_cache_line(r: dict[str, Any]) -> str:
     figures = r.get("prompt_cache")
     if not figures:
         return line + " (rank 0 has not reported its figures)"
-    return (line + f", {figures['held']} holding a conversation; {figures['hits']} hit(s), "
-            f"{figures['misses']} miss(es), {figures['reused_tokens']} token(s) reused")
+    line += (f", {figures['held']} holding a conversation; {figures['hits']} hit(s), "
+             f"{figures['misses']} miss(es), {figures['reused_tokens']} token(s) reused")
+    if pages := figures.get("kv_pages"):
+        line += (f"; {pages['in_use']} of {pages['pool']} KV pages in use, {pages['kept']} "
+                 "by kept conversations")
+    return line
 
 
 def render_plan(p: dict[str, Any]) -> Table:

@@ -73,6 +73,11 @@ def test_plan_and_status_show_the_pool_of_kv_pages():
     assert prompt_cache_line(shown) == (
         "prompt cache: 64 kept slot(s) in a KV pool of 32 pages (2048 positions) a stage "
         "(rank 0 has not reported its figures)")
+    reported = {"slots": 64, "held": 2, "hits": 1, "misses": 2, "reused_tokens": 300,
+                "stages": [], "kv_pages": {"pool": 32, "in_use": 9, "kept": 5}}
+    assert prompt_cache_line(shown | {"prompt_cache": reported}).endswith(
+        "2 holding a conversation; 1 hit(s), 2 miss(es), 300 token(s) reused; 9 of 32 KV "
+        "pages in use, 5 by kept conversations")
     whole = dataclasses.replace(replica, kv_pages=0)
     assert kv_pool(whole) is None
     assert prompt_cache_line(whole.to_dict() | {"kv_pool": kv_pool(whole)}) == (
