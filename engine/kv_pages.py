@@ -36,11 +36,20 @@ def pages_for(positions: int) -> int:
 
 
 class PageAllocator:
+    """Which pages each slot holds, and which are free.
+
+    A slot's next page is the one after its last where that is free, so a slot's pages are
+    consecutive wherever the pool lets them be: MLX then reads a slot as one slice instead
+    of gathering its pages (engine/backends/mlx/kv_cache.py), and any backend reads runs in
+    order. A slot that starts, or whose next page is taken, begins a new run in the middle
+    of the longest run of free pages (at its start where nothing precedes it), leaving the
+    slot before that run room to grow into it."""
+
     def __init__(self, slots: int, pages_a_slot: int, pages: int) -> None:
         self.pages_a_slot = pages_a_slot  # a slot's whole context
         self.pages = pages
         self.held: list[list[int]] = [[] for _ in range(slots)]
-        self.free = list(range(pages - 1, -1, -1))  # pop() hands out the lowest first
+        self.free = set(range(pages))
 
     @property
     def pages_in_use(self) -> int:
@@ -59,9 +68,23 @@ class PageAllocator:
             if not self.free:
                 raise PagesExhausted(f"slot {slot}: no KV page free for positions up to "
                                      f"{positions} (all {self.pages} in use)")
-            taken.append((len(held), self.free.pop()))
-            held.append(taken[-1][1])
+            page = held[-1] + 1 if held and held[-1] + 1 in self.free else self._run_start()
+            self.free.remove(page)
+            taken.append((len(held), page))
+            held.append(page)
         return taken
+
+    def _run_start(self) -> int:
+        """Where a new run of a slot's pages begins: the middle of the longest run of free
+        pages (the lowest such run), or its start where it begins the pool."""
+        free = sorted(self.free)
+        best_start, best_length, start = free[0], 0, free[0]
+        for before, page in zip(free, free[1:] + [-1], strict=True):
+            if page != before + 1:  # the run [start, before] ends here
+                if before + 1 - start > best_length:
+                    best_start, best_length = start, before + 1 - start
+                start = page
+        return best_start if best_start == 0 else best_start + best_length // 2
 
     def cover_round(self, layout: RowLayout) -> list[tuple[int, int, int]]:
         """Pages for every position a round's rows write, taken before any layer runs;
@@ -77,5 +100,5 @@ class PageAllocator:
     def release(self, slot: int) -> None:
         """Every page `slot` holds goes back to the pool; its table row is left as it was
         (a row past a slot's length reads stale, finite values that no attention weighs)."""
-        self.free.extend(reversed(self.held[slot]))
+        self.free.update(self.held[slot])
         self.held[slot] = []
