@@ -8,16 +8,16 @@ Three stages of the same model serve the same conversations, their decode rounds
 lockstep (bench/decode.py), so a busy machine's slow spells fall on all three alike:
 
 - `windows`: FLEET_KV_PAGES=0, a whole context a slot (on PyTorch a pool of that many
-  pages, each slot's in order);
-- `pool, in order`: a pool, each stream prompted alone, so its pages are consecutive
-  (on MLX read as one slice, as a window is);
-- `pool, scattered`: the same pool, every stream prompted in rounds of one page a slot
-  beside a stream that is not timed, so that no two of a stream's pages are neighbours
-  (on MLX gathered into one run every round: the price of a pool where conversations
-  grow side by side).
+  pages);
+- `pool`: a pool as large as the windows, every stream prompted beside the others and
+  beside one more that is not timed, a page a stream a round;
+- `tight pool`: the same, in a pool of exactly the pages those streams reach, so that
+  streams growing side by side run into each other's pages and go on elsewhere.
 
-The pool holds as many pages as the windows: what is measured is where pages lie, not
-how many there are.
+MLX reads a stream whose pages are consecutive as one slice, as a window, and gathers one
+whose pages are not every round (docs/mlx-backend.md); the `gathered` column counts the
+timed streams whose pages are not consecutive when the timing starts. PyTorch reads every
+stream through its page table either way.
 """
 
 from __future__ import annotations
@@ -33,30 +33,30 @@ from bench.common import checkpoint, table
 from bench.decode import Decoding, lockstep_steps, prompts
 from engine.kv_pages import PAGE_POSITIONS, pages_for
 
-LAYOUTS = ("windows", "pool, in order", "pool, scattered")
+LAYOUTS = ("windows", "pool", "tight pool")
 
 
 def open_streams(decodings: dict[str, Decoding], batch: int, prompt: int
                  ) -> dict[str, dict[int, int]]:
-    """Each decoding's `batch` conversations of `prompt` tokens, untimed, prompted as its
-    layout says; the scattered one's slot `batch` is prompted beside them and left open.
-    Returns each decoding's next tokens of slots [0, batch)."""
+    """Each decoding's `batch` conversations of `prompt` tokens and slot `batch`'s beside
+    them (left open, not timed), untimed, a page a slot a round. Returns each decoding's
+    next tokens of slots [0, batch)."""
     out = {}
     for layout, decoding in decodings.items():
-        vocab = decoding.driver.stage.config.vocab_size
-        if layout == "pool, scattered":
-            ids = prompts(batch + 1, prompt, vocab)
-            for start in range(0, prompt, PAGE_POSITIONS):
-                drawn = decoding.next_tokens({s: p[start:start + PAGE_POSITIONS]
-                                              for s, p in ids.items()})
-            out[layout] = {s: t for s, t in drawn.items() if s < batch}
-            continue
-        out[layout] = {}
-        for slot, ids in prompts(batch, prompt, vocab).items():
-            for start in range(0, prompt, 512):
-                drawn = decoding.next_tokens({slot: ids[start:start + 512]})
-            out[layout][slot] = drawn[slot]
+        ids = prompts(batch + 1, prompt, decoding.driver.stage.config.vocab_size)
+        for start in range(0, prompt, PAGE_POSITIONS):
+            drawn = decoding.next_tokens({s: p[start:start + PAGE_POSITIONS]
+                                          for s, p in ids.items()})
+        out[layout] = {s: t for s, t in drawn.items() if s < batch}
     return out
+
+
+def gathered(decoding: Decoding, batch: int) -> int:
+    """Timed streams whose pages are not consecutive (MLX gathers them every round)."""
+    cache = decoding.driver.stage.model.cache
+    pages = getattr(cache, "kv", cache).pages  # a hybrid's attention layers'
+    return sum(held != list(range(held[0], held[0] + len(held)))
+               for held in pages.held[:batch])
 
 
 def main() -> int:
@@ -72,27 +72,29 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = checkpoint(args.model, args.preset)
     context = args.prompt + args.steps * (args.repeats + 1) + 1
-    slots = max(batches) + 1  # the scattered streams' neighbour takes one
-    pool = slots * pages_for(context)
-    decodings = {layout: Decoding(model_dir, args.backend, slots, context, 512,
-                                  kv_pages=0 if layout == "windows" else pool)
-                 for layout in LAYOUTS}
+    slots = max(batches) + 1  # the streams' untimed neighbour takes one
+    pool = {"windows": 0, "pool": slots * pages_for(context)}
     rows = []
     for batch in batches:
+        # the tight pool: the pages every stream reaches by the last timed round
+        pool["tight pool"] = (batch + 1) * pages_for(context)
+        decodings = {layout: Decoding(model_dir, args.backend, slots, context, 512,
+                                      kv_pages=pool[layout]) for layout in LAYOUTS}
         tokens = open_streams(decodings, batch, args.prompt)
+        scattered = {layout: gathered(d, batch) for layout, d in decodings.items()
+                     if layout != "windows"}
         lockstep_steps(decodings, tokens, args.steps)  # warm-up
         passes = [lockstep_steps(decodings, tokens, args.steps) for _ in range(args.repeats)]
-        for decoding in decodings.values():
-            decoding.driver.close(list(range(slots)))
-            decoding.driver.drop(list(range(slots)))
+        del decodings
         ms = {layout: statistics.median(p[layout] for p in passes) for layout in LAYOUTS}
         for layout in LAYOUTS:
-            rows.append([args.backend, batch, args.prompt, layout, ms[layout],
-                         ms[layout] / ms["windows"]])
+            rows.append([args.backend, batch, args.prompt, layout,
+                         scattered.get(layout, "-"), ms[layout], ms[layout] / ms["windows"]])
         print(f"# batch {batch}: {ms}", flush=True)
     table(f"decode rounds by KV layout ({model_dir.name}, {args.prompt}-token conversations, "
           f"median of {args.repeats} passes of {args.steps} rounds)",
-          ["backend", "streams", "conversation", "KV", "ms/round", "/ windows"], rows)
+          ["backend", "streams", "conversation", "KV", "gathered", "ms/round", "/ windows"],
+          rows)
     return 0
 
 
