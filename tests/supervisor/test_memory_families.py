@@ -101,21 +101,22 @@ def test_a_stage_loads_exactly_the_bytes_placement_charges(made, case, backend):
         assert stage.state_nbytes == memory.kv_bytes + memory.state_bytes, layers
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["llama-untied", "qwen3-odd", "qwen3_5-untied"])
-def test_a_stage_in_a_pool_of_pages_holds_what_placement_charges(made, case):
-    """FLEET_KV_PAGES: a PyTorch stage's KV is its pool (2 pages here, fewer than its three
-    slots' whole windows), its recurrent states still one a slot. Only torch-cpu: an MLX
-    stage keeps a whole window a slot until its cache is in pages too."""
+def test_a_stage_in_a_pool_of_pages_holds_what_placement_charges(made, case, backend):
+    """FLEET_KV_PAGES: a stage's KV is its pool (2 pages here, fewer than its three slots'
+    whole windows), its recurrent states still one a slot, on either backend."""
+    needs_backend(backend)
     model_dir = made(case)
     pooled = dataclasses.replace(EXECUTION, kv_pages=2)
     n_layers = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text())
                                      ).num_hidden_layers
     for layers in ranges(n_layers):
-        stage = load_stage(StageSpec(model_dir, layers, "torch-cpu", pooled.slots,
+        stage = load_stage(StageSpec(model_dir, layers, backend, pooled.slots,
                                      pooled.context, pooled.chunk, kv_pages=pooled.kv_pages))
-        memory = charged(model_dir, "torch-cpu", layers, pooled)
+        memory = charged(model_dir, backend, layers, pooled)
         assert stage.state_nbytes == memory.kv_bytes + memory.state_bytes, layers
-        assert memory.kv_bytes < charged(model_dir, "torch-cpu", layers).kv_bytes \
+        assert memory.kv_bytes < charged(model_dir, backend, layers).kv_bytes \
             or memory.kv_bytes == 0, layers  # a DeltaNet-only range holds no KV
 
 
