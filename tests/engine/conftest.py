@@ -70,13 +70,13 @@ def poison_torch_kv_past(cache, start: int) -> None:
     A slot's pages are taken as its rows arrive, so the fault follows them: every time the
     cache covers a round, each page it holds past `start` is NaN from there on, and every
     column of a slot's table row at or past `start` that holds no page points at a spare
-    page of NaN (the pool's last, which a short conversation never takes: pages go lowest
-    first). A read of those positions, even under a mask, poisons the output (0 x NaN is
+    page of NaN (the pool's last, taken out of the free pages so that no slot takes it).
+    A read of those positions, even under a mask, poisons the output (0 x NaN is
     NaN); the positions below `start` that a slot holds no page for read page 0, finite,
     as a real stage's stale pages are."""
     from engine.kv_pages import PAGE_POSITIONS
 
-    spare = cache.pages.free[0]
+    spare = max(cache.pages.free)
     cache.pages.free.remove(spare)
     for pool in (cache.k, cache.v):
         pool[:, spare] = float("nan")
