@@ -10,6 +10,7 @@
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
 # round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
 # verify-mtp (the MTP head's round at that shape against a plain round),
+# exactness-modes (a ring against one process, each path off in turn),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
@@ -134,6 +135,9 @@ for what in "$@"; do
       || FLEET_COMPILE=off step test_cuda_exactness_eager 150 python3 -m pytest -q -x \
         --tb=short -p no:cacheprovider -rs tests/pipeline/test_cuda_exactness.py \
         -k "llama and float32" ;;
+    exactness-modes)  # a ring against one process with graphs, then the compiled step, off
+      step test_cuda_exactness_modes 300 python3 -m pytest -q --tb=short -p no:cacheprovider \
+        -rs tests/pipeline/test_cuda_exactness_modes.py ;;
     hybrid) step hybrid 300 python3 bench/qwen3_5_decode.py --layers 8 ;;
     verify)  # speculative rounds: exactness on CUDA, and their cost against a decode round
       step test_drafting 150 python3 -m pytest -q -x -p no:cacheprovider -rs \

@@ -61,3 +61,18 @@ def greedy_trace(runner, model_dir: Path, prompts: list[list[int]], *, steps: in
     asyncio.run(go())
     host.close()
     return rounds
+
+
+def first_difference(got, expected) -> str | None:
+    """Where two traces' logits first differ: the round, whether it ran prompt rows or only
+    decode rows, how many rounds differ and the largest difference; None: none differ."""
+    differ = [i for i, ((_, a), (_, b)) in enumerate(zip(got, expected, strict=True)) if a != b]
+    if not differ:
+        return None
+    plan = expected[differ[0]][0]
+    kind = "decode" if all(e.rows <= 1 for e in plan.entries) else "prompt"
+    largest = max(float(np.abs(np.frombuffer(got[i][1], np.float32)
+                               - np.frombuffer(expected[i][1], np.float32)).max())
+                  for i in differ)
+    return (f"{len(differ)} of {len(expected)} rounds differ, first round {differ[0]} "
+            f"({kind}); largest |difference| {largest:.3g}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.harness.local_pipeline import whole_runner
-from tests.pipeline.conftest import greedy_trace, pipeline
+from tests.pipeline.conftest import first_difference, greedy_trace, pipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -24,4 +24,4 @@ def test_cuda_pipeline_logits_equal_one_cuda_process(make_model, tmp_path, famil
                   chunk=64, rank_env=devices) as runner:
         got = greedy_trace(runner, model_dir, prompts, steps=32, chunk=64)
     assert [p for p, _ in got] == [p for p, _ in expected]
-    assert all(a == b for (_, a), (_, b) in zip(got, expected, strict=True))
+    assert first_difference(got, expected) is None, first_difference(got, expected)
