@@ -93,20 +93,20 @@ class SlotTable:
         """
         for entry in plan.entries:
             self._check(entry)
+        advanced = {e.stream_id: self._advanced(e) for e in plan.entries}
         if self.pages:
-            self._check_pages(plan)
-        for entry in plan.entries:
-            self._advance(entry)
+            self._check_pages(plan.round_no, advanced)
+        for stream_id, slot in advanced.items():
+            self.slots[stream_id] = slot
 
     def pages_held(self) -> int:
         """KV pages every slot's state holds, open or kept."""
         return sum(s.pages for s in self.slots)
 
-    def _check_pages(self, plan: RoundPlan) -> None:
-        held = {e.stream_id: _pages_after(self.slots[e.stream_id], e) for e in plan.entries}
-        needed = sum(held.get(i, s.pages) for i, s in enumerate(self.slots))
+    def _check_pages(self, round_no: int, advanced: dict[int, Slot]) -> None:
+        needed = sum(advanced.get(i, s).pages for i, s in enumerate(self.slots))
         if needed > self.pages:
-            raise BadEntry(f"round {plan.round_no}: its slots would hold {needed} KV pages, "
+            raise BadEntry(f"round {round_no}: its slots would hold {needed} KV pages, "
                            f"past this stage's pool of {self.pages}")
 
     def _check(self, e: StreamEntry) -> None:
@@ -179,16 +179,14 @@ class SlotTable:
             raise BadEntry(f"{where}, but this stage saved that slot's recurrent (Gated "
                            f"DeltaNet) state {saved}")
 
-    def _advance(self, e: StreamEntry) -> None:
+    def _advanced(self, e: StreamEntry) -> Slot:
+        """The state entry `e` leaves its slot in (the table is not changed)."""
         slot = self.slots[e.stream_id]
         if e.op == Op.CLOSE:  # its state stays for a RESUME, until the slot opens again
-            self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1,
-                                           kept=slot.offset, snapshot=slot.snapshot,
-                                           pages=slot.pages)
-            return
+            return Slot(open=False, generation=slot.generation + 1, kept=slot.offset,
+                        snapshot=slot.snapshot, pages=slot.pages)
         if e.op == Op.CANCEL:  # abandoned, or a kept state dropped: nothing of it is kept
-            self.slots[e.stream_id] = Slot(open=False, generation=slot.generation + 1)
-            return
+            return Slot(open=False, generation=slot.generation + 1)
         if e.op == Op.OPEN:
             slot = Slot(open=True, generation=0)
         elif e.op == Op.RESUME:  # a restore advances the generation (RFC 6.2)
@@ -198,9 +196,8 @@ class SlotTable:
             slot = replace(slot, generation=slot.generation + 1)
         if self.saves_snapshot(e):
             slot = replace(slot, snapshot=e.end)
-        self.slots[e.stream_id] = replace(slot, offset=e.end, last_rows=e.rows,
-                                          last_verified=e.verifies,
-                                          pages=max(slot.pages, pages_for(e.end)))
+        return replace(slot, offset=e.end, last_rows=e.rows, last_verified=e.verifies,
+                       pages=max(slot.pages, pages_for(e.end)))
 
     def saves_snapshot(self, e: StreamEntry) -> bool:
         """Whether a hybrid saves this entry's slot's recurrent state once its rows ran: a
@@ -221,12 +218,3 @@ class SlotTable:
         return (not self.can_roll_back and e.op == Op.CONTINUE and slot.last_verified
                 and e.accepted < slot.last_rows)
 
-
-def _pages_after(slot: Slot, e: StreamEntry) -> int:
-    """The KV pages `slot` holds once entry `e` ran (`SlotTable._advance`'s rule)."""
-    if e.op == Op.CANCEL:
-        return 0
-    if e.op == Op.CLOSE:
-        return slot.pages
-    before = 0 if e.op == Op.OPEN else slot.pages
-    return max(before, pages_for(e.end))
