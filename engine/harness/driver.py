@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.backends.base import Stage
-from engine.pipeline.round_builder import BuiltRound, Lane, RoundInputs, build_round
+from engine.pipeline.round_builder import DROP_KEPT, BuiltRound, Lane, RoundInputs, build_round
 from engine.pipeline.runner import RoundRunner
 from engine.rounds import Op
 from engine.sampling import RowDraw, SampledRows, SamplingBatch, SamplingParams
@@ -78,14 +78,15 @@ class RoundDriver:
         return list(last_rows), self.runner.sample_round(built.plan, built.token_ids, batch)
 
     def close(self, slots: list[int]) -> None:
-        built = self._build({slot: Lane((), 0, ending=Op.CLOSE) for slot in slots})
-        if built.plan is not None:
-            self.runner.run_round(built.plan, ())
+        self._end(slots, Lane((), 0, ending=Op.CLOSE))
 
     def drop(self, slots: list[int]) -> None:
         """CANCELs that drop closed slots' kept states, as rank 0's page ledger sends them."""
-        built = self._build({slot: Lane((), 0, ending=Op.CANCEL, drops_kept=True)
-                             for slot in slots})
+        self._end(slots, DROP_KEPT)
+
+    def _end(self, slots: list[int], ending: Lane) -> None:
+        """A round of `ending` (a lane without rows) for each of `slots`."""
+        built = self._build(dict.fromkeys(slots, ending))
         if built.plan is not None:
             self.runner.run_round(built.plan, ())
 

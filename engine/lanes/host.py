@@ -50,6 +50,7 @@ from engine.lanes.prompt_cache import (
 from engine.lanes.sampler import Sampler
 from engine.lanes.text import TextCodec, TextStream
 from engine.pipeline.round_builder import (
+    DROP_KEPT,
     BuiltRound,
     Lane,
     RoundInputs,
@@ -288,19 +289,21 @@ class LaneHost:
     def slots_in_use(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    def slots_kept(self) -> int:
+    def _kept_slots(self) -> list[int]:
         """Closed slots whose state holds a conversation a later request may resume."""
-        return sum(s is None and k is not None for s, k in zip(self.slots, self.kept))
+        return [i for i, (s, k) in enumerate(zip(self.slots, self.kept))
+                if s is None and k is not None]
+
+    def slots_kept(self) -> int:
+        return len(self._kept_slots())
 
     def pages_in_use(self) -> int:
         """KV pages every stage holds for the slots, open or kept (engine.kv_pages)."""
-        return sum(slot.pages for slot in self.runner.slots.slots)
+        return self.runner.slots.pages_held()
 
     def pages_kept(self) -> int:
         """KV pages the kept conversations hold."""
-        table = self.runner.slots.slots
-        return sum(table[i].pages for i, (s, k) in enumerate(zip(self.slots, self.kept))
-                   if s is None and k is not None)
+        return sum(self.runner.slots.slots[i].pages for i in self._kept_slots())
 
     def submit(self, request: GenerationRequest) -> Stream:
         if self.failure:
@@ -621,10 +624,9 @@ class LaneHost:
         # Groups of decode rows, one per stage, to keep every stage busy.
         decoding = sum(s is not None and s.decoding for s in self.slots)
         decode_rows = decode_rows_per_round(decoding, self.depth)
-        dropping = Lane((), 0, ending=Op.CANCEL, drops_kept=True)
         return RoundInputs(
             round_no=self.round_no + 1,
-            lanes=tuple(dropping if i in self.dropping else None if s is None
+            lanes=tuple(DROP_KEPT if i in self.dropping else None if s is None
                         else s.lane(self.chunk) for i, s in enumerate(self.slots)),
             slots=self.runner.slots.snapshot(), chunk=self.chunk,
             decode_rows=decode_rows)  # waiters were placed already (_admit_waiting)

@@ -44,6 +44,10 @@ class Lane:
             raise ValueError(f"a lane ends with CLOSE or CANCEL, not {self.ending.name}")
 
 
+# A closed slot's kept state dropped (rank 0's page ledger frees its pages): no rows.
+DROP_KEPT = Lane((), 0, ending=Op.CANCEL, drops_kept=True)
+
+
 @dataclass(frozen=True)
 class RoundInputs:
     """Everything a round is decided from, frozen at one moment."""
