@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import checkpoint, table
 from bench.decode import Decoding, lockstep_steps, prompts
-from engine.kv_pages import PAGE_POSITIONS, pages_for
+from engine.kv_pages import PAGE_POSITIONS, consecutive, pages_for
 
 LAYOUTS = ("windows", "pool", "tight pool")
 
@@ -55,8 +55,7 @@ def gathered(decoding: Decoding, batch: int) -> int:
     """Timed streams whose pages are not consecutive (MLX gathers them every round)."""
     cache = decoding.driver.stage.model.cache
     pages = getattr(cache, "kv", cache).pages  # a hybrid's attention layers'
-    return sum(held != list(range(held[0], held[0] + len(held)))
-               for held in pages.held[:batch])
+    return sum(not consecutive(held) for held in pages.held[:batch])
 
 
 def main() -> int:

@@ -29,21 +29,11 @@ from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import n_layers, table
-from engine.checkpoint.maker import PRESETS, make_checkpoint
+from bench.common import checkpoint, n_layers, table
 from engine.harness.launch import even_stages, launch
 from engine.kv_pages import PAGE_POSITIONS, pages_for
 
-ROOT = Path(__file__).resolve().parent.parent
 CONTEXT, CHUNK = 4096, 256
-
-
-def model() -> Path:
-    out = ROOT / "build" / "bench-page-admission"
-    if not (out / "config.json").exists():
-        print(f"# making the checkpoint in {out}", flush=True)
-        make_checkpoint(out, PRESETS["demo"], overwrite=True)
-    return out
 
 
 async def serve_all(url: str, requests: int, max_tokens: int) -> tuple[float, int, int, int]:
@@ -81,7 +71,7 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=2, help="whole windows' memory a stage")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    model_dir = model()
+    model_dir = checkpoint(None, "demo")
     pool = args.windows * pages_for(CONTEXT)
     cases = {"whole windows": (args.windows, {}),
              "a pool of pages": (args.requests, {"FLEET_KV_PAGES": str(pool)})}

@@ -35,6 +35,11 @@ def pages_for(positions: int) -> int:
     return -(-positions // PAGE_POSITIONS)
 
 
+def consecutive(pages: list[int]) -> bool:
+    """Whether `pages` (at least one) follow each other: one run of the pool."""
+    return pages == list(range(pages[0], pages[0] + len(pages)))
+
+
 class PageAllocator:
     """Which pages each slot holds, and which are free.
 
@@ -45,11 +50,14 @@ class PageAllocator:
     of the longest run of free pages (at its start where nothing precedes it), leaving the
     slot before that run room to grow into it."""
 
-    def __init__(self, slots: int, pages_a_slot: int, pages: int) -> None:
+    def __init__(self, slots: int, pages_a_slot: int, pages: int = 0) -> None:
         self.pages_a_slot = pages_a_slot  # a slot's whole context
-        self.pages = pages
+        # The pool (FLEET_KV_PAGES); 0, or more than every slot's whole context, which no
+        # table can ever hold: that many.
+        whole = slots * pages_a_slot
+        self.pages = min(pages, whole) if pages else whole
         self.held: list[list[int]] = [[] for _ in range(slots)]
-        self.free = set(range(pages))
+        self.free = set(range(self.pages))
 
     @property
     def pages_in_use(self) -> int:

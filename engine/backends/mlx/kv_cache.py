@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.kv_pages import PAGE_POSITIONS, PageAllocator, pages_for
+from engine.kv_pages import PAGE_POSITIONS, PageAllocator, consecutive, pages_for
 from engine.rounds import RowLayout
 
 
@@ -199,7 +199,7 @@ class PagedKVCache(KVCache):
     def __init__(self, layers: int, slots: int, kv_heads: int, context: int, head_dim: int,
                  dtype: mx.Dtype, pages: int) -> None:
         pages_a_slot = pages_for(context)
-        self.pages = PageAllocator(slots, pages_a_slot, min(pages, slots * pages_a_slot))
+        self.pages = PageAllocator(slots, pages_a_slot, pages)
         shape = (kv_heads, self.pages.pages * PAGE_POSITIONS, head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(layers)]
@@ -243,10 +243,9 @@ class PagedKVCache(KVCache):
     def _slot_keys(self, layer: int, slot: int, keys: int) -> tuple[mx.array, mx.array]:
         if (slot, keys) not in self.runs:
             held = self._pages(slot, keys)
-            consecutive = held == list(range(held[0], held[0] + len(held)))
             self.runs[slot, keys] = (
-                slice(held[0] * PAGE_POSITIONS, held[0] * PAGE_POSITIONS + keys) if consecutive
-                else mx.array([held], dtype=mx.int32))
+                slice(held[0] * PAGE_POSITIONS, held[0] * PAGE_POSITIONS + keys)
+                if consecutive(held) else mx.array([held], dtype=mx.int32))
         run = self.runs[slot, keys]
         if isinstance(run, slice):
             return self.k[layer][None, :, run], self.v[layer][None, :, run]
@@ -279,7 +278,6 @@ def _as_run(positions: list[int]) -> slice | mx.array:
     pages, the common case), else as an index array."""
     if not positions:
         return slice(0, 0)
-    first = positions[0]
-    if positions == list(range(first, first + len(positions))):
-        return slice(first, first + len(positions))
+    if consecutive(positions):
+        return slice(positions[0], positions[0] + len(positions))
     return mx.array(positions, dtype=mx.int32)

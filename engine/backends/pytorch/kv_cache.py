@@ -305,8 +305,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device, pages: int = 0) -> None:
         self.positions = allocated_positions(context)  # what a slot can hold, aligned
         pages_a_slot = self.positions // PAGE_POSITIONS
-        whole = slots * pages_a_slot  # more than this no table can ever hold
-        self.pages = PageAllocator(slots, pages_a_slot, min(pages, whole) if pages else whole)
+        self.pages = PageAllocator(slots, pages_a_slot, pages)
         shape = (layers, self.pages.pages, kv_heads, PAGE_POSITIONS, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
