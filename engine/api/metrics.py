@@ -24,14 +24,14 @@ class CacheStage:
     layer_range: tuple[int, int]
     slot_bytes: int  # one slot's state with a whole window of KV (engine.families)
     position_bytes: int = 0  # its KV of one position, which a pool holds a page at a time
+    not_kv_bytes: int = 0  # the rest of a slot's state (a hybrid's recurrent states)
 
-    def held_bytes(self, slots: int, pages: int | None, context: int) -> int:
+    def held_bytes(self, slots: int, pages: int | None) -> int:
         """What `slots` kept conversations take here: whole slots, or under a KV pool the
         `pages` they hold beside each slot's state that is not KV."""
         if pages is None:
             return slots * self.slot_bytes
-        not_kv = self.slot_bytes - context * self.position_bytes
-        return slots * not_kv + pages * PAGE_POSITIONS * self.position_bytes
+        return slots * self.not_kv_bytes + pages * PAGE_POSITIONS * self.position_bytes
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,6 @@ class KvPool:
     the same pages for the same slots (engine.slots)."""
 
     pages: int  # the pool, on every stage
-    context: int  # positions a slot's whole window holds
     in_use: Callable[[], int]  # pages the slots hold, open or kept
     kept: Callable[[], int]  # pages the kept conversations hold
 
@@ -112,9 +111,7 @@ class EngineMetrics:
 
     def held_bytes(self, stage: CacheStage) -> int:
         """Bytes of `stage`'s state that hold kept conversations."""
-        if self.pool is None:
-            return stage.held_bytes(self.cache_held(), None, 0)
-        return stage.held_bytes(self.cache_held(), self.pool.kept(), self.pool.context)
+        return stage.held_bytes(self.cache_held(), None if self.pool is None else self.pool.kept())
 
     def token(self, *, first: bool, since_s: float) -> None:
         self.generated_tokens.inc()

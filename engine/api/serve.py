@@ -69,7 +69,7 @@ def cache_stages(env: EngineEnv, config: ModelConfig) -> tuple[CacheStage, ...]:
         return slot_state_bytes(config, layers, positions, itemsize, drafts(env.drafter))
 
     return tuple(CacheStage(rank, layers, slot_bytes(layers, env.context),
-                            slot_bytes(layers, 1) - slot_bytes(layers, 0))
+                            slot_bytes(layers, 1) - slot_bytes(layers, 0), slot_bytes(layers, 0))
                  for rank, layers in enumerate(layout))
 
 
@@ -101,7 +101,7 @@ async def _serve(env: EngineEnv, runner: RoundRunner, codec: TextCodec,
               "mtp": DraftPolicy(None, env.draft_tokens)}.get(env.drafter)
     host = LaneHost(runner, codec, chunk=env.chunk, max_waiting=env.max_waiting,
                     streams=env.parallel, drafts=drafts)
-    pool = (KvPool(host.ledger.pool, env.context, host.pages_in_use, host.pages_kept)
+    pool = (KvPool(host.ledger.pool, host.pages_in_use, host.pages_kept)
             if host.ledger is not None else None)
     host.metrics = EngineMetrics(host.slots_in_use, lambda: len(host.waiting),
                                  host.slots_kept, cache_stages(env, config),
