@@ -3,6 +3,7 @@ slot, side by side in one run.
 
     python bench/kv_pool.py --backend mlx-cpu --prompt 8000 --batches 1,4
     python bench/kv_pool.py --backend torch-cpu --prompt 8000 --batches 1,4
+    python bench/kv_pool.py --backend mlx-cpu --context 32768 --prompt 2000 --batches 4
 
 Three stages of the same model serve the same conversations, their decode rounds timed in
 lockstep (bench/decode.py), so a busy machine's slow spells fall on all three alike:
@@ -65,18 +66,21 @@ def main() -> int:
     parser.add_argument("--backend", default="mlx-cpu")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--prompt", type=int, default=8000, help="conversation tokens")
+    parser.add_argument("--context", type=int, default=0,
+                        help="the configured context (FLEET_CONTEXT); default: the conversation's")
     parser.add_argument("--steps", type=int, default=16, help="decode rounds a pass")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes a stream count")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = checkpoint(args.model, args.preset)
-    context = args.prompt + args.steps * (args.repeats + 1) + 1
+    reach = args.prompt + args.steps * (args.repeats + 1) + 1  # positions a stream reaches
+    context = max(args.context, reach)
     slots = max(batches) + 1  # the streams' untimed neighbour takes one
     pool = {"windows": 0, "pool": slots * pages_for(context)}
     rows = []
     for batch in batches:
         # the tight pool: the pages every stream reaches by the last timed round
-        pool["tight pool"] = (batch + 1) * pages_for(context)
+        pool["tight pool"] = (batch + 1) * pages_for(reach)
         decodings = {layout: Decoding(model_dir, args.backend, slots, context, 512,
                                       kv_pages=pool[layout]) for layout in LAYOUTS}
         tokens = open_streams(decodings, batch, args.prompt)
@@ -90,7 +94,8 @@ def main() -> int:
             rows.append([args.backend, batch, args.prompt, layout,
                          scattered.get(layout, "-"), ms[layout], ms[layout] / ms["windows"]])
         print(f"# batch {batch}: {ms}", flush=True)
-    table(f"decode rounds by KV layout ({model_dir.name}, {args.prompt}-token conversations, "
+    table(f"decode rounds by KV layout ({model_dir.name}, context {context}, "
+          f"{args.prompt}-token conversations, "
           f"median of {args.repeats} passes of {args.steps} rounds)",
           ["backend", "streams", "conversation", "KV", "gathered", "ms/round", "/ windows"],
           rows)
