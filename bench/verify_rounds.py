@@ -9,10 +9,11 @@
 A speculative round (docs/drafting.md) runs each stream's newest token and k drafts as one
 entry of k + 1 rows, and the head scores all of them; on memory-bound hardware those rows
 should cost little more than one. For each stream count and k it prints ms a round (the
-stage's layers, the head over every returned row, the logits to the host, as the lane
-host's rounds go) and the ratio to a plain round of one row a stream, whose decode is
-replayed as CUDA graphs where the device has them; `--no-graphs` times both eagerly. The
-break-even acceptance (each time is the median round's): a verify round of ratio r pays once it hands out more than r tokens
+stage's layers, the head over every returned row, each row drawn greedily on the head's
+device with only its token id to the host, as the lane host's rounds go) and the ratio to
+a plain round of one row a stream, whose decode is replayed as CUDA graphs where the
+device has them; `--no-graphs` times both eagerly. The break-even acceptance (each time is
+the median round's): a verify round of ratio r pays once it hands out more than r tokens
 (1 + accepted drafts) a round. Conversations are `--prompt` tokens long, in a context of
 `--context` positions.
 
@@ -222,10 +223,12 @@ def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: 
     feeds = {s: rng.integers(3, vocab, rows).tolist() for s in slots}
     for _ in range(3):  # captures, compiles, warm-up
         driver.round(feeds)
-    ms = median_round_ms(lambda: driver.round(feeds), rounds, sync)
+    # Every returned row drawn on the head's device, as the lane host judges drafts: only
+    # token ids reach the host, not a vocabulary of logits a row.
+    one_round = partial(driver.sampled_round, feeds, every_row=True)
+    ms = median_round_ms(one_round, rounds, sync)
     if profile:
-        print_profile(lambda: driver.round(feeds), f"{streams} streams, {rows} rows each",
-                      sync)
+        print_profile(one_round, f"{streams} streams, {rows} rows each", sync)
     driver.close(slots)
     return ms
 

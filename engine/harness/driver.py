@@ -61,21 +61,25 @@ class RoundDriver:
                                                              strict=True)}
 
     def sampled_round(self, feeds: dict[int, list[int]], *, draw: bool = True,
+                      every_row: bool = False,
                       keep_hidden: bool = False) -> tuple[list[int], SampledRows]:
         """As `greedy_round`, the round's SampledRows and the slots drawn, in their order:
         each slot's last row drawn greedily, or none where not `draw` (a mid-prompt chunk,
-        as the lane host runs it); `keep_hidden`: every row of the round kept, normed, for
-        a draft head (SamplingBatch.keep_hidden)."""
+        as the lane host runs it); `every_row`: each slot's every returned row drawn, as a
+        verify round judges its drafts (its slots listed once a draw); `keep_hidden`: every
+        row of the round kept, normed, for a draft head (SamplingBatch.keep_hidden)."""
         states = self.slots.snapshot()
         built = self._build({slot: Lane(tuple(ids), states[slot].offset)
                              for slot, ids in feeds.items()})
         if built.plan is None:
             return [], SampledRows.empty()
-        last_rows = {stream: rows[-1]
-                     for stream, rows in built.plan.returned_by_stream().items()} if draw else {}
-        batch = SamplingBatch.of([RowDraw(row, GREEDY, 0.0) for row in last_rows.values()],
+        returned = built.plan.returned_by_stream().items() if draw else ()
+        drawn = [(stream, row) for stream, rows in returned
+                 for row in (rows if every_row else rows[-1:])]
+        batch = SamplingBatch.of([RowDraw(row, GREEDY, 0.0) for _, row in drawn],
                                  keep_hidden=keep_hidden)
-        return list(last_rows), self.runner.sample_round(built.plan, built.token_ids, batch)
+        return ([stream for stream, _ in drawn],
+                self.runner.sample_round(built.plan, built.token_ids, batch))
 
     def close(self, slots: list[int]) -> None:
         self._end(slots, Lane((), 0, ending=Op.CLOSE))
