@@ -16,6 +16,12 @@ streaming:
 Time to first token is the wait for the first streamed token, the median of `--repeats`
 conversations (each a different history, so turn 1 never hits). The issue's goal reads
 `turn 2 <= 10 % of turn 1 + own`, printed as `(turn 2 - own) / turn 1`.
+
+"own" runs its rows at the start of a conversation, where they attend to nothing before
+them; turn 2 runs the same number after the whole history. `--by-offset` shows what that
+difference is worth on each backend: one process, the whole model (dense), a prompt of
+`--offset-tokens` run chunk by chunk, ms a chunk by its offset, ours on every backend of
+`--rings` and, for MLX, mlx-lm's model over its own KV cache beside it.
 """
 
 from __future__ import annotations
@@ -126,6 +132,56 @@ def measure(ring: list[str], kind: str, histories: list[int], args) -> list[list
     return rows
 
 
+def chunk_ms_by_offset(backend: str, tokens: int, chunk: int, context: int) -> list[float]:
+    """ms each `chunk`-row prompt chunk of one `tokens`-token prompt takes, in order, on a
+    whole dense model in this process (the second of two prompts: the first warms up)."""
+    from engine.harness.driver import RoundDriver
+    from engine.harness.local_pipeline import whole_runner
+
+    driver = RoundDriver(whole_runner(model("dense"), backend=backend, parallel=2,
+                                      context=context, chunk=chunk))
+    ids = np.random.default_rng(0).integers(10, 1000, tokens).tolist()
+    for slot in (0, 1):
+        times = []
+        for first in range(0, tokens, chunk):
+            started = time.perf_counter()
+            driver.greedy_round({slot: ids[first:first + chunk]})
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def mlx_lm_chunk_ms_by_offset(tokens: int, chunk: int) -> list[float]:
+    """The same with mlx-lm's own model and KV cache (the reference we did not write)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm, _ = load(str(model("dense")))
+    ids = mx.array(np.random.default_rng(0).integers(10, 1000, tokens))[None]
+    for _ in range(2):
+        cache, times = make_prompt_cache(lm), []
+        for first in range(0, tokens, chunk):
+            started = time.perf_counter()
+            mx.eval(lm(ids[:, first:first + chunk], cache=cache)[:, -1].argmax(-1))
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def by_offset(args) -> None:
+    backends = sorted({b for ring in args.rings.split(";") for b in ring.split(",")})
+    rows = []
+    for backend in backends:
+        rows.append([f"ours, {backend}",
+                     *chunk_ms_by_offset(backend, args.offset_tokens, args.chunk,
+                                         args.context)])
+        if backend.startswith("mlx"):
+            rows.append(["mlx-lm", *mlx_lm_chunk_ms_by_offset(args.offset_tokens, args.chunk)])
+    offsets = list(range(0, args.offset_tokens, args.chunk))
+    table(f"a {args.chunk}-row prompt chunk by its offset, the whole dense model in one "
+          "process (ms)", ["", *(f"at {o:,}" for o in offsets)],
+          [[r[0], *(f"{ms:.0f}" for ms in r[1:])] for r in rows])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--histories", default="2000,8000")
@@ -139,7 +195,13 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--prompt-cache-slots", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--by-offset", action="store_true",
+                        help="a prompt chunk's ms by its offset, in one process, instead")
+    parser.add_argument("--offset-tokens", type=int, default=2048)
     args = parser.parse_args()
+    if args.by_offset:
+        by_offset(args)
+        return 0
     histories = [int(h) for h in args.histories.split(",")]
     rows = []
     for ring in args.rings.split(";"):
