@@ -86,6 +86,15 @@ def inductor_cache_dir() -> Path:
 def _prepare() -> None:
     # Inductor reads the variable each time it looks for a cached kernel.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+    # Where a kernel has several launch configurations whose sums run in different orders
+    # (a norm's reduction split one way or another), Inductor would time them on the
+    # device and keep the fastest: a choice by the clock, so two processes compiling the
+    # same step (a ring's stages, one process beside them) could keep different ones and
+    # round differently. The deterministic mode chooses without timing where numerics
+    # depend on it (RFC section 5: the same bits per placement).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
 
