@@ -38,14 +38,17 @@ def test_released_pages_are_taken_again_and_a_slot_never_passes_its_context():
         pages.cover(0, 2 * PAGE_POSITIONS + 1)
 
 
-@pytest.mark.parametrize(("backend", "family"), [
-    ("torch-cpu", "qwen3"), ("mlx-cpu", "qwen3"), ("mlx-cpu", "qwen3_5")])
-def test_scattered_pages_give_the_bytes_of_whole_windows(make_model, backend, family):
+@pytest.mark.parametrize(("backend", "family", "dtype"), [
+    ("torch-cpu", "qwen3", "float32"), ("torch-cpu", "qwen3_5", "bfloat16"),
+    ("mlx-cpu", "qwen3", "float32"), ("mlx-cpu", "qwen3_5", "float32")])
+def test_scattered_pages_give_the_bytes_of_whole_windows(make_model, backend, family, dtype):
     """In a pool of one window's 8 pages, slot 0's prompt runs into the page slot 1 took
-    and goes on in pages further on: its pages are not consecutive (PyTorch reads them
-    through the table, MLX gathers them instead of reading one slice). Every round's logits
-    are the bytes of a stage holding a whole window a slot."""
-    model_dir = make_model(family, seed=12)
+    and goes on in pages further on: its pages are not consecutive (both backends gather
+    them, where whole windows are read from one run: a view copied once on a PyTorch CPU
+    stage, widened where it is half precision, one slice on MLX). Every round's logits are
+    the bytes of a stage holding a whole window a slot, the shorter slot's keys past its
+    pages included (zeros in a run, stale pages in a gather: no mask weighs either)."""
+    model_dir = make_model(family, seed=12, dtype=dtype)
     rng = np.random.default_rng(5)
     first, second = rng.integers(3, 200, 320).tolist(), rng.integers(3, 200, 40).tolist()
     rounds = []

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.env import read_switch
-from engine.kv_pages import PAGE_POSITIONS, PageAllocator, pages_for
+from engine.kv_pages import PAGE_POSITIONS, PageAllocator, consecutive, pages_for
 from engine.rounds import RowLayout
 
 
@@ -310,6 +310,10 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.table = torch.zeros(slots, pages_a_slot, dtype=torch.int64, device=device)
+        # On a CPU, each slot's first page where all its pages are consecutive (None where
+        # they are not), found once after its pages change: `gather` reads such a slot from
+        # a view of its run, in one pass instead of two.
+        self._runs: dict[int, int | None] = {}
 
     @property
     def nbytes(self) -> int:
@@ -321,6 +325,8 @@ class KVCache:
         """Pages for every position the round's rows write, taken before any layer runs
         (and before a captured graph replays: its rows write through the table)."""
         taken = self.pages.cover_round(layout)
+        for slot, _column, _page in taken:
+            self._runs.pop(slot, None)
         if taken:
             slots, columns, pages = (torch.tensor(values, dtype=torch.int64,
                                                   device=self.table.device)
@@ -330,6 +336,7 @@ class KVCache:
     def release(self, slot: int) -> None:
         """The slot's state is dropped: its pages go back to the pool."""
         self.pages.release(slot)
+        self._runs.pop(slot, None)
 
     def pages_of(self, slots: torch.Tensor, keys: int) -> torch.Tensor:
         """[n, pages] the pages holding positions [0, keys) of each of `slots` [n]."""
@@ -341,10 +348,37 @@ class KVCache:
         [n, kv_heads, keys, head_dim] each, copied out of their pages. On a CPU a
         half-precision cache is widened to float32 in that copy, which `attention` would
         make next (it says why)."""
-        pages = self.pages_of(slots, keys)
         widened = torch.float32 if attends_in_float32(self.k) else None
+        runs = self._consecutive_runs(slots, keys)
+        if runs is not None:
+            return (in_runs(self.k[layer], runs, keys, widened),
+                    in_runs(self.v[layer], runs, keys, widened))
+        pages = self.pages_of(slots, keys)
         return (in_order(self.k[layer], pages, keys, widened),
                 in_order(self.v[layer], pages, keys, widened))
+
+    def _consecutive_runs(self, slots: torch.Tensor, keys: int,
+                          ) -> list[tuple[int, int]] | None:
+        """On a CPU, where every one of `slots` holds consecutive pages: each one's (first
+        page, pages of [0, keys) it holds). None on other devices (reading the slots on
+        the host would wait for the device) or where a slot's pages are scattered.
+
+        The gather copies the pages out, then again to put heads first (and widen); a view
+        of a run is copied once. On the demo model's widths, 8,000 keys, one thread: 253 ->
+        61 µs a layer's K (a window's view widened: 53)."""
+        if self.k.device.type != "cpu":
+            return None
+        wanted = pages_for(keys)
+        runs = []
+        for slot in slots.tolist():
+            if slot not in self._runs:
+                held = self.pages.held[slot]
+                self._runs[slot] = held[0] if held and consecutive(held) else None
+            first = self._runs[slot]
+            if first is None:
+                return None
+            runs.append((first, min(wanted, len(self.pages.held[slot]))))
+        return runs
 
     def write(self, layer: int, index: RoundIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [rows, kv_heads, head_dim] at each row's (slot, position)."""
@@ -382,6 +416,22 @@ class KVCache:
                 o = attention(qs, k, v, span.mask)
             out[span.start:span.stop] = o[0].transpose(0, 1)
         return out
+
+
+def in_runs(layer: torch.Tensor, runs: list[tuple[int, int]], keys: int,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`in_order` for rows whose pages are runs of the pool: (first page, pages held) a
+    row. A row's positions past the pages it holds read as zeros (finite, as a stale page
+    would be: no row's mask lets it weigh them)."""
+    _, kv_heads, page, head_dim = layer.shape
+    p = pages_for(keys)
+    out = torch.empty((len(runs), kv_heads, p, page, head_dim), dtype=dtype or layer.dtype,
+                      device=layer.device)
+    for row, (first, held) in enumerate(runs):
+        out[row, :, :held].copy_(layer[first:first + held].transpose(0, 1))
+        if held < p:
+            out[row, :, held:].zero_()
+    return out.view(len(runs), kv_heads, p * page, head_dim)[:, :, :keys]
 
 
 def in_order(layer: torch.Tensor, pages: torch.Tensor, keys: int,
