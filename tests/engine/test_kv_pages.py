@@ -46,8 +46,7 @@ def test_scattered_pages_give_the_bytes_of_whole_windows(make_model, backend, fa
     and goes on in pages further on: its pages are not consecutive (both backends gather
     them, where whole windows are read from one run: a view copied once on a PyTorch CPU
     stage, widened where it is half precision, one slice on MLX). Every round's logits are
-    the bytes of a stage holding a whole window a slot, the shorter slot's keys past its
-    pages included (zeros in a run, stale pages in a gather: no mask weighs either)."""
+    the bytes of a stage holding a whole window a slot."""
     model_dir = make_model(family, seed=12, dtype=dtype)
     rng = np.random.default_rng(5)
     first, second = rng.integers(3, 200, 320).tolist(), rng.integers(3, 200, 40).tolist()

@@ -350,10 +350,10 @@ class KVCache:
         make next (it says why)."""
         widened = torch.float32 if attends_in_float32(self.k) else None
         runs = self._consecutive_runs(slots, keys)
-        if runs is not None:
-            return (in_runs(self.k[layer], runs, keys, widened),
-                    in_runs(self.v[layer], runs, keys, widened))
         pages = self.pages_of(slots, keys)
+        if runs is not None:
+            return (in_runs(self.k[layer], runs, pages, keys, widened),
+                    in_runs(self.v[layer], runs, pages, keys, widened))
         return (in_order(self.k[layer], pages, keys, widened),
                 in_order(self.v[layer], pages, keys, widened))
 
@@ -418,19 +418,20 @@ class KVCache:
         return out
 
 
-def in_runs(layer: torch.Tensor, runs: list[tuple[int, int]], keys: int,
+def in_runs(layer: torch.Tensor, runs: list[tuple[int, int]], pages: torch.Tensor, keys: int,
             dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`in_order` for rows whose pages are runs of the pool: (first page, pages held) a
-    row. A row's positions past the pages it holds read as zeros (finite, as a stale page
-    would be: no row's mask lets it weigh them)."""
+    """`in_order` for rows whose pages are runs of the pool: (first page, pages held) a row,
+    each run copied from a view. Columns of `pages` past what a row holds (a shorter slot
+    in a batch) are read through the table as `in_order` reads them: stale, finite pages
+    that no row's mask weighs, the same bytes either way."""
     _, kv_heads, page, head_dim = layer.shape
-    p = pages_for(keys)
+    p = pages.shape[1]
     out = torch.empty((len(runs), kv_heads, p, page, head_dim), dtype=dtype or layer.dtype,
                       device=layer.device)
     for row, (first, held) in enumerate(runs):
         out[row, :, :held].copy_(layer[first:first + held].transpose(0, 1))
         if held < p:
-            out[row, :, held:].zero_()
+            out[row, :, held:].copy_(layer[pages[row, held:]].transpose(0, 1))
     return out.view(len(runs), kv_heads, p * page, head_dim)[:, :, :keys]
 
 
