@@ -264,13 +264,19 @@ class PagedKVCache(KVCache):
 
 def _gathered(pool: mx.array, pages: mx.array, keys: int) -> mx.array:
     """A layer's pool [kv_heads, pages x page, head_dim] read at `pages` [n, p] as
-    [n, kv_heads, keys, head_dim]: each row's positions [0, keys), in order, a copy."""
-    kv_heads, _, head_dim = pool.shape
+    [n, kv_heads, keys, head_dim]: each row's positions [0, keys), in order, a copy.
+
+    The pool is taken as (head, page) blocks and indexed in the result's own order, so the
+    one copy the take makes is already [n, kv_heads, ...]: taking pages for every head and
+    moving the heads after would leave attention a transposed view to copy again (4
+    streams of 2,000 keys with their attention: about 8 -> 5.7 ms on the CPU build)."""
+    kv_heads, positions, head_dim = pool.shape
     n, p = pages.shape
-    by_page = pool.reshape(kv_heads, -1, PAGE_POSITIONS, head_dim)
-    run = mx.take(by_page, pages.reshape(-1), axis=1)  # [kv_heads, n x p, page, head_dim]
-    run = run.reshape(kv_heads, n, p * PAGE_POSITIONS, head_dim)[:, :, :keys]
-    return run.transpose(1, 0, 2, 3)
+    pool_pages = positions // PAGE_POSITIONS
+    blocks = pool.reshape(kv_heads * pool_pages, PAGE_POSITIONS, head_dim)
+    heads = mx.arange(kv_heads, dtype=pages.dtype)[None, :, None] * pool_pages
+    run = mx.take(blocks, (heads + pages[:, None, :]).reshape(-1), axis=0)
+    return run.reshape(n, kv_heads, p * PAGE_POSITIONS, head_dim)[:, :, :keys]
 
 
 def _as_run(positions: list[int]) -> slice | mx.array:
