@@ -159,7 +159,7 @@ class KVCache:
         keys = index.single_keys
         if index.one_entry is not None:
             return self._slot_keys(layer, index.one_entry[0], keys)
-        slots, kv_heads, positions, _ = self.k[layer].shape
+        _, kv_heads, positions, _ = self.k[layer].shape
         if positions % PAGE_POSITIONS:
             # Slice, then gather: `cache[slots, :, :keys]` gathers every slot's whole
             # context before slicing (20 ms instead of 0.2 ms for 2 slots of a 4096-position
