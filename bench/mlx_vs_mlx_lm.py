@@ -71,20 +71,25 @@ class MlxLm:
         self.model, _tokenizer = load(str(model_dir))
         self.cache: list = []
 
-    def _logits_row(self, ids: list[int]) -> np.ndarray:
+    def feed(self, ids: list[int]) -> int:
+        """`ids` after what the cache holds: the greedy next token."""
         import mlx.core as mx
 
         logits = self.model(mx.array([ids], dtype=mx.int32), cache=self.cache)[0, -1]
-        return np.array(logits.astype(mx.float32), copy=True)  # [vocab] on the host
+        return int(np.argmax(np.array(logits.astype(mx.float32), copy=True)))  # on the host
 
-    def prompt(self, ids: list[int]) -> int:
+    def reset(self) -> None:
+        """A fresh KV cache: a new conversation."""
         from mlx_lm.models.cache import make_prompt_cache
 
         self.cache = make_prompt_cache(self.model)
-        return int(np.argmax(self._logits_row(ids)))
+
+    def prompt(self, ids: list[int]) -> int:
+        self.reset()
+        return self.feed(ids)
 
     def step(self, token: int) -> int:
-        return int(np.argmax(self._logits_row([token])))
+        return self.feed([token])
 
     def close(self) -> None:
         self.cache = []

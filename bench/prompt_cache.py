@@ -29,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,50 +134,50 @@ def measure(ring: list[str], kind: str, histories: list[int], args) -> list[list
     return rows
 
 
-def chunk_ms_by_offset(backend: str, tokens: int, chunk: int, context: int) -> list[float]:
-    """ms each `chunk`-row prompt chunk of one `tokens`-token prompt takes, in order, on a
-    whole dense model in this process (the second of two prompts: the first warms up)."""
+def chunk_ms(prompts: Iterator[Callable[[list[int]], object]], tokens: int,
+             chunk: int) -> list[float]:
+    """ms each `chunk`-token piece of one `tokens`-token prompt takes, in order, each fed
+    to the conversation `prompts` opens (the second of two: the first warms up)."""
+    ids = np.random.default_rng(0).integers(10, 1000, tokens).tolist()
+    for feed in itertools.islice(prompts, 2):
+        times = []
+        for first in range(0, tokens, chunk):
+            started = time.perf_counter()
+            feed(ids[first:first + chunk])
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def ours(backend: str, context: int, chunk: int) -> Iterator[Callable[[list[int]], object]]:
+    """Conversations on a whole dense model in this process, each in a slot of its own."""
     from engine.harness.driver import RoundDriver
     from engine.harness.local_pipeline import whole_runner
 
     driver = RoundDriver(whole_runner(model("dense"), backend=backend, parallel=2,
                                       context=context, chunk=chunk))
-    ids = np.random.default_rng(0).integers(10, 1000, tokens).tolist()
-    for slot in (0, 1):
-        times = []
-        for first in range(0, tokens, chunk):
-            started = time.perf_counter()
-            driver.greedy_round({slot: ids[first:first + chunk]})
-            times.append((time.perf_counter() - started) * 1e3)
-    return times
+    for slot in itertools.count():
+        yield lambda ids, slot=slot: driver.greedy_round({slot: ids})
 
 
-def mlx_lm_chunk_ms_by_offset(tokens: int, chunk: int) -> list[float]:
-    """The same with mlx-lm's own model and KV cache (the reference we did not write)."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
+def mlx_lm() -> Iterator[Callable[[list[int]], object]]:
+    """The same with mlx-lm's own model and KV cache (the reference we did not write): a
+    fresh cache a conversation."""
+    from bench.mlx_vs_mlx_lm import MlxLm
 
-    lm, _ = load(str(model("dense")))
-    ids = mx.array(np.random.default_rng(0).integers(10, 1000, tokens))[None]
-    for _ in range(2):
-        cache, times = make_prompt_cache(lm), []
-        for first in range(0, tokens, chunk):
-            started = time.perf_counter()
-            mx.eval(lm(ids[:, first:first + chunk], cache=cache)[:, -1].argmax(-1))
-            times.append((time.perf_counter() - started) * 1e3)
-    return times
+    lm = MlxLm(model("dense"))
+    while True:
+        lm.reset()
+        yield lm.feed
 
 
 def by_offset(args) -> None:
     backends = sorted({b for ring in args.rings.split(";") for b in ring.split(",")})
     rows = []
     for backend in backends:
-        rows.append([f"ours, {backend}",
-                     *chunk_ms_by_offset(backend, args.offset_tokens, args.chunk,
-                                         args.context)])
+        rows.append([f"ours, {backend}", *chunk_ms(ours(backend, args.context, args.chunk),
+                                                   args.offset_tokens, args.chunk)])
         if backend.startswith("mlx"):
-            rows.append(["mlx-lm", *mlx_lm_chunk_ms_by_offset(args.offset_tokens, args.chunk)])
+            rows.append(["mlx-lm", *chunk_ms(mlx_lm(), args.offset_tokens, args.chunk)])
     offsets = list(range(0, args.offset_tokens, args.chunk))
     table(f"a {args.chunk}-row prompt chunk by its offset, the whole dense model in one "
           "process (ms)", ["", *(f"at {o:,}" for o in offsets)],

@@ -221,11 +221,11 @@ def round_ms(driver: RoundDriver, streams: int, rows: int, rounds: int, prompt: 
         driver.round({s: rng.integers(3, vocab, min(512, prompt - first)).tolist()
                       for s in slots})
     feeds = {s: rng.integers(3, vocab, rows).tolist() for s in slots}
-    for _ in range(3):  # captures, compiles, warm-up
-        driver.round(feeds)
     # Every returned row drawn on the head's device, as the lane host judges drafts: only
     # token ids reach the host, not a vocabulary of logits a row.
     one_round = partial(driver.sampled_round, feeds, every_row=True)
+    for _ in range(3):  # captures, compiles, warm-up
+        one_round()
     ms = median_round_ms(one_round, rounds, sync)
     if profile:
         print_profile(one_round, f"{streams} streams, {rows} rows each", sync)

@@ -58,6 +58,8 @@ class PageAllocator:
         self.pages = min(pages, whole) if pages else whole
         self.held: list[list[int]] = [[] for _ in range(slots)]
         self.free = set(range(self.pages))
+        # `run_start`'s answers, each kept until its slot's pages change.
+        self._run_starts: dict[int, int | None] = {}
 
     @property
     def pages_in_use(self) -> int:
@@ -80,7 +82,17 @@ class PageAllocator:
             self.free.remove(page)
             taken.append((len(held), page))
             held.append(page)
+        if taken:
+            self._run_starts.pop(slot, None)
         return taken
+
+    def run_start(self, slot: int) -> int | None:
+        """The first of `slot`'s pages where they are all one run of the pool (each the one
+        after the last), else None, as for a slot that holds none."""
+        if slot not in self._run_starts:
+            held = self.held[slot]
+            self._run_starts[slot] = held[0] if held and consecutive(held) else None
+        return self._run_starts[slot]
 
     def _run_start(self) -> int:
         """Where a new run of a slot's pages begins: the middle of the longest run of free
@@ -110,3 +122,4 @@ class PageAllocator:
         (a row past a slot's length reads stale, finite values that no attention weighs)."""
         self.free.update(self.held[slot])
         self.held[slot] = []
+        self._run_starts.pop(slot, None)

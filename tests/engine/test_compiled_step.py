@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 
 from engine.backends.base import BackendError, StageSpec, load_stage
 from engine.backends.pytorch.compiled_step import compiles, inductor_cache_dir
@@ -105,7 +106,6 @@ def test_compiled_stage_decodes_the_eager_stages_tokens(make_model, family, dtyp
     assert eager.decode_step is None and compiled.decode_step is not None
     # Inductor chooses launches without timing them (compiled_step._prepare), so two
     # processes compiling the step keep the same ones and give the same bits.
-    import torch._inductor.config as inductor_config
     assert inductor_config.deterministic
     drivers = (stage_driver(eager), stage_driver(compiled))
     decided = teacher_forced_agreement(drivers, PROMPTS, STEPS + 1, tolerance)

@@ -85,3 +85,18 @@ def test_a_cancel_and_an_open_hand_back_a_slots_pages(make_model):
     assert pages.held[0] == [] and pages.pages_in_use == 1
     driver.round({1: [5, 6]})  # an OPEN over slot 1's kept state: its page goes back first
     assert pages.pages_in_use == 1 and len(pages.held[1]) == 1
+
+
+def test_a_slots_run_start_follows_its_pages():
+    """`run_start`: the first page of a slot whose pages are one run, None once they are
+    not (or it holds none), and again after the slot's pages are handed back."""
+    pages = PageAllocator(slots=2, pages_a_slot=4, pages=4)
+    assert pages.run_start(0) is None  # no pages yet
+    pages.cover(0, PAGE_POSITIONS)
+    assert pages.run_start(0) == 0
+    pages.cover(1, 1)  # mid the free run [1, 3]: page 2
+    pages.cover(0, 3 * PAGE_POSITIONS)  # page 1, then page 2 is taken: page 3
+    assert pages.held[0] == [0, 1, 3] and pages.run_start(0) is None
+    pages.release(0)
+    pages.cover(0, PAGE_POSITIONS)
+    assert pages.held[0] == [0] and pages.run_start(0) == 0

@@ -169,9 +169,9 @@ class KVCache:
         # A window is blocks of a page's positions, one run a (slot, head): taken whole
         # (`_blocks_taken` says why).
         windows = positions // PAGE_POSITIONS
-        runs = (index.single_slots[:, None] * kv_heads
-                + mx.arange(kv_heads, dtype=index.single_slots.dtype)[None, :]) * windows
-        blocks = runs[:, :, None] + mx.arange(pages_for(keys), dtype=runs.dtype)
+        firsts = (index.single_slots[:, None] * kv_heads  # each (slot, head)'s first block
+                  + mx.arange(kv_heads, dtype=index.single_slots.dtype)[None, :]) * windows
+        blocks = firsts[:, :, None] + mx.arange(pages_for(keys), dtype=firsts.dtype)
         return (_blocks_taken(self.k[layer], blocks, keys),
                 _blocks_taken(self.v[layer], blocks, keys))
 

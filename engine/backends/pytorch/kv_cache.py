@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.env import read_switch
-from engine.kv_pages import PAGE_POSITIONS, PageAllocator, consecutive, pages_for
+from engine.kv_pages import PAGE_POSITIONS, PageAllocator, pages_for
 from engine.rounds import RowLayout
 
 
@@ -310,10 +310,6 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.table = torch.zeros(slots, pages_a_slot, dtype=torch.int64, device=device)
-        # On a CPU, each slot's first page where all its pages are consecutive (None where
-        # they are not), found once after its pages change: `gather` reads such a slot from
-        # a view of its run, in one pass instead of two.
-        self._runs: dict[int, int | None] = {}
 
     @property
     def nbytes(self) -> int:
@@ -325,8 +321,6 @@ class KVCache:
         """Pages for every position the round's rows write, taken before any layer runs
         (and before a captured graph replays: its rows write through the table)."""
         taken = self.pages.cover_round(layout)
-        for slot, _column, _page in taken:
-            self._runs.pop(slot, None)
         if taken:
             slots, columns, pages = (torch.tensor(values, dtype=torch.int64,
                                                   device=self.table.device)
@@ -336,7 +330,6 @@ class KVCache:
     def release(self, slot: int) -> None:
         """The slot's state is dropped: its pages go back to the pool."""
         self.pages.release(slot)
-        self._runs.pop(slot, None)
 
     def pages_of(self, slots: torch.Tensor, keys: int) -> torch.Tensor:
         """[n, pages] the pages holding positions [0, keys) of each of `slots` [n]."""
@@ -371,10 +364,7 @@ class KVCache:
         wanted = pages_for(keys)
         runs = []
         for slot in slots.tolist():
-            if slot not in self._runs:
-                held = self.pages.held[slot]
-                self._runs[slot] = held[0] if held and consecutive(held) else None
-            first = self._runs[slot]
+            first = self.pages.run_start(slot)
             if first is None:
                 return None
             runs.append((first, min(wanted, len(self.pages.held[slot]))))
