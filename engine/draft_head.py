@@ -101,11 +101,13 @@ def draft_in_batches(head: HeadSteps, asks: Sequence[DraftAsk]) -> list[tuple[in
     drafts: list[list[int]] = [[] for _ in asks]
     live = [i for i, a in enumerate(asks) if a.count > 0]
     out = head.take(fed, [ends[i] - 1 for i in live])
+    # Each step's guesses stay on the device until every step is queued: reading them
+    # at once would make every step wait for the last one's kernels.
+    guessed: list[tuple[list[int], Any]] = []
     step = 0
     while live:
         tokens = head.greedy(out)  # [streams still drafting]
-        for i, token in zip(live, tokens.tolist(), strict=True):
-            drafts[i].append(token)
+        guessed.append((live, tokens))
         step += 1
         going = [j for j, i in enumerate(live) if asks[i].count > step]
         if not going:
@@ -113,6 +115,9 @@ def draft_in_batches(head: HeadSteps, asks: Sequence[DraftAsk]) -> list[tuple[in
         live = [live[j] for j in going]
         out = head.forward([asks[i].slot for i in live], head.take(out, going),
                            head.take(tokens, going), [next_position[i] + step - 1 for i in live])
+    for streams, tokens in guessed:
+        for i, token in zip(streams, tokens.tolist(), strict=True):
+            drafts[i].append(token)
     return [tuple(d) for d in drafts]
 
 

@@ -60,7 +60,7 @@ class MtpHead:
         return torch.cat([a.hidden[self.ids(a.rows)] for a in asks])
 
     def ids(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.int64, device=self.embed.device)
+        return on_device(list(values), self.embed.device)
 
     def take(self, x: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         return x[self.ids(indices)]
@@ -86,7 +86,7 @@ class MtpHead:
             padded[g][j] = entry
         at = _RowsAt(self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1,
                      self.ids(groups.slots), self.ids(groups.group), self.ids(groups.within),
-                     torch.tensor(padded, dtype=torch.int64, device=self.embed.device))
+                     on_device(padded, self.embed.device))
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
@@ -139,6 +139,16 @@ class _RowsAt:
     group: torch.Tensor
     within: torch.Tensor
     padded: torch.Tensor
+
+
+def on_device(values: list, device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on `device`. On CUDA they go through pinned memory
+    without waiting: a copy from pageable memory holds the host until the GPU has run
+    everything queued before it, and a draft step makes about ten such index tensors, so
+    each step's launches waited on the last step's kernels."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def _tensors(w: DraftHeadWeights[torch.Tensor]) -> list[torch.Tensor]:
