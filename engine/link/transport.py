@@ -16,6 +16,7 @@ The link authenticates but does not encrypt: it is for a trusted network only.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -98,7 +99,8 @@ def connect(
             raise Deadline(f"could not connect to {host}:{port} within {deadline_s} s "
                            f"(last error: {last_error})")
         try:
-            sock = socket.create_connection((host, port), timeout=remaining)
+            sock = _connected_to_another(socket.create_connection((host, port),
+                                                                  timeout=remaining))
         except OSError as error:
             last_error = error
             time.sleep(max(0.0, min(interval, end - time.monotonic())))
@@ -107,6 +109,21 @@ def connect(
         link = Link(sock, max_payload_bytes=max_payload_bytes)
         link.peer_listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return link
+
+
+def _connected_to_another(sock: socket.socket) -> socket.socket:
+    """`sock`, unless it is connected to itself: dialling a loopback port that nothing
+    listens on yet, the kernel can pick that very port as the source and join the two
+    ends (TCP's simultaneous open). The dialler would then read its own hello and stop
+    on it; counted as refused instead, it dials again until the peer listens. The socket
+    is reset rather than closed: a closed one would hold the port in TIME_WAIT, and the
+    peer could not bind its listener there for a minute."""
+    if sock.getsockname() == sock.getpeername():
+        address = peer_name(sock, peer=False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+        raise ConnectionRefusedError(f"connected to itself at {address}")
+    return sock
 
 
 class Link:

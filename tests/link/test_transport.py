@@ -219,6 +219,48 @@ def test_connect_retries_until_the_peer_listens(monkeypatch):
     assert result["accepted"]
 
 
+def test_connect_dials_again_after_joining_itself(monkeypatch):
+    """Dialling a loopback port nobody listens on, the kernel may pick that port as the
+    source and connect the socket to itself; the dialler must not take itself for the
+    peer. The first dial is made to do so (its source port chosen), the kernel does the
+    rest."""
+    probe = socket.socket()
+    probe.bind((HOST, 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    real_create_connection = socket.create_connection
+    joined_itself, dialled_again = threading.Event(), threading.Event()
+
+    def first_from_the_same_port(address, *args, **kwargs):
+        if not joined_itself.is_set():
+            sock = real_create_connection(address, *args, source_address=(HOST, port))
+            assert sock.getsockname() == sock.getpeername()  # the case this test is about
+            joined_itself.set()
+            return sock
+        dialled_again.set()
+        return real_create_connection(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", first_from_the_same_port)
+    accepted: dict[str, object] = {}
+
+    def late_listener() -> None:
+        # The port is free again once the dialler has let go of its first socket.
+        assert dialled_again.wait(5), "the dialler did not dial again"
+        listener = listen(HOST, port)
+        conn, _ = listener.accept()
+        accepted["from"] = conn.getpeername()
+        conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=late_listener)
+    thread.start()
+    with connect(HOST, port, deadline_s=5) as link:
+        own = link._sock.getsockname()
+        assert own != link._sock.getpeername()
+    thread.join(5)
+    assert accepted["from"] == own
+
+
 def test_connect_deadline_when_nobody_listens():
     probe = socket.socket()
     probe.bind((HOST, 0))
