@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -32,10 +33,42 @@ from engine.env import EngineEnv, parse_layers, placement_id
 LOOPBACK = "127.0.0.1"
 
 
+# Ports a harness hands out lie below the kernel's ephemeral range, which the kernel picks
+# connections' source ports from: a dial to a port in that range before its listener is up
+# can be joined to itself (engine.link.transport says what that does), and a port from it
+# can also be taken at any moment by some connection's source port.
+LOWEST_PORT = 10000
+_handed_out: set[int] = set()  # this process's, so two calls never give the same port
+
+
 def free_port() -> int:
+    """A loopback port nothing is bound to now, below the ephemeral range where the system
+    says where that is (Linux); else one the kernel picks."""
+    top = _ephemeral_start()
+    for port in random.sample(range(LOWEST_PORT, top), min(200, top - LOWEST_PORT)):
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LOWEST_PORT  # unknown: no range of our own, the kernel's pick
+    return max(first, LOWEST_PORT)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
 
 
 def even_stages(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
