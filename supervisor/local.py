@@ -145,7 +145,7 @@ class LocalFleet:
 
     def start_agent(self, node: str) -> None:
         state_dir = self.agent_state_dir(node)
-        first = free_port()
+        first = free_port(count=11)
         config = dict(self.agent_settings, node=node, state_dir=str(state_dir),
                       listen_host=LOOPBACK, listen_port=self.agent_ports[node],
                       supervisor_url=f"https://{self.address}",

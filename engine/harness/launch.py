@@ -36,19 +36,25 @@ LOOPBACK = "127.0.0.1"
 # Ports a harness hands out lie below the kernel's ephemeral range, which the kernel picks
 # connections' source ports from: a dial to a port in that range before its listener is up
 # can be joined to itself (engine.link.transport says what that does), and a port from it
-# can also be taken at any moment by some connection's source port.
-LOWEST_PORT = 10000
+# can also be taken at any moment by some connection's source port. They also lie below
+# 20000, where supervisor.local.LocalFleet keeps its engines' port range.
+PORTS = range(10000, 20000)
 _handed_out: set[int] = set()  # this process's, so two calls never give the same port
 
 
-def free_port() -> int:
-    """A loopback port nothing is bound to now, below the ephemeral range where the system
-    says where that is (Linux); else one the kernel picks."""
-    top = _ephemeral_start()
-    for port in random.sample(range(LOWEST_PORT, top), min(200, top - LOWEST_PORT)):
-        if port not in _handed_out and _bindable(port):
-            _handed_out.add(port)
-            return port
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive loopback ports nothing is bound to now, from `PORTS`
+    and below the ephemeral range (Linux says where it starts; other systems start it
+    higher than `PORTS`); for one port where none is free there, the kernel's pick."""
+    top = min(PORTS.stop, _ephemeral_start()) - count
+    candidates = range(PORTS.start, max(PORTS.start, top))
+    for first in random.sample(candidates, min(200, len(candidates))):
+        block = range(first, first + count)
+        if _handed_out.isdisjoint(block) and all(map(_bindable, block)):
+            _handed_out.update(block)
+            return first
+    if count > 1:
+        raise OSError(f"no {count} consecutive free ports in {PORTS.start}-{PORTS.stop - 1}")
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
@@ -56,10 +62,9 @@ def free_port() -> int:
 
 def _ephemeral_start() -> int:
     try:
-        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return LOWEST_PORT  # unknown: no range of our own, the kernel's pick
-    return max(first, LOWEST_PORT)
+        return PORTS.stop  # macOS and Windows start theirs at 49152
 
 
 def _bindable(port: int) -> bool:
