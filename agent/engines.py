@@ -40,9 +40,9 @@ from agent.spawn import (
     check_spawn,
     child_environment,
     engine_logs_to_prune,
-    port_in_use,
     read_checkpoint_info,
 )
+from engine.link.sockets import port_in_use
 
 log = structlog.get_logger()
 

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -259,18 +258,6 @@ def engine_logs_to_prune(files: list[LogFile], running: frozenset[str], keep: in
     kept = {e for e in newest_first[:keep] if now - last[e] <= max_age_s} | running
     return sorted(name for engine_id in newest_first if engine_id not in kept
                   for name in names[engine_id])
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Would a listener on host:port fail to bind? (SO_REUSEADDR, as aiohttp binds.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def engine_pythonpath() -> str:

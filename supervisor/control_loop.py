@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 import aiohttp
 import structlog
 
-from agent.spawn import SpawnRequest, port_in_use
+from agent.spawn import SpawnRequest
 from engine.env import EngineEnv
+from engine.link.sockets import port_in_use
 from supervisor import lifecycle as lc
 from supervisor.agents import AgentClient, AgentError
 from supervisor.checkpoints import read_shape

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Self
 
 from engine.env import EngineEnv, parse_layers, placement_id
+from engine.link.sockets import port_in_use
 
 LOOPBACK = "127.0.0.1"
 
@@ -50,7 +51,7 @@ def free_port(count: int = 1) -> int:
     candidates = range(PORTS.start, max(PORTS.start, top))
     for first in random.sample(candidates, min(200, len(candidates))):
         block = range(first, first + count)
-        if _handed_out.isdisjoint(block) and all(map(_bindable, block)):
+        if _handed_out.isdisjoint(block) and not any(port_in_use(LOOPBACK, p) for p in block):
             _handed_out.update(block)
             return first
     if count > 1:
@@ -65,15 +66,6 @@ def _ephemeral_start() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return PORTS.stop  # macOS and Windows start theirs at 49152
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
 
 
 def even_stages(n_layers: int, n_stages: int) -> list[tuple[int, int]]:

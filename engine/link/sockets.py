@@ -1,5 +1,6 @@
-"""Plain sockets under the stage link: a listener on one named address, a bounded wait for
-a descriptor, a socket's address as text. Nothing here knows frames."""
+"""Plain sockets under the stage link: a listener on one named address, whether a port is
+free to listen on, a bounded wait for a descriptor, a socket's address as text. Nothing
+here knows frames."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def listen(host: str, port: int, *, backlog: int = 16) -> socket.socket:
         raise
     return listener
 
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Would a listener on host:port fail to bind? (SO_REUSEADDR, as aiohttp binds.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def wait_fd(fd: int, *, writable: bool, timeout_s: float) -> bool:
