@@ -34,22 +34,20 @@ from engine.link.sockets import port_in_use
 LOOPBACK = "127.0.0.1"
 
 
-# Ports a harness hands out lie below the kernel's ephemeral range, which the kernel picks
-# connections' source ports from: a dial to a port in that range before its listener is up
-# can be joined to itself (engine.link.transport says what that does), and a port from it
-# can also be taken at any moment by some connection's source port. They also lie below
-# 20000, where supervisor.local.LocalFleet keeps its engines' port range.
+# Ports a harness hands out lie below the kernel's ephemeral range (32768 and up on Linux,
+# 49152 on macOS), which the kernel picks connections' source ports from: a dial to a port
+# in that range before its listener is up can be joined to itself (engine.link.transport
+# says what that does), and a port from it can also be taken at any moment by some
+# connection's source port. They also lie below 20000, where supervisor.local.LocalFleet
+# keeps its engines' port range.
 PORTS = range(10000, 20000)
 _handed_out: set[int] = set()  # this process's, so two calls never give the same port
 
 
 def free_port(count: int = 1) -> int:
-    """The first of `count` consecutive loopback ports nothing is bound to now, from `PORTS`
-    and below the ephemeral range (Linux says where it starts; other systems start it
-    higher than `PORTS`); for one port where none is free there, the kernel's pick."""
-    top = min(PORTS.stop, _ephemeral_start()) - count
-    candidates = range(PORTS.start, max(PORTS.start, top))
-    for first in random.sample(candidates, min(200, len(candidates))):
+    """The first of `count` consecutive loopback ports of `PORTS` nothing is bound to now;
+    for one port where none is free there, the kernel's pick."""
+    for first in random.sample(range(PORTS.start, PORTS.stop - count), 200):
         block = range(first, first + count)
         if _handed_out.isdisjoint(block) and not any(port_in_use(LOOPBACK, p) for p in block):
             _handed_out.update(block)
@@ -59,13 +57,6 @@ def free_port(count: int = 1) -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
-
-
-def _ephemeral_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return PORTS.stop  # macOS and Windows start theirs at 49152
 
 
 def even_stages(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
