@@ -101,8 +101,8 @@ def draft_in_batches(head: HeadSteps, asks: Sequence[DraftAsk]) -> list[tuple[in
     drafts: list[list[int]] = [[] for _ in asks]
     live = [i for i, a in enumerate(asks) if a.count > 0]
     out = head.take(fed, [ends[i] - 1 for i in live])
-    # Each step's guesses stay on the device until every step is queued: reading them
-    # at once would make every step wait for the last one's kernels.
+    # Each step's guesses stay on the device until every step is queued: reading each
+    # on the host as it comes would make every step wait for the last one's kernels.
     guessed: list[tuple[list[int], Any]] = []
     step = 0
     while live:

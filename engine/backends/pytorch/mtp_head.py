@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.backends.pytorch.llama import Rope, mlp
 from engine.backends.pytorch.qwen3_5 import partial_rope, rms_norm
+from engine.backends.pytorch.sampling import on_device
 from engine.config import ModelConfig
 from engine.draft_head import DraftAsk, SlotGroups, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
@@ -60,7 +62,7 @@ class MtpHead:
         return torch.cat([a.hidden[self.ids(a.rows)] for a in asks])
 
     def ids(self, values: Sequence[int]) -> torch.Tensor:
-        return on_device(list(values), self.embed.device)
+        return on_device(self.embed.device, np.asarray(values, dtype=np.int64))
 
     def take(self, x: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         return x[self.ids(indices)]
@@ -86,7 +88,7 @@ class MtpHead:
             padded[g][j] = entry
         at = _RowsAt(self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1,
                      self.ids(groups.slots), self.ids(groups.group), self.ids(groups.within),
-                     on_device(padded, self.embed.device))
+                     on_device(self.embed.device, np.asarray(padded, dtype=np.int64)))
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
@@ -139,16 +141,6 @@ class _RowsAt:
     group: torch.Tensor
     within: torch.Tensor
     padded: torch.Tensor
-
-
-def on_device(values: list, device: torch.device) -> torch.Tensor:
-    """Host integers as an int64 tensor on `device`. On CUDA they go through pinned memory
-    without waiting: a copy from pageable memory holds the host until the GPU has run
-    everything queued before it, and a draft step makes about ten such index tensors, so
-    each step's launches waited on the last step's kernels."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def _tensors(w: DraftHeadWeights[torch.Tensor]) -> list[torch.Tensor]:

@@ -25,24 +25,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
     # top-k; greedy rows need none. The copy does not wait for the device (a blocking one
     # would wait for the round's layers and head, and the draw's kernels would then launch
     # one by one onto an idle GPU); only the ids' copy back at the end does.
-    per_row = None if len(batch.greedy) == len(batch) else _on(device, np.stack([
+    per_row = None if len(batch.greedy) == len(batch) else on_device(device, np.stack([
         batch.temperature.astype(np.float32), batch.top_p, batch.uniform.astype(np.float32),
         batch.top_k.astype(np.float32)], 1))
     every_row = np.array_equal(batch.rows, np.arange(len(logits)))  # a decode round
-    x = (logits if every_row else logits.index_select(0, _on(device, batch.rows))).float()
+    x = (logits if every_row else logits.index_select(0, on_device(device, batch.rows))).float()
     low, high = torch.aminmax(x, dim=-1)  # non-finite anywhere shows in one (NaN spreads)
     finite = torch.isfinite(low) & torch.isfinite(high)
     biased = x
     if len(batch.bias_at):
         biased = x.clone()
-        biased.index_put_((_on(device, batch.bias_at), _on(device, batch.bias_token)),
-                          _on(device, batch.bias_value), accumulate=True)
+        biased.index_put_((on_device(device, batch.bias_at), on_device(device, batch.bias_token)),
+                          on_device(device, batch.bias_value), accumulate=True)
     tokens = torch.empty(len(batch), dtype=torch.int64, device=device)
     beyond = torch.zeros(len(batch), dtype=torch.bool, device=device)
     for kind, draw in ((batch.greedy, None), (batch.plain, False), (batch.cut, True)):
         if not len(kind):
             continue
-        rows = slice(None) if len(kind) == len(batch) else _on(device, kind)
+        rows = slice(None) if len(kind) == len(batch) else on_device(device, kind)
         if draw is None:
             tokens[rows] = biased[rows].argmax(-1)
             continue
@@ -55,14 +55,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledRows:
             tokens[rows] = _inverse_cdf(probs, uniform)
     sampled, wide = _to_host(x, tokens, finite, beyond, batch)
     if len(wide):  # a nucleus reached past the candidates: sort those rows in full
-        rows = _on(device, wide)
+        rows = on_device(device, wide)
         probs = _probs(biased, high, per_row, rows, bool(len(batch.bias_at)))
         tokens[rows] = _draw_full_sort(probs, per_row[rows, 1:2], per_row[rows, 2])
         sampled, _ = _to_host(x, tokens, finite, torch.zeros_like(beyond), batch)
     return sampled
 
 
-def _on(device: torch.device, values: np.ndarray) -> torch.Tensor:
+def on_device(device: torch.device, values: np.ndarray) -> torch.Tensor:
+    """Host values on `device`, the copy queued without waiting: a blocking copy to a GPU
+    first waits for everything queued there, which would hold the host's next launches
+    behind the device's last kernels."""
     return torch.from_numpy(values).to(device, non_blocking=True)
 
 
