@@ -10,6 +10,7 @@ installed fleet runs it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from typing import Any, Self
 
 import yaml
 
-from engine.harness.launch import free_port
+from engine.harness.launch import free_port, sigterm_unwinds
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -61,6 +62,7 @@ class LocalFleet:
         self.front_door_proc: subprocess.Popen | None = None
         self.agents: dict[str, subprocess.Popen] = {}
         self.agent_ports: dict[str, int] = {}
+        self._unwind = contextlib.ExitStack()  # inside `with`, SIGTERM unwinds to __exit__
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
             PYTHONUNBUFFERED="1")
@@ -227,16 +229,22 @@ class LocalFleet:
         self.stop_front_door(timeout_s)
 
     def __enter__(self) -> Self:
-        """Started, and stopped again whatever happens after (a half-started fleet too)."""
+        """Started, and stopped again whatever happens after (a half-started fleet too, and
+        on SIGTERM: its processes run in sessions of their own, which no signal to this
+        one's reaches)."""
+        self._unwind.enter_context(sigterm_unwinds())
         try:
             self.start()
         except BaseException:
-            self.stop(timeout_s=30)
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop(timeout_s=30)
+        try:
+            self.stop(timeout_s=30)
+        finally:
+            self._unwind.close()
 
 
 def _stop(proc: subprocess.Popen | None, sig: int, timeout_s: float) -> int | None:

@@ -5,12 +5,13 @@
 A harness, not the product's path: in a fleet the agents spawn the engines the supervisor
 places. Here one process starts one `fleet-engine` per stage, each with its own environment,
 a shared link key and ports picked on 127.0.0.1, with no agent or supervisor in between.
-Ctrl-C (or SIGTERM) stops every stage.
+Ctrl-C or SIGTERM stops every stage; inside `with`, a LocalReplica stops its stages on SIGTERM too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -21,9 +22,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -42,6 +45,26 @@ LOOPBACK = "127.0.0.1"
 # keeps its engines' port range.
 PORTS = range(10000, 20000)
 _handed_out: set[int] = set()  # this process's, so two calls never give the same port
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM (what `kill` and `timeout` send) raises SystemExit in the main
+    thread, so the `with` blocks it crosses stop the processes they started. Python's
+    default would end this process at once and leave them serving, unowned. Elsewhere than
+    the main thread, where no handler can be set, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port(count: int = 1) -> int:
@@ -90,6 +113,8 @@ class LocalReplica:
     envs: list[dict[str, str]] = field(default_factory=list)
     # What each rank runs: `python -m MODULE` (a test may wrap the engine to inject a fault).
     engine_module: str = "engine.main"
+    # Inside `with`, SIGTERM unwinds to __exit__ (sigterm_unwinds).
+    _unwind: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def start_rank(self, rank: int, *, log_to_file: bool = True) -> subprocess.Popen:
         """Start (or restart) one rank's engine with its environment."""
@@ -149,10 +174,14 @@ class LocalReplica:
         return [p.returncode if p is not None else None for p in self.processes]
 
     def __enter__(self) -> Self:
+        self._unwind.enter_context(sigterm_unwinds())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            self._unwind.close()
 
 
 def stage_envs(model_dir: Path, stages: list[tuple[int, int]], backends: list[str], *,
@@ -228,19 +257,21 @@ def main() -> int:
     except ValueError as exc:
         parser.error(str(exc))
     backends = args.backends.split(",") if args.backends else None
-    replica = launch(args.model, stages, backends, context=args.context, parallel=args.parallel,
-                     chunk=args.chunk, http_port=args.http_port, log_to_files=False)
-    try:
-        replica.wait_ready()
-        print(f"serving {args.model} at {replica.url} ({placement_id(stages, replica.backends)}); "
-              "Ctrl-C stops", file=sys.stderr)
-        while all(p.poll() is None for p in replica.processes):
-            time.sleep(0.5)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        replica.stop()
+    with sigterm_unwinds():  # `kill` stops every stage as Ctrl-C does
+        replica = launch(args.model, stages, backends, context=args.context,
+                         parallel=args.parallel, chunk=args.chunk, http_port=args.http_port,
+                         log_to_files=False)
+        try:
+            replica.wait_ready()
+            print(f"serving {args.model} at {replica.url} "
+                  f"({placement_id(stages, replica.backends)}); Ctrl-C stops", file=sys.stderr)
+            while all(p.poll() is None for p in replica.processes):
+                time.sleep(0.5)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            replica.stop()
 
 
 if __name__ == "__main__":

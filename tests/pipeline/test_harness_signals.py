@@ -1,0 +1,50 @@
+"""`python -m engine.harness.launch`, told to stop by SIGTERM (`kill`, `timeout`), takes its
+stages down with it rather than leaving them serving with nobody to stop them."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import psutil
+
+from engine.harness.launch import free_port
+from tests.waiting import rank0_health, wait_until
+
+
+def test_sigterm_stops_every_stage(make_model, tmp_path):
+    model = make_model("llama")
+    port = free_port()
+    log = (tmp_path / "launch.log").open("wb")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "engine.harness.launch", "--model", str(model),
+         "--stages", "0:1,1:3", "--context", "64", "--parallel", "1", "--chunk", "16",
+         "--http-port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    stages: list[psutil.Process] = []
+    try:
+        wait_until(lambda: _healthy(port) or launcher.poll() is not None, within_s=120,
+                   what="the launched replica's health")
+        assert launcher.poll() is None, (tmp_path / "launch.log").read_text()
+        stages = psutil.Process(launcher.pid).children()
+        assert len(stages) == 2
+
+        launcher.send_signal(signal.SIGTERM)
+
+        assert launcher.wait(60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(stages, timeout=30)
+        assert not alive, f"stages left running: {[p.pid for p in alive]}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for stage in stages:
+            if stage.is_running():
+                stage.kill()
+        log.close()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return bool(rank0_health(port))
+    except OSError:
+        return False

@@ -1,0 +1,43 @@
+"""A program holding a LocalFleet (a bench, the demo), told to stop by SIGTERM, stops the
+fleet's processes, which run in sessions of their own and would otherwise outlive it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from supervisor.local import LocalFleet
+    with LocalFleet(Path(sys.argv[1]), nodes=("node-a",)):
+        print("up", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_sigterm_stops_the_fleet(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "fleet")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fleet: list[psutil.Process] = []
+    try:
+        assert holder.stdout.readline().strip() == "up", holder.stdout.read()
+        fleet = psutil.Process(holder.pid).children()  # all started once "up" is printed
+        assert sorted(next(a for a in p.cmdline() if a in ("supervisor.main", "agent.cli"))
+                      for p in fleet) == ["agent.cli", "supervisor.main"]
+
+        holder.send_signal(signal.SIGTERM)
+
+        assert holder.wait(90) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(fleet, timeout=30)
+        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        for process in fleet:
+            if process.is_running():
+                process.kill()
