@@ -198,6 +198,10 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
         r["id"] not in measured_ids
         and (not wanted or [(s["node"], s["layer_range"]) for s in r["stages"]] == wanted)))
     measured_ids.add(replica["id"])
+    # The replica it replaces drains and exits on the same cores: timed beside it, this
+    # one's first requests would pay for that exit.
+    fleet.wait(lambda: all(r["state"] in ("stopped", "failed") for r in fleet.status()["replicas"]
+                           if r["id"] != replica["id"]), 120, "the replaced replica to stop")
     if remeasure:
         fleet.fleetctl("remeasure", "--wait-s", "600")
         print_calibrations(fleet.status()["measured"]["calibrations"], "calibrated again")
