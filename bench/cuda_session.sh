@@ -20,8 +20,9 @@
 # pinned to cores of its own; needs the openai client carried: openai distro jiter
 # pydantic pydantic-core annotated-types typing-inspection sniffio httpx2 httpcore2 h11
 # anyio truststore certifi typing-extensions).
-# The GPU image has no MLX, and the CUDA test files hold MLX cases too, which fail without
-# it (tests/requirements.py): carry mlx, mlx-cpu and mlx-lm (Linux x86-64 wheels) in .whl.
+# The GPU image has PyTorch, Triton and transformers but not the engine's other
+# dependencies, nor MLX (the CUDA test files hold MLX cases too, which fail without it:
+# tests/requirements.py): `bash bench/gpu_wheels.sh` downloads them into .whl, to carry.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -31,6 +32,18 @@ if [ -d .whl ]; then  # packages the GPU image lacks, carried as wheels
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+# Every step imports the engine: one missing package would fail them all, one by one.
+missing=$(python3 - <<'PY'
+import importlib.util
+names = ("structlog", "aiohttp", "prometheus_client", "psutil", "yaml", "rich", "pytest",
+         "pytest_timeout", "hypothesis", "mlx.core", "mlx_lm")
+print(" ".join(n for n in names if importlib.util.find_spec(n.split(".")[0]) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  echo "missing here: $missing (bash bench/gpu_wheels.sh, then carry .whl)" | tee -a "$OUT/steps.log"
+  exit 2
+fi
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T), at most ${limit}s): $*" | tee -a "$OUT/steps.log"
