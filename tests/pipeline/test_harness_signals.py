@@ -3,13 +3,13 @@ stages down with it rather than leaving them serving with nobody to stop them.""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
 import psutil
 
 from engine.harness.launch import free_port
+from tests.sigterm import assert_sigterm_stops_all, kill_all
 from tests.waiting import rank0_health, wait_until
 
 
@@ -29,17 +29,9 @@ def test_sigterm_stops_every_stage(make_model, tmp_path):
         stages = psutil.Process(launcher.pid).children()
         assert len(stages) == 2
 
-        launcher.send_signal(signal.SIGTERM)
-
-        assert launcher.wait(60) == 128 + signal.SIGTERM
-        _, alive = psutil.wait_procs(stages, timeout=30)
-        assert not alive, f"stages left running: {[p.pid for p in alive]}"
+        assert_sigterm_stops_all(launcher, stages, within_s=60)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for stage in stages:
-            if stage.is_running():
-                stage.kill()
+        kill_all(launcher, stages)
         log.close()
 
 

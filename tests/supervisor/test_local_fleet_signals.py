@@ -3,12 +3,13 @@ fleet's processes, which run in sessions of their own and would otherwise outliv
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
 
 import psutil
+
+from tests.sigterm import assert_sigterm_stops_all, kill_all
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -30,14 +31,6 @@ def test_sigterm_stops_the_fleet(tmp_path):
         assert sorted(next(a for a in p.cmdline() if a in ("supervisor.main", "agent.cli"))
                       for p in fleet) == ["agent.cli", "supervisor.main"]
 
-        holder.send_signal(signal.SIGTERM)
-
-        assert holder.wait(90) == 128 + signal.SIGTERM
-        _, alive = psutil.wait_procs(fleet, timeout=30)
-        assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+        assert_sigterm_stops_all(holder, fleet, within_s=90)
     finally:
-        if holder.poll() is None:
-            holder.kill()
-        for process in fleet:
-            if process.is_running():
-                process.kill()
+        kill_all(holder, fleet)
