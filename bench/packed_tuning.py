@@ -100,11 +100,16 @@ def warm(work: list) -> int:
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         try:
             packed_matmul(x, *w, BITS, GROUP, launch=tiles)
+            # Here, not at some later call: a launch that faults the device is named.
+            torch.cuda.synchronize()
             done += 1
+        except torch.AcceleratorError:  # the device's context is lost: so is the sweep
+            print(f"# faulted the device: {tiles} on {out_features}x{in_features}", flush=True)
+            raise
         except Exception as exc:  # noqa: BLE001 - out of registers or shared memory
+            why = str(exc).strip().splitlines()[:1]
             print(f"# not a candidate: {tiles} on {out_features}x{in_features}: "
-                  f"{type(exc).__name__}", flush=True)
-    torch.cuda.synchronize()
+                  f"{type(exc).__name__}{': ' + why[0][:200] if why else ''}", flush=True)
     return done
 
 
