@@ -9,7 +9,8 @@
 # kernel by kernel), hybrid (bench/qwen3_5_decode.py),
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
 # round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
-# verify-mtp (the MTP head's round at that shape against a plain round),
+# verify-mtp (the MTP head's round at that shape against a plain round), verify-mtp-long
+# (the same after 8,000 tokens, the head's draft steps by the decode kernel and gathered),
 # exactness-modes (a ring against one process, each path off in turn),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
@@ -168,6 +169,13 @@ for what in "$@"; do
         --hybrid --layers 8 ;;
     verify-mtp) step verify-mtp 300 python3 bench/verify_rounds.py --device cuda --mtp \
         --layers 8 --drafts 1,2,3 --streams 1,4 ;;
+    verify-mtp-long)  # the head's draft steps after 8,000 tokens: by the decode kernel (the
+      # default), then gathered under SDPA's mask (which the model's decode rows take too)
+      for way in triton sdpa; do
+        FLEET_DECODE_ATTENTION=$way step "verify-mtp-long-$way" 280 python3 \
+          bench/verify_rounds.py --device cuda --mtp --layers 8 --drafts 1,3 --streams 1,4 \
+          --prompt 8000
+      done ;;
     hybrid-verify-checks)  # a hybrid's verify rows as decode rows, in captured graphs
       step test_qwen3_5_verify 150 python3 -m pytest -q -x -p no:cacheprovider -rs \
         tests/engine/test_qwen3_5_verify.py -k cuda

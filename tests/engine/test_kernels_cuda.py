@@ -1,5 +1,6 @@
 """The Triton decode kernel on CUDA (skipped without a GPU): the kernel against a float32
-softmax (decode_attention_cases.py), and whole stages decoding with it against the same
+softmax (decode_attention_cases.py), the MTP head's draft steps by it against its gathered
+attention (mtp_head_kernel_case.py), and whole stages decoding with it against the same
 stages under SDPA's mask (FLEET_DECODE_ATTENTION=sdpa), eager and in captured graphs."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from engine.backends.base import StageSpec, load_stage
 from engine.backends.pytorch.kv_cache import decode_index, decode_kernel_runs
+from tests.engine import mtp_head_kernel_case
 from tests.engine.conftest import stage_driver
 from tests.engine.decode_attention_cases import CUDA_CASES, check
 
@@ -19,6 +21,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 @pytest.mark.parametrize("case", CUDA_CASES, ids=str)
 def test_the_kernel_is_softmax_attention(case):
     check(case, "cuda")
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_the_mtp_heads_draft_step_by_the_kernel_is_its_gathered_attention(dtype, atol):
+    mtp_head_kernel_case.check("cuda", dtype, atol)
 
 
 def test_a_cuda_decode_index_carries_lengths_not_a_mask(monkeypatch):

@@ -15,6 +15,9 @@ reference's own greedy chain (each step fed its output and its guess)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +193,15 @@ def test_the_head_drafts_in_bfloat16(make_model, backend: str) -> None:
                           DraftAsk(1, 0, rows, (2,), (9,), 4, 2)])
     assert [len(d) for d in drafts] == [3, 2]
     assert all(0 <= t < stage.config.vocab_size for d in drafts for t in d)
+
+
+def test_a_draft_step_by_the_decode_kernel_is_the_gathered_attention():
+    """The kernel's way (CUDA, one row a slot) under Triton's interpreter, against SDPA over
+    the gathered entries: tests/engine/mtp_head_kernel_case.py. The interpreter is chosen
+    when triton is imported, so it runs in a process of its own."""
+    require("triton")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "tests.engine.mtp_head_kernel_case"],
+                          cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]

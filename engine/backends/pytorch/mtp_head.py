@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.backends.pytorch.kv_cache import decode_kernel_runs
 from engine.backends.pytorch.llama import Rope, mlp
 from engine.backends.pytorch.qwen3_5 import partial_rope, rms_norm
 from engine.backends.pytorch.sampling import on_device
@@ -40,6 +41,8 @@ class MtpHead:
         self.k = torch.zeros(shape, dtype=embed.dtype, device=embed.device)
         self.v = torch.zeros_like(self.k)
         self.count = [0] * parallel  # entries each slot holds
+        # Slot s's entries are page s of the decode kernel's layout (over_live_entries).
+        self.one_page_a_slot = torch.arange(parallel, device=embed.device)[:, None]
         weights_bytes = sum(t.numel() * t.element_size() for t in _tensors(weights))
         self.nbytes = weights_bytes + 2 * self.k.numel() * self.k.element_size()
 
@@ -81,14 +84,8 @@ class MtpHead:
         is written after its slot's last (rows of one slot in order), and it attends over
         its slot's entries up to its own."""
         eps = self.config.rms_norm_eps
-        entries = next_entries(self.count, slots, self.k.shape[2])
-        groups = SlotGroups.of(slots)
-        padded = [[0] * groups.most for _ in groups.slots]  # a padding row sees entry 0
-        for g, j, entry in zip(groups.group, groups.within, entries, strict=True):
-            padded[g][j] = entry
-        at = _RowsAt(self.ids(slots), self.ids(entries), self.ids(positions), max(entries) + 1,
-                     self.ids(groups.slots), self.ids(groups.group), self.ids(groups.within),
-                     on_device(self.embed.device, np.asarray(padded, dtype=np.int64)))
+        at = _RowsAt.of(slots, next_entries(self.count, slots, self.k.shape[2]), positions,
+                        self.one_page_a_slot)
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
@@ -109,21 +106,42 @@ class MtpHead:
         # Every row's K and V first, so rows of one slot see the earlier rows of the call.
         self.k[layer, at.slots, at.entries] = k
         self.v[layer, at.slots, at.entries] = v
-        groups = c.num_attention_heads // c.num_key_value_heads
-        # [slots, heads, span, d]: each slot's entries, once for all its rows
-        keys = self.k[layer, at.group_slots, :at.span].transpose(1, 2)
-        keys = keys.repeat_interleave(groups, 1)
-        values = self.v[layer, at.group_slots, :at.span].transpose(1, 2)
-        values = values.repeat_interleave(groups, 1)
-        queries = q.new_zeros(len(at.group_slots), at.padded.shape[1], *q.shape[1:])
-        queries[at.group, at.within] = q  # [slots, most rows, heads, d]
-        # [slots, most rows, span]: each row sees its slot's entries up to its own
-        seen = torch.arange(at.span, device=x.device)[None, None, :] <= at.padded[:, :, None]
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
-                                             attn_mask=seen[:, None],
-                                             scale=d ** -0.5)  # [slots, heads, most rows, d]
-        out = out.transpose(1, 2)[at.group, at.within].reshape(rows, c.q_width)
+        attend = over_live_entries if at.one_a_slot and decode_kernel_runs(x.device) \
+            else over_gathered_entries
+        out = attend(q, self.k[layer], self.v[layer], at).reshape(rows, c.q_width)
         return F.linear(out * torch.sigmoid(gate.reshape(rows, c.q_width)), w.o)
+
+
+def over_gathered_entries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          at: _RowsAt) -> torch.Tensor:
+    """q [rows, heads, d], each row over its slot's entries up to its own, k and v [slots,
+    entries, kv heads, d] a layer's cache: SDPA over each slot's entries gathered once for
+    all its rows (a prompt chunk's rows share them), under a mask. [rows, heads, d]."""
+    heads, d = q.shape[1:]
+    groups = heads // k.shape[2]
+    # [slots, heads, span, d]: each slot's entries, once for all its rows
+    keys = k[at.group_slots, :at.span].transpose(1, 2).repeat_interleave(groups, 1)
+    values = v[at.group_slots, :at.span].transpose(1, 2).repeat_interleave(groups, 1)
+    queries = q.new_zeros(len(at.group_slots), at.padded.shape[1], heads, d)
+    queries[at.group, at.within] = q  # [slots, most rows, heads, d]
+    # [slots, most rows, span]: each row sees its slot's entries up to its own
+    seen = torch.arange(at.span, device=q.device)[None, None, :] <= at.padded[:, :, None]
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
+                                         attn_mask=seen[:, None],
+                                         scale=d ** -0.5)  # [slots, heads, most rows, d]
+    return out.transpose(1, 2)[at.group, at.within]
+
+
+def over_live_entries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      at: _RowsAt) -> torch.Tensor:
+    """The same by the model's decode kernel (CUDA): each row reads its slot's live entries
+    in place, with no gather, no copy of a key head per query head and no mask, whose cost
+    grows with the longest conversation in the call. A slot's entries are one page of the
+    kernel's paged layout. [rows, heads, d]."""
+    from engine.backends.pytorch.decode_attention_triton import decode_attention
+
+    return decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), at.pages, at.slots,
+                            at.entries + 1, at.span)
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,9 @@ class _RowsAt:
     """Where a call's rows sit: slot, entry in the slot's cache, rotary position [rows]
     each, the longest span of entries a row attends over, and the rows grouped by slot
     (engine.draft_head.SlotGroups): the slots [slots], each row's slot and place among its
-    slot's rows [rows], and each place's entry [slots, most rows]."""
+    slot's rows [rows], and each place's entry [slots, most rows]. `pages`: each slot as
+    one page of the decode kernel's layout [slots, 1]; `one_a_slot`: no slot has two rows
+    (a draft step, not a feed)."""
 
     slots: torch.Tensor
     entries: torch.Tensor
@@ -141,6 +161,23 @@ class _RowsAt:
     group: torch.Tensor
     within: torch.Tensor
     padded: torch.Tensor
+    pages: torch.Tensor
+    one_a_slot: bool
+
+    @classmethod
+    def of(cls, slots: Sequence[int], entries: Sequence[int], positions: Sequence[int],
+           pages: torch.Tensor) -> _RowsAt:
+        groups = SlotGroups.of(slots)
+        padded = [[0] * groups.most for _ in groups.slots]  # a padding row sees entry 0
+        for g, j, entry in zip(groups.group, groups.within, entries, strict=True):
+            padded[g][j] = entry
+
+        def ids(values: object) -> torch.Tensor:
+            return on_device(pages.device, np.asarray(values, dtype=np.int64))
+
+        return cls(ids(slots), ids(entries), ids(positions), max(entries) + 1,
+                   ids(groups.slots), ids(groups.group), ids(groups.within), ids(padded),
+                   pages, groups.most == 1)
 
 
 def _tensors(w: DraftHeadWeights[torch.Tensor]) -> list[torch.Tensor]:
