@@ -5,7 +5,8 @@
 A harness, not the product's path: in a fleet the agents spawn the engines the supervisor
 places. Here one process starts one `fleet-engine` per stage, each with its own environment,
 a shared link key and ports picked on 127.0.0.1, with no agent or supervisor in between.
-Ctrl-C or SIGTERM stops every stage; inside `with`, a LocalReplica stops its stages on SIGTERM too.
+Ctrl-C or SIGTERM stops every stage; inside `with`, a LocalReplica stops its stages on
+SIGTERM too.
 """
 
 from __future__ import annotations
