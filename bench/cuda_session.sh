@@ -12,6 +12,7 @@
 # verify-mtp (the MTP head's round at that shape against a plain round), verify-mtp-long
 # (the same after 8,000 tokens, the head's draft steps by the decode kernel and gathered),
 # exactness-modes (a ring against one process, each path off in turn),
+# hop-two-gpus (a boundary's cost with the two stages on two GPUs, then on one),
 # hybrid-verify-checks and graph-checks (the CUDA tests of verify rows and captured graphs),
 # packed-checks (the packed kernels' and 4-bit stages' CUDA tests), prompt (an 8,192-token
 # prompt's rate by chunk size, and its profile), prompt-attention (flash against cuDNN for
@@ -136,6 +137,14 @@ for what in "$@"; do
     packed-checks)  # the packed kernels and 4-bit stages on CUDA (compiled where auto)
       for f in tests/engine/test_packed_triton_cuda.py tests/engine/test_packed_cuda.py; do
         step "$(basename "$f" .py)" 150 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
+      done ;;
+    hop-two-gpus)  # issue 25's hop with each stage on a GPU of its own (a machine of two:
+      # run with kind nvidia-h100-x2), where one GPU's two processes took turns; then the same
+      # split on one GPU, as before, for the ratio in one run
+      for devices in 0,1 0,0; do
+        step "hop-$devices" 280 python3 bench/pipeline.py --preset 8b \
+          --backends torch-cuda,torch-cuda --devices "$devices" --prompt 2048 --chunk 512 \
+          --repeats 2 --steps 16
       done ;;
     packed) step packed 330 python3 bench/quantized.py --device cuda --shape 8b --triton \
         --layers 16 --stage-layers 32 ;;
