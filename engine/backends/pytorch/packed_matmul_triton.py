@@ -274,7 +274,8 @@ def plan(rows: int, out_features: int, in_features: int, group_size: int, bits: 
         words = _largest_power_of_two_dividing(per_row, warps * PLANES_WORDS)
         splits = _splits(per_row // words, tiles, PLANES_WARPS // warps, 32)
         # The next step's words loaded while this one's are summed (tl.range's pipeline):
-        # 17-28 % off every linear of the 8B and the 27B in the sweep (2026-12-07, H100).
+        # 15-28 % off the one-stage launch where the sweep timed it (2026-12-07, H100),
+        # and the best launch of every linear with more than one step loads ahead.
         stages = 2 if per_row // words // splits >= 2 else 1
         return Launch(1, PLANES_OUTPUTS, words * per_word, splits, warps, stages)
     block_m = max(16, triton.next_power_of_2(rows))
