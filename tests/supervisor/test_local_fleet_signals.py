@@ -12,12 +12,12 @@ import psutil
 from tests.sigterm import assert_sigterm_stops_all, kill_all
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import signal, sys
     from pathlib import Path
     from supervisor.local import LocalFleet
     with LocalFleet(Path(sys.argv[1]), nodes=("node-a",)):
         print("up", flush=True)
-        time.sleep(600)
+        signal.pause()  # until the test's SIGTERM
 """)
 
 
