@@ -258,10 +258,9 @@ def main() -> int:
     except ValueError as exc:
         parser.error(str(exc))
     backends = args.backends.split(",") if args.backends else None
-    with sigterm_unwinds():  # `kill` stops every stage as Ctrl-C does
-        replica = launch(args.model, stages, backends, context=args.context,
-                         parallel=args.parallel, chunk=args.chunk, http_port=args.http_port,
-                         log_to_files=False)
+    # The replica's `with` stops every stage on Ctrl-C and on SIGTERM (`kill`) alike.
+    with launch(args.model, stages, backends, context=args.context, parallel=args.parallel,
+                chunk=args.chunk, http_port=args.http_port, log_to_files=False) as replica:
         try:
             replica.wait_ready()
             print(f"serving {args.model} at {replica.url} "
@@ -271,9 +270,6 @@ def main() -> int:
             return 1
         except KeyboardInterrupt:
             return 0
-        finally:
-            replica.stop()
-
 
 if __name__ == "__main__":
     sys.exit(main())
