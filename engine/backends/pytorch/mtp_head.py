@@ -65,7 +65,7 @@ class MtpHead:
         return torch.cat([a.hidden[self.ids(a.rows)] for a in asks])
 
     def ids(self, values: Sequence[int]) -> torch.Tensor:
-        return on_device(self.embed.device, np.asarray(values, dtype=np.int64))
+        return _ids(self.embed.device, values)
 
     def take(self, x: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         return x[self.ids(indices)]
@@ -86,16 +86,20 @@ class MtpHead:
         eps = self.config.rms_norm_eps
         at = _RowsAt.of(slots, next_entries(self.count, slots, self.k.shape[2]), positions,
                         self.one_page_a_slot)
+        # A draft step (one row a slot) on CUDA reads live entries in place; a feed, or any
+        # call elsewhere, gathers them.
+        attend = over_live_entries if at.one_a_slot and decode_kernel_runs(hidden.device) \
+            else over_gathered_entries
         e = rms_norm(F.embedding(token_ids, self.embed), self.w.embed_norm, eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.w.hidden_norm, eps)), dim=-1),
                      self.w.fc)
         for layer, w in enumerate(self.w.layers):
-            x = x + self._attention(layer, rms_norm(x, w.input_norm, eps), w, at)
+            x = x + self._attention(layer, rms_norm(x, w.input_norm, eps), w, at, attend)
             x = x + mlp(rms_norm(x, w.post_norm, eps), w)
         return rms_norm(x, self.w.norm, eps)
 
-    def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights,
-                   at: _RowsAt) -> torch.Tensor:
+    def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights, at: _RowsAt,
+                   attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         c = self.config
         rows, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
         q, gate = F.linear(x, w.q).view(rows, c.num_attention_heads, 2 * d).chunk(2, dim=-1)
@@ -106,8 +110,6 @@ class MtpHead:
         # Every row's K and V first, so rows of one slot see the earlier rows of the call.
         self.k[layer, at.slots, at.entries] = k
         self.v[layer, at.slots, at.entries] = v
-        attend = over_live_entries if at.one_a_slot and decode_kernel_runs(x.device) \
-            else over_gathered_entries
         out = attend(q, self.k[layer], self.v[layer], at).reshape(rows, c.q_width)
         return F.linear(out * torch.sigmoid(gate.reshape(rows, c.q_width)), w.o)
 
@@ -173,11 +175,16 @@ class _RowsAt:
             padded[g][j] = entry
 
         def ids(values: object) -> torch.Tensor:
-            return on_device(pages.device, np.asarray(values, dtype=np.int64))
+            return _ids(pages.device, values)
 
         return cls(ids(slots), ids(entries), ids(positions), max(entries) + 1,
                    ids(groups.slots), ids(groups.group), ids(groups.within), ids(padded),
                    pages, groups.most == 1)
+
+
+def _ids(device: torch.device, values: object) -> torch.Tensor:
+    """Host integers as an int64 index tensor on `device`, copied without waiting."""
+    return on_device(device, np.asarray(values, dtype=np.int64))
 
 
 def _tensors(w: DraftHeadWeights[torch.Tensor]) -> list[torch.Tensor]:
