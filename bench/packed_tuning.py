@@ -107,9 +107,9 @@ def warm(work: list) -> int:
             print(f"# faulted the device: {tiles} on {out_features}x{in_features}", flush=True)
             raise
         except Exception as exc:  # noqa: BLE001 - out of registers or shared memory
-            why = str(exc).strip().splitlines()[:1]
+            why = str(exc).strip().partition("\n")[0][:200]
             print(f"# not a candidate: {tiles} on {out_features}x{in_features}: "
-                  f"{type(exc).__name__}{': ' + why[0][:200] if why else ''}", flush=True)
+                  f"{type(exc).__name__}: {why}", flush=True)
     return done
 
 

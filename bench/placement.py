@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, table
 from engine.checkpoint.maker import PRESETS, CheckpointSpec, make_checkpoint
+from supervisor.lifecycle import FAILED, STOPPED
 from supervisor.local import LocalFleet
 
 # Big enough that a layer's compute, not the per-round overhead, is most of a round on CPU.
@@ -200,7 +201,7 @@ def measure(fleet: LocalFleet, layout, requests: Requests, count: int,
     measured_ids.add(replica["id"])
     # The replica it replaces drains and exits on the same cores: timed beside it, this
     # one's first requests would pay for that exit.
-    fleet.wait(lambda: all(r["state"] in ("stopped", "failed") for r in fleet.status()["replicas"]
+    fleet.wait(lambda: all(r["state"] in (STOPPED, FAILED) for r in fleet.status()["replicas"]
                            if r["id"] != replica["id"]), 120, "the replaced replica to stop")
     if remeasure:
         fleet.fleetctl("remeasure", "--wait-s", "600")
