@@ -334,6 +334,21 @@ def context_rows(model_dir: Path, backend: str, batches: list[int], contexts: li
     return rows
 
 
+def time_inductor_choices() -> None:
+    """Undo compiled_step's deterministic mode each time it is set, for this process."""
+    from engine.backends.pytorch import compiled_step
+
+    prepare = compiled_step._prepare
+
+    def prepare_then_time() -> None:
+        prepare()
+        import torch._inductor.config as inductor_config
+
+        inductor_config.deterministic = False
+
+    compiled_step._prepare = prepare_then_time
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path)
@@ -368,7 +383,13 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the device's dense matrix rate in the model's dtype "
                              "(H200 bf16: 989)")
+    parser.add_argument("--inductor-timed", action="store_true",
+                        help="let Inductor time its launch choices, as before its "
+                             "deterministic mode: prices that mode (a ring's stages may then "
+                             "round differently from one process; never for serving)")
     args = parser.parse_args()
+    if args.inductor_timed:
+        time_inductor_choices()
     if args.threads:
         import torch
 
