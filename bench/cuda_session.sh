@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session's checks and benchmarks, each step bounded, every log under $OUT (or ./out).
 #   bash bench/cuda_session.sh tests kernels decode        # steps to run, in order
-# Steps: tests (the CUDA tests), kernels (bench/decode_kernels.py), decode (whole 8B decode
+# Steps: tests (the CUDA tests), kernel-checks (the Triton kernels' CUDA tests), kernels (bench/decode_kernels.py), decode (whole 8B decode
 # rounds at long conversations, Triton kernel against SDPA), tuning (bench/packed_tuning.py:
 # the packed kernels' launches), packed (bench/quantized.py), profile (bench/stage_profile.py:
 # a packed stage's round kernel by kernel),
-# anchor (short conversations against the compiled anchor), anchor-profile (its rounds
+# anchor (short conversations against the compiled anchor), anchor-modes (the same with
+# the compiled step's deterministic mode and without), anchor-profile (its rounds
 # kernel by kernel), hybrid (bench/qwen3_5_decode.py),
 # verify (drafting on CUDA, and bench/verify_rounds.py: a verify round against a decode
 # round, the dense 8B), verify-hybrid (the same at the 27B hybrid's layer shape),
@@ -69,6 +70,8 @@ for what in "$@"; do
           tests/pipeline/test_cuda_exactness.py; do
         step "$(basename "$f" .py)" 130 python3 -m pytest -q -x -p no:cacheprovider -rs "$f"
       done ;;
+    kernel-checks) step test_kernels_cuda 240 python3 -m pytest -q -x -p no:cacheprovider -rs \
+        tests/engine/test_kernels_cuda.py ;;
     kernels) step kernels 240 python3 bench/decode_kernels.py --streams 1,8,32 \
         --lengths 96,8000,30000 ;;
     decode)
@@ -150,6 +153,12 @@ for what in "$@"; do
         --layers 16 --stage-layers 32 ;;
     anchor) step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
         --batches 1,8 --no-reference ;;
+    anchor-modes)  # what the compiled step's deterministic mode costs: the anchor's table
+      # with the mode (as served), then with Inductor timing its choices (as before it)
+      step anchor 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
+        --batches 1,8 --no-reference
+      step anchor-timed 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
+        --batches 1,8 --no-reference --inductor-timed ;;
     compiled) step test_compiled_cuda 130 python3 -m pytest -q -x -p no:cacheprovider -rs \
         tests/engine/test_compiled_cuda.py ;;
     exactness)  # a ring against one process; where it fails, the first case eagerly too
