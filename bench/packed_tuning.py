@@ -69,6 +69,18 @@ def candidates(rows: int, out_features: int, in_features: int, tma: bool = False
     for block_n, block_k, warps, stages in grid:
         found += [Launch(block_m, block_n, block_k, splits, warps, stages)
                   for splits in splits_of(block_k) if splits <= 8]
+    if rows > 16:
+        return found
+    # The dot kernel a plane at a time (a plane's tl.dot takes 16 words or more).
+    for block_n, block_k, stages in itertools.product((32, 64, 128), (128, 256, 512), (2, 3)):
+        found += [Launch(block_m, block_n, block_k, splits, 4, stages, by_plane=True)
+                  for splits in splits_of(block_k) if splits in (1, 2, 4, 8)]
+    # The planes kernel's rows form: fewer outputs a thread, as the rows take registers.
+    for warps, v, block_n, stages in itertools.product((1, 2, 4), (2, 4), (1, 2, 4), (1, 2)):
+        block_k = 32 * warps * v * 32 // BITS
+        found += [Launch(1, block_n, block_k, splits, warps, stages)
+                  for splits in splits_of(block_k) if splits in (1, 2, 4, 8)
+                  and (stages == 1 or in_features // block_k // splits >= stages)]
     return found
 
 
@@ -115,7 +127,8 @@ def warm(work: list) -> int:
 
 def describe(tiles) -> str:
     return (f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} s{tiles.splits} "
-            f"w{tiles.num_warps} st{tiles.num_stages}" + " tma" * tiles.tma)
+            f"w{tiles.num_warps} st{tiles.num_stages}" + " tma" * tiles.tma
+            + " planes" * tiles.by_plane)
 
 
 def per_copy_us(action, copies: int) -> float:
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows, out_features, in_features, tiles_list in jobs:
         for tiles in tiles_list:
             key = (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-                   tiles.num_stages, tiles.tma, tiles.splits > 1)
+                   tiles.num_stages, tiles.tma, tiles.by_plane, tiles.splits > 1, rows)
             by_kernel.setdefault(key, []).append((rows, out_features, in_features, tiles))
     kernel_lists = list(by_kernel.values())
     work = [[item for kernel in kernel_lists[k::args.jobs] for item in kernel]

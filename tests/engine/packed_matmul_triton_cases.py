@@ -94,6 +94,30 @@ def test_split_k_adds_its_chunks_in_a_fixed_order(kernels, bits):
         assert torch.equal(got, kernels.packed_matmul(*args, launch=launch))
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 128), (8, 64)])
+def test_a_few_rows_by_planes_are_the_dense_product(kernels, bits, group):
+    """The planes kernel's rows form (bfloat16, rows a power of two or not, split-K or not)
+    and the dot kernel a plane at a time (float16 here: the interpreter's bfloat16 tl.dot)."""
+    params = QuantParams(group, bits)
+    words, scales, biases, dense = stored(40, 512, params, torch.float32, bits + group)
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(group))
+    for rows in (2, 3, 8):
+        for dtype, launch in ((torch.bfloat16, kernels.Launch(1, 4, 256, 2, 1, 2)),
+                              (torch.bfloat16, kernels.Launch(1, 2, 256, 1, 1, 1)),
+                              (torch.float16, kernels.Launch(16, 32, 256, 2, 4, 2,
+                                                             by_plane=True))):
+            args = (x[:rows].to(dtype), words, scales.to(dtype), biases.to(dtype), bits, group)
+            got = kernels.packed_matmul(*args, launch=launch)
+            assert_is_the_dense_product(got, x[:rows].to(dtype),
+                                        dequant.dequantize(words.numpy().view(np.uint32),
+                                                           scales.to(dtype), biases.to(dtype),
+                                                           params).double())
+            assert torch.equal(got, kernels.packed_matmul(*args, launch=launch))
+    with pytest.raises(ValueError, match="1 to 16 bfloat16 rows"):
+        kernels.packed_matmul(x[:2].half(), words, scales.half(), biases.half(), bits, group,
+                              launch=kernels.Launch(1, 4, 256, 1, 1, 1))
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_the_one_row_kernel_by_tensor_descriptor_is_the_dense_product(kernels, bits):
     """Tiles brought by tensor descriptor (TMA on Hopper), steps loaded ahead, split-K: the

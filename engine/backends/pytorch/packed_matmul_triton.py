@@ -48,6 +48,7 @@ from engine.backends import quant_policy
 
 BITS = quant_policy.TRITON_BITS  # codes that never straddle a word, four or more a word
 DOT_ROWS_MAX = 64  # up to this many rows: the dot kernel; above: dequantize, then cuBLAS
+PLANES_ROWS_MAX = 16  # the most rows the planes kernel's rows form takes
 # The planes kernel: a warp over 4 outputs and 128 words a step (4 words a thread, side by
 # side), up to PLANES_WARPS_MAX warps of a program sharing its inputs.
 PLANES_OUTPUTS, PLANES_WORDS, PLANES_WARPS_MAX = 4, 128, 4
@@ -142,14 +143,63 @@ def _gemv_planes_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, words_split, ste
 
 
 @triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, words_split, steps,
+                      stride_xq, stride_wn, stride_sn,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """A few bfloat16 rows on the planes kernel's tiles: each plane dequantized once
+    (q * scale + bias, float32) and met by every row's inputs, the rows a leading dimension
+    each thread holds whole, so a word's codes stay in its thread as for one row. x_ptr: the
+    rows viewed as int64, stride_xq apart; ROWS: M rounded up to a power of two."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    QUADS: tl.constexpr = PER_WORD // 4
+    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS)
+    n_ok, r_ok = offs_n < N, offs_r < M
+    offs_w = tl.arange(0, BLOCK_W)
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_W), dtype=tl.float32)
+    w_start = pid_s * words_split
+    for step in tl.range(0, steps, num_stages=STAGES):
+        kw = w_start + step * BLOCK_W + offs_w
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + kw[None, :],
+                        mask=n_ok[:, None], other=0)
+        g = offs_n[:, None] * stride_sn + (kw // WORDS_PER_GROUP)[None, :]
+        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        for c in tl.static_range(QUADS):
+            quad = tl.load(x_ptr + offs_r[:, None, None] * stride_xq
+                           + (kw * QUADS + c)[None, None, :],
+                           mask=r_ok[:, None, None], other=0)  # [rows, 1, words]
+            x0, x1 = _bf16_pair(quad.to(tl.int32))
+            x2, x3 = _bf16_pair((quad >> 32).to(tl.int32))
+            acc += (_plane(words, 4 * c, BITS) * scale + bias)[None, :, :] * x0
+            acc += (_plane(words, 4 * c + 1, BITS) * scale + bias)[None, :, :] * x1
+            acc += (_plane(words, 4 * c + 2, BITS) * scale + bias)[None, :, :] * x2
+            acc += (_plane(words, 4 * c + 3, BITS) * scale + bias)[None, :, :] * x3
+    total = tl.sum(acc, axis=2)
+    out = offs_r[:, None] * N + offs_n[None, :]
+    ok = r_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * M * N + out, total, mask=ok)
+    else:
+        tl.store(out_ptr + out, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, k_split, steps,
                 stride_xm, stride_wn, stride_sn,
                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, BY_PLANE: tl.constexpr):
     """A few rows: out[m, n] (or chunk pid_s's partial sum) = sum over k of x[m, k] * w[n, k],
     each tile of weights dequantized in registers (float32, rounded once to the activation
-    dtype), then one tl.dot against the rows' inputs."""
+    dtype), then tl.dot against the rows' inputs. BY_PLANE: one tl.dot a plane (code j of
+    every word of the tile, against the inputs j, j + codes a word, ...), so the codes never
+    leave the thread that loaded their word; else the codes are laid out along the inputs
+    (a [outputs, words, codes] tile reshaped) and one tl.dot takes the whole tile."""
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     PER_WORD: tl.constexpr = 32 // BITS
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -167,16 +217,27 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, k_split, steps,
         k0 = k_start + step * BLOCK_K
         words = tl.load(w_rows + (k0 // PER_WORD + offs_kw)[None, :], mask=n_ok[:, None],
                         other=0)
-        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))
-        g = s_rows + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]
-        scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        w = tl.reshape(_codes_to_float(q) * scale[:, :, None] + bias[:, :, None],
-                       (BLOCK_N, BLOCK_K))
-        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
-                    other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+        if BY_PLANE:
+            # Each word's group, its scale and bias beside it: [outputs, words].
+            g = s_rows + ((k0 // PER_WORD + offs_kw) // (GROUP // PER_WORD))[None, :]
+            scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            for j in tl.static_range(PER_WORD):
+                x = tl.load(x_rows + (k0 + offs_kw * PER_WORD + j)[None, :],
+                            mask=m_ok[:, None], other=0.0)
+                w = _plane(words, j, BITS) * scale + bias
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+        else:
+            q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))
+            g = s_rows + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]
+            scale = tl.load(s_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            bias = tl.load(b_ptr + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w = tl.reshape(_codes_to_float(q) * scale[:, :, None] + bias[:, :, None],
+                           (BLOCK_N, BLOCK_K))
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
+                        other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     out = offs_m[:, None] * N + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
@@ -225,7 +286,8 @@ def _dequantize_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn,
 @dataclass(frozen=True)
 class Launch:
     """How one matmul shape runs: block_m 1 is the planes kernel (block_k inputs a step as
-    32 * num_warps threads' words), else the dot kernel; splits input chunks (split-K).
+    32 * num_warps threads' words; for several bfloat16 rows, its rows form), else the dot
+    kernel; splits input chunks (split-K).
     num_stages: the planes kernel's steps loaded at once (1: none ahead), the dot kernel's
     software pipeline."""
 
@@ -238,6 +300,8 @@ class Launch:
     # The planes kernel: tiles by tensor descriptors (Hopper's copy engine) where the weight's
     # alignment allows (else pointer loads: the same sums, the same bytes).
     tma: bool = False
+    # The dot kernel: one tl.dot a plane of codes (else one a tile, its codes reshaped).
+    by_plane: bool = False
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:
@@ -318,9 +382,24 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                           dtype=torch.float32) if partial else out)
     k_split = in_features // launch.splits
     steps = k_split // launch.block_k
-    if launch.block_m == 1:
-        if rows != 1 or x.dtype != torch.bfloat16:
-            raise ValueError(f"the planes kernel takes one bfloat16 row, not {rows} of {x.dtype}")
+    if launch.block_m == 1 and rows > 1:
+        if x.dtype != torch.bfloat16 or rows > PLANES_ROWS_MAX:
+            raise ValueError(f"the planes kernel takes 1 to {PLANES_ROWS_MAX} bfloat16 rows, "
+                             f"not {rows} of {x.dtype}")
+        if x.data_ptr() % 8:  # read as int64: a view at an odd offset is copied first
+            x = x.clone()
+        per_word = 32 // bits
+        grid = (triton.cdiv(out_features, launch.block_n), launch.splits)
+        _gemv_rows_kernel[grid](x.view(torch.int64), words, scales, biases, target, rows,
+                                out_features, k_split // per_word, steps, x.stride(0) // 4,
+                                words.stride(0), scales.stride(0), BITS=bits,
+                                GROUP=group_size, ROWS=triton.next_power_of_2(rows),
+                                BLOCK_N=launch.block_n, BLOCK_W=launch.block_k // per_word,
+                                PARTIAL=partial, STAGES=launch.num_stages,
+                                num_warps=launch.num_warps, num_stages=launch.num_stages)
+    elif launch.block_m == 1:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the planes kernel takes bfloat16 rows, not {x.dtype}")
         if x.data_ptr() % 8:  # read as int64: a view at an odd offset is copied first
             x = x.clone()
         per_word = 32 // bits
@@ -348,6 +427,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                           BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, PARTIAL=partial,
                           # float32 rows in full float32, not TF32; half types ignore it.
                           DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                          BY_PLANE=launch.by_plane,
                           num_warps=launch.num_warps, num_stages=launch.num_stages)
     if partial:
         size, block = rows * out_features, 1024
