@@ -40,19 +40,26 @@ class LayerWeights(Generic[W]):
     """One decoder layer's weights, named for what they are, in a backend's weight type."""
 
     input_norm: W
-    q: W  # projections may be packed (mlx-lm's affine quantization); norms never are
-    k: W
-    v: W
+    # Projections may be packed (mlx-lm's affine quantization); norms never are. q, k, v,
+    # gate and up are None where a backend stacked them (qkv, gate_up below).
+    q: W | None
+    k: W | None
+    v: W | None
     o: W
     post_norm: W
-    gate: W
-    up: W
+    gate: W | None
+    up: W | None
     down: W
     q_bias: W | None = None
     k_bias: W | None = None
     v_bias: W | None = None
     q_norm: W | None = None
     k_norm: W | None = None
+    # q, k and v (and their biases), and gate and up, stacked by output into one weight each
+    # by a backend that runs them as one matmul (engine/backends/pytorch/stacked.py).
+    qkv: W | None = None
+    qkv_bias: W | None = None
+    gate_up: W | None = None
 
 
 @dataclass
@@ -60,19 +67,25 @@ class DeltaNetWeights(Generic[W]):
     """One Gated DeltaNet layer's weights (the hybrid's linear-attention layer type)."""
 
     input_norm: W
-    qkv: W  # [2 x key width + value width, hidden]: q, k and v in one projection
-    z: W  # [value width, hidden]: the output gate of the gated RMSNorm
-    b: W  # [value heads, hidden]: the write strength, through a sigmoid
-    a: W  # [value heads, hidden]: the decay's input, with dt_bias and A_log
+    # The four projections of the layer's input are None where a backend stacked them
+    # (inputs, below), as are gate and up (gate_up).
+    qkv: W | None  # [2 x key width + value width, hidden]: q, k and v in one projection
+    z: W | None  # [value width, hidden]: the output gate of the gated RMSNorm
+    b: W | None  # [value heads, hidden]: the write strength, through a sigmoid
+    a: W | None  # [value heads, hidden]: the decay's input, with dt_bias and A_log
     conv: W  # [conv width, 1, kernel]: depthwise causal convolution
     dt_bias: W
     a_log: W
     norm: W  # [value head dim]: the gated RMSNorm's weight (plain, not 1 + w)
     out: W
     post_norm: W
-    gate: W
-    up: W
+    gate: W | None
+    up: W | None
     down: W
+    # qkv, z, b and a, and gate and up, stacked by output into one weight each by a backend
+    # that runs them as one matmul (engine/backends/pytorch/stacked.py).
+    inputs: W | None = None
+    gate_up: W | None = None
 
 
 # Each layer kind's weights type, by config.json's layer type name.

@@ -23,8 +23,9 @@ from engine.backends.pytorch.kv_cache import (
     located,
     visible_keys,
 )
+from engine.backends.pytorch.stacked import projections
 from engine.config import ModelConfig, rope_inv_freq
-from engine.family import LayerWeights, load_range
+from engine.family import DeltaNetWeights, LayerWeights, load_range
 from engine.kv_pages import pages_for
 
 if TYPE_CHECKING:
@@ -64,9 +65,12 @@ def attention_inputs(x: torch.Tensor, w: LayerWeights, config: ModelConfig,
     (`cos`, `sin`: the tables [context, head_dim])."""
     rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
     h = rms_norm(x, w.input_norm, eps)
-    q = F.linear(h, w.q, w.q_bias).view(rows, config.num_attention_heads, d)
-    k = F.linear(h, w.k, w.k_bias).view(rows, config.num_key_value_heads, d)
-    v = F.linear(h, w.v, w.v_bias).view(rows, config.num_key_value_heads, d)
+    kv_width = config.num_key_value_heads * d
+    q, k, v = projections(h, w.qkv, w.qkv_bias, (config.q_width, kv_width, kv_width),
+                          (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
+    q = q.view(rows, config.num_attention_heads, d)
+    k = k.view(rows, config.num_key_value_heads, d)
+    v = v.view(rows, config.num_key_value_heads, d)
     if w.q_norm is not None:
         q = rms_norm(q, w.q_norm, eps)
         k = rms_norm(k, w.k_norm, eps)
@@ -82,8 +86,10 @@ def layer_output(x: torch.Tensor, o: torch.Tensor, w: LayerWeights, config: Mode
     return x + mlp(rms_norm(x, w.post_norm, config.rms_norm_eps), w)
 
 
-def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+def mlp(x: torch.Tensor, w: LayerWeights | DeltaNetWeights) -> torch.Tensor:
+    width = w.down.shape[1]
+    gate, up = projections(x, w.gate_up, None, (width, width), (w.gate, w.up))
+    return F.linear(F.silu(gate) * up, w.down)
 
 
 @dataclass(frozen=True)

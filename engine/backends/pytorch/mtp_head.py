@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from engine.backends.pytorch.kv_cache import decode_kernel_runs
 from engine.backends.pytorch.llama import Rope, mlp
-from engine.backends.pytorch.qwen3_5 import partial_rope, rms_norm
+from engine.backends.pytorch.qwen3_5 import attention_projections, partial_rope, rms_norm
 from engine.backends.pytorch.sampling import on_device
+from engine.backends.pytorch import stacked
 from engine.config import ModelConfig
 from engine.draft_head import DraftAsk, SlotGroups, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head
@@ -33,6 +34,8 @@ class MtpHead:
                  embed: torch.Tensor, head: torch.Tensor, final_norm: torch.Tensor,
                  rope: Rope, parallel: int, context: int) -> None:
         self.config = config
+        for layer in weights.layers:  # one matmul a group of projections
+            stacked.stack(layer)
         self.w = weights
         self.embed, self.head, self.final_norm = embed, head, final_norm
         self.rope = rope
@@ -101,10 +104,8 @@ class MtpHead:
     def _attention(self, layer: int, x: torch.Tensor, w: LayerWeights, at: _RowsAt,
                    attend: Callable[..., torch.Tensor]) -> torch.Tensor:
         c = self.config
-        rows, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
-        q, gate = F.linear(x, w.q).view(rows, c.num_attention_heads, 2 * d).chunk(2, dim=-1)
-        k = F.linear(x, w.k).view(rows, c.num_key_value_heads, d)
-        v = F.linear(x, w.v).view(rows, c.num_key_value_heads, d)
+        rows, eps = x.shape[0], c.rms_norm_eps
+        q, gate, k, v = attention_projections(x, w, c)
         q = partial_rope(rms_norm(q, w.q_norm, eps), self.rope, at.positions)
         k = partial_rope(rms_norm(k, w.k_norm, eps), self.rope, at.positions)
         # Every row's K and V first, so rows of one slot see the earlier rows of the call.

@@ -27,6 +27,7 @@ from engine.backends.pytorch.delta_kernels import OURS, DeltaKernels
 from engine.backends.pytorch.kv_cache import KVCache, RoundIndex, VerifySteps
 from engine.backends.pytorch.llama import Rope, mlp, rotate_half
 from engine.backends.pytorch.recurrent_state import HybridState, RecurrentState
+from engine.backends.pytorch.stacked import projections
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.family import DeltaNetWeights, LayerWeights, load_range
 
@@ -62,14 +63,25 @@ def partial_rope(x: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.
 def gated_attention(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope,
                     state: HybridState, kv_layer: int, index: RoundIndex) -> torch.Tensor:
     rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
-    q, gate = F.linear(x, w.q).view(rows, config.num_attention_heads, 2 * d).chunk(2, dim=-1)
-    k = F.linear(x, w.k).view(rows, config.num_key_value_heads, d)
-    v = F.linear(x, w.v).view(rows, config.num_key_value_heads, d)
+    q, gate, k, v = attention_projections(x, w, config)
     q = partial_rope(rms_norm(q, w.q_norm, eps), rope, index.positions)
     k = partial_rope(rms_norm(k, w.k_norm, eps), rope, index.positions)
     state.kv.write(kv_layer, index, k, v)
     out = state.kv.attend(kv_layer, index, q).reshape(rows, config.q_width)
     return F.linear(out * torch.sigmoid(gate.reshape(rows, config.q_width)), w.o)
+
+
+def attention_projections(x: torch.Tensor, w: LayerWeights, config: ModelConfig
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A gated attention layer's q, its output gate ([rows, heads, head_dim] each), k and v
+    ([rows, kv heads, head_dim] each): q's projection holds q and gate head by head."""
+    rows, d = x.shape[0], config.head_dim
+    kv_width = config.num_key_value_heads * d
+    q_and_gate, k, v = projections(x, w.qkv, None, (2 * config.q_width, kv_width, kv_width),
+                                   (w.q, w.k, w.v))
+    q, gate = q_and_gate.reshape(rows, config.num_attention_heads, 2 * d).chunk(2, dim=-1)
+    return (q, gate, k.reshape(rows, config.num_key_value_heads, d),
+            v.reshape(rows, config.num_key_value_heads, d))
 
 
 def _conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -94,10 +106,12 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
              kernels: DeltaKernels = OURS) -> torch.Tensor:
     rows = x.shape[0]
     kernel = config.linear_conv_kernel_dim
-    mixed = F.linear(x, w.qkv)  # [rows, conv width]
-    z = F.linear(x, w.z).view(rows, config.linear_num_value_heads, config.linear_value_head_dim)
-    beta = torch.sigmoid(F.linear(x, w.b)).float()  # [rows, v_heads]
-    g = -w.a_log.float().exp() * F.softplus(F.linear(x, w.a).float() + w.dt_bias.float())
+    heads = config.linear_num_value_heads
+    mixed, z, b, a = projections(x, w.inputs, None, (w.conv.shape[0], config.linear_value_width,
+                                                     heads, heads), (w.qkv, w.z, w.b, w.a))
+    z = z.reshape(rows, heads, config.linear_value_head_dim)
+    beta = torch.sigmoid(b).float()  # [rows, v_heads]
+    g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
     core = torch.empty(rows, config.linear_num_value_heads, config.linear_value_head_dim,
                        dtype=torch.float32, device=x.device)
 

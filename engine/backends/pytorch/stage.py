@@ -18,7 +18,7 @@ from engine.backends.base import (
     require_draft_head,
 )
 from engine.backends.family_modules import family_module
-from engine.backends.pytorch import dequant, packed_linear, sampling
+from engine.backends.pytorch import dequant, packed_linear, sampling, stacked
 from engine.backends.pytorch.compiled_step import (
     compiled_decode_block,
     compiled_layer_parts,
@@ -90,6 +90,10 @@ class TorchStage(Stage):
 
         family = family_module("engine.backends.pytorch", config)
         model = family.build_range(config, spec, load, device, dtype, on_layer)
+        for layer in model.layers:  # one matmul a group of projections (stacked.py)
+            stacked.stack(layer)
+        if device.type == "cuda":  # the parts' blocks, back to the device
+            torch.cuda.empty_cache()
         int4_packed = packed and not packed_linear.traceable(model.layers)
         stage = cls(spec, config, model, device, int4_packed=int4_packed)
         if spec.draft_head and stage.is_first:
