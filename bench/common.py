@@ -15,6 +15,14 @@ from engine.config import ModelConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def projections_apart() -> None:
+    """PyTorch stages built after this call hold each projection as a weight of its own, as
+    before engine/backends/pytorch/stacked.py: the baseline a bench's --unstacked times."""
+    from engine.backends.pytorch import stacked
+
+    stacked.stack = lambda layer: None
+
+
 def checkpoint(model: Path | None, preset: str) -> Path:
     """`model` if given, else the preset, generated once under build/."""
     if model is not None:

@@ -5,6 +5,7 @@
 # rounds at long conversations, Triton kernel against SDPA), tuning (bench/packed_tuning.py:
 # the packed kernels' launches), packed (bench/quantized.py), profile (bench/stage_profile.py:
 # a packed stage's round kernel by kernel),
+# stacking (projections stacked at load against apart: anchor, packed, hybrid),
 # anchor (short conversations against the compiled anchor), anchor-modes (the same with
 # the compiled step's deterministic mode and without), anchor-profile (its rounds
 # kernel by kernel), hybrid (bench/qwen3_5_decode.py),
@@ -159,6 +160,17 @@ for what in "$@"; do
         --batches 1,8 --no-reference
       step anchor-timed 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
         --batches 1,8 --no-reference --inductor-timed ;;
+    stacking)  # q/k/v, gate/up and a DeltaNet layer's inputs stacked (served) against
+      # each projection apart (--unstacked): the anchor's table, packed 4-bit rounds, the hybrid
+      for way in stacked unstacked; do
+        flag=$([ $way = unstacked ] && echo --unstacked)
+        step "anchor-$way" 300 python3 bench/decode.py --preset 8b --device cuda --anchor \
+          --batches 1,8 --no-reference $flag
+        step "packed-$way" 330 python3 bench/quantized.py --device cuda --shape 8b --triton \
+          --layers 16 --stage-layers 32 $flag
+        step "hybrid-$way" 300 python3 bench/qwen3_5_decode.py --layers 8 --no-transformers \
+          $flag
+      done ;;
     compiled) step test_compiled_cuda 130 python3 -m pytest -q -x -p no:cacheprovider -rs \
         tests/engine/test_compiled_cuda.py ;;
     exactness)  # a ring against one process; where it fails, the first case eagerly too

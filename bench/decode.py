@@ -55,7 +55,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import checkpoint, copy_bandwidth_gbs, median_s, n_layers, table
+from bench.common import (checkpoint, copy_bandwidth_gbs, median_s, n_layers,
+                          projections_apart, table)
 from engine.backends.base import StageSpec, load_stage
 from engine.harness.driver import RoundDriver
 from engine.pipeline.runner import LocalRunner
@@ -383,6 +384,9 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the device's dense matrix rate in the model's dtype "
                              "(H200 bf16: 989)")
+    parser.add_argument("--unstacked", action="store_true",
+                        help="each projection a weight of its own (the baseline of stacking "
+                             "q/k/v, gate/up and a DeltaNet layer's inputs into one matmul)")
     parser.add_argument("--inductor-timed", action="store_true",
                         help="let Inductor time its launch choices, as before its "
                              "deterministic mode: prices that mode (a ring's stages may then "
@@ -390,6 +394,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.inductor_timed:
         time_inductor_choices()
+    if args.unstacked:
+        projections_apart()
     if args.threads:
         import torch
 

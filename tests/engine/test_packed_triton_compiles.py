@@ -1,5 +1,6 @@
 """Our Triton packed matmul compiles for Hopper (sm_90) without a GPU, for the launches `plan`
-picks and the one-row kernel's pipelined and tensor-descriptor ways: triton's NVIDIA backend and the ptxas in its wheel turn the kernels into a cubin on
+picks, the one-row kernel's pipelined and tensor-descriptor ways, and the two ways for a few
+rows that the tuning sweep times against the dot kernel: triton's NVIDIA backend and the ptxas in its wheel turn the kernels into a cubin on
 any Linux machine, so a kernel the interpreter runs but the compiler refuses (a tl.dot
 over fewer than 16 inputs, a layout it cannot lower) fails here, in CI.
 
@@ -27,13 +28,23 @@ shared = {"w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32
 cases = [(1, 4096, 4096, 64, 4), (1, 17408, 5120, 64, 4), (1, 72, 256, 32, 8),
          (1, 200, 512, 32, 2), (8, 1024, 4096, 64, 4), (64, 4096, 14336, 128, 4),
          (3, 16, 64, 32, 4), (16, 200, 512, 32, 8), (2, 72, 256, 128, 2)]
-launches = [(k.plan(rows, out_features, in_features, group, bits), group, bits)
+launches = [(k.plan(rows, out_features, in_features, group, bits), rows, group, bits)
             for rows, out_features, in_features, group, bits in cases]
-# The one-row kernel's other ways: steps loaded ahead, and tiles by tensor descriptor.
-launches += [(k.Launch(1, 4, 1024, 1, 1, 3), 64, 4), (k.Launch(1, 16, 1024, 1, 4, 3, True), 64, 4)]
-for launch, group, bits in launches:
+# The one-row kernel's other ways: steps loaded ahead, and tiles by tensor descriptor; a few
+# rows by the planes kernel's rows form, and by the dot kernel a plane at a time.
+launches += [(k.Launch(1, 4, 1024, 1, 1, 3), 1, 64, 4),
+             (k.Launch(1, 16, 1024, 1, 4, 3, True), 1, 64, 4),
+             (k.Launch(1, 2, 1024, 2, 2, 2), 8, 64, 4), (k.Launch(1, 4, 512, 1, 1, 1), 3, 32, 8),
+             (k.Launch(16, 64, 256, 2, 4, 3, by_plane=True), 8, 64, 4),
+             (k.Launch(16, 32, 128, 1, 4, 2, by_plane=True), 2, 128, 8)]
+for launch, rows, group, bits in launches:
     common = dict(BITS=bits, GROUP=group, BLOCK_N=launch.block_n, PARTIAL=launch.splits > 1)
-    if launch.block_m == 1:
+    if launch.block_m == 1 and rows > 1:
+        kernel, constants = k._gemv_rows_kernel, dict(
+            common, ROWS=triton.next_power_of_2(rows), BLOCK_W=launch.block_k * bits // 32,
+            STAGES=launch.num_stages)
+        signature = dict(shared, x_ptr="*i64", M="i32", words_split="i32", stride_xq="i32")
+    elif launch.block_m == 1:
         block_w = launch.block_k * bits // 32
         kernel, constants = k._gemv_planes_kernel, dict(
             common, BLOCK_W=block_w, TMA=launch.tma, STAGES=launch.num_stages)
@@ -45,7 +56,8 @@ for launch, group, bits in launches:
                              b_ptr=f"tensordesc<bf16[{launch.block_n}, {groups}]>")
     else:
         kernel, constants = k._dot_kernel, dict(
-            common, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, DOT_PRECISION="tf32")
+            common, BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, DOT_PRECISION="tf32",
+            BY_PLANE=launch.by_plane)
         signature = dict(shared, x_ptr="*bf16", M="i32", k_split="i32", stride_xm="i32")
     signature.update({name: "constexpr" for name in constants})
     triton.compile(ASTSource(kernel, signature, constants), target=target,
