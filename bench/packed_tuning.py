@@ -30,10 +30,12 @@ from bench.common import captured, copy_bandwidth_gbs, median_s, table
 
 BITS, GROUP = 4, 64
 L2_OVERFLOW_BYTES = 256 << 20
-# [out, in] of each distinct linear: the 8B's q/o, k/v, gate/up, down; the 27B hybrid's
-# (hidden 5120, intermediate 17408) MLP, attention q+gate and o, and a DeltaNet projection.
-SHAPES = {"8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
-          "27b": [(17408, 5120), (5120, 17408), (12288, 5120), (5120, 6144), (10240, 5120)]}
+# [out, in] of each distinct linear as a torch stage runs it, its projections stacked
+# (engine/backends/pytorch/stacked.py): the 8B's q/k/v, o, gate/up and down; the 27B
+# hybrid's (hidden 5120, intermediate 17408) gate/up and down, attention q+gate/k/v and o
+# (a DeltaNet layer's out too), and a DeltaNet layer's qkv/z/b/a.
+SHAPES = {"8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+          "27b": [(34816, 5120), (5120, 17408), (14336, 5120), (5120, 6144), (16480, 5120)]}
 
 
 def candidates(rows: int, out_features: int, in_features: int, tma: bool = False) -> list:
