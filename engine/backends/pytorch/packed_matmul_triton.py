@@ -83,6 +83,19 @@ def _plane(words, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(out_ptr, total, offs_m, offs_n, m_ok, n_ok, pid_s, M, N,
+                PARTIAL: tl.constexpr):
+    """A program's [rows, outputs] sums: chunk pid_s's float32 partials (split-K), or the
+    result in the output's dtype."""
+    out = offs_m[:, None] * N + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_s * M * N + out, total, mask=ok)
+    else:
+        tl.store(out_ptr + out, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gemv_planes_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, words_split, steps,
                         stride_wn, stride_sn,
                         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -179,13 +192,8 @@ def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, words_split, st
             acc += (_plane(words, 4 * c + 1, BITS) * scale + bias)[None, :, :] * x1
             acc += (_plane(words, 4 * c + 2, BITS) * scale + bias)[None, :, :] * x2
             acc += (_plane(words, 4 * c + 3, BITS) * scale + bias)[None, :, :] * x3
-    total = tl.sum(acc, axis=2)
-    out = offs_r[:, None] * N + offs_n[None, :]
-    ok = r_ok[:, None] & n_ok[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_s * M * N + out, total, mask=ok)
-    else:
-        tl.store(out_ptr + out, total.to(out_ptr.dtype.element_ty), mask=ok)
+    _store_rows(out_ptr, tl.sum(acc, axis=2), offs_r, offs_n, r_ok, n_ok, pid_s, M, N,
+                PARTIAL)
 
 
 @triton.jit
@@ -238,12 +246,7 @@ def _dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, k_split, steps,
             x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_ok[:, None],
                         other=0.0)
             acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
-    out = offs_m[:, None] * N + offs_n[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_s * M * N + out, acc, mask=ok)
-    else:
-        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    _store_rows(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, pid_s, M, N, PARTIAL)
 
 
 @triton.jit
