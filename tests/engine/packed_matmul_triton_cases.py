@@ -177,6 +177,36 @@ def test_a_packed_weight_runs_the_stored_words_and_holds_their_bytes_once(kernel
     assert_is_the_dense_product(got.view(2, 72), x.view(2, 128), dense)
 
 
+def test_stacked_packed_projections_compute_each_part(kernels):
+    """q, k and v packed (as a 4-bit checkpoint's are) stacked into one packed weight by a
+    torch stage (engine/backends/pytorch/stacked.py): each part's outputs are its dense
+    product, through the kernels on the stacked shape; gate and up likewise."""
+    from engine.backends.pytorch import stacked
+    from engine.family import LayerWeights
+
+    params = QuantParams(32, 4)
+
+    def packed(out_features: int, seed: int) -> tuple[PackedWeight, torch.Tensor]:
+        words, scales, biases, dense = stored(out_features, 128, params, torch.bfloat16, seed)
+        return PackedWeight(out_features, 128, params, torch.bfloat16,
+                            words=(words, scales, biases)), dense
+
+    (q, dq), (k, dk), (v, dv), (o, _), (gate, dg), (up, du), (down, _) = (
+        packed(n, seed) for seed, n in enumerate((96, 24, 24, 128, 72, 72, 128)))
+    layer = LayerWeights(torch.ones(128), q, k, v, o, torch.ones(128), gate, up, down)
+    stacked.stack(layer)
+    assert isinstance(layer.qkv, PackedWeight) and layer.qkv.out_features == 144
+    assert layer.q is None and layer.gate is None and layer.gate_up.out_features == 144
+    assert layer.qkv.nbytes == q.nbytes + k.nbytes + v.nbytes
+    # One bfloat16 row, a decode step's (the interpreter's bfloat16 tl.dot is not checked).
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for whole, widths, denses in ((layer.qkv, (96, 24, 24), (dq, dk, dv)),
+                                  (layer.gate_up, (72, 72), (dg, du))):
+        parts = torch.nn.functional.linear(x, whole).split(widths, dim=-1)
+        for got, dense in zip(parts, denses, strict=True):
+            assert_is_the_dense_product(got, x, dense)
+
+
 def test_the_compiled_decode_step_takes_packed_weights(kernels, make_model):
     """torch.compile traces the decode layer over packed weights whole (fullgraph): their
     matmul is an operator Inductor keeps, and the compiled layer computes what the eager
