@@ -55,8 +55,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (checkpoint, copy_bandwidth_gbs, median_s, n_layers,
-                          projections_apart, table)
+from bench.common import (
+    checkpoint,
+    copy_bandwidth_gbs,
+    median_s,
+    n_layers,
+    projections_apart,
+    table,
+)
 from engine.backends.base import StageSpec, load_stage
 from engine.harness.driver import RoundDriver
 from engine.pipeline.runner import LocalRunner

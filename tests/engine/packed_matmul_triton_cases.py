@@ -99,7 +99,7 @@ def test_a_few_rows_by_planes_are_the_dense_product(kernels, bits, group):
     """The planes kernel's rows form (bfloat16, rows a power of two or not, split-K or not)
     and the dot kernel a plane at a time (float16 here: the interpreter's bfloat16 tl.dot)."""
     params = QuantParams(group, bits)
-    words, scales, biases, dense = stored(40, 512, params, torch.float32, bits + group)
+    words, scales, biases, _ = stored(40, 512, params, torch.float32, bits + group)
     x = torch.randn(8, 512, generator=torch.Generator().manual_seed(group))
     for rows in (2, 3, 8):
         for dtype, launch in ((torch.bfloat16, kernels.Launch(1, 4, 256, 2, 1, 2)),

@@ -40,7 +40,7 @@ def test_a_torch_stage_holds_each_group_as_one_weight_of_the_parts_bytes(make_mo
 def test_a_stacked_layer_computes_what_its_parts_compute(make_model):
     config = model_config(make_model("qwen2"))
     generator = torch.Generator().manual_seed(5)
-    d, kv = config.head_dim, config.num_key_value_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
 
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator)

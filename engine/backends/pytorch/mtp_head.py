@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.backends.pytorch import stacked
 from engine.backends.pytorch.kv_cache import decode_kernel_runs
 from engine.backends.pytorch.llama import Rope, mlp
 from engine.backends.pytorch.qwen3_5 import attention_projections, partial_rope, rms_norm
 from engine.backends.pytorch.sampling import on_device
-from engine.backends.pytorch import stacked
 from engine.config import ModelConfig
 from engine.draft_head import DraftAsk, SlotGroups, draft_in_batches, next_entries
 from engine.family import DraftHeadWeights, LayerWeights, load_draft_head

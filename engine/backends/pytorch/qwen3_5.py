@@ -62,7 +62,7 @@ def partial_rope(x: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.
 
 def gated_attention(x: torch.Tensor, w: LayerWeights, config: ModelConfig, rope: Rope,
                     state: HybridState, kv_layer: int, index: RoundIndex) -> torch.Tensor:
-    rows, d, eps = x.shape[0], config.head_dim, config.rms_norm_eps
+    rows, eps = x.shape[0], config.rms_norm_eps
     q, gate, k, v = attention_projections(x, w, config)
     q = partial_rope(rms_norm(q, w.q_norm, eps), rope, index.positions)
     k = partial_rope(rms_norm(k, w.k_norm, eps), rope, index.positions)
