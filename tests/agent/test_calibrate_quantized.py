@@ -35,10 +35,10 @@ def test_a_quantized_shape_is_timed_on_packed_weights(backend, packed_type, tmp_
     dense = request(SHAPE, backend)
     timer = make_timer(quantized, FULL_ATTENTION, tmp_path / "packed")
     layer = timer.model.layers[0]
-    assert type(layer.q).__name__ == packed_type and type(layer.down).__name__ == packed_type
+    assert type(layer.down).__name__ == packed_type
     assert type(layer.input_norm).__name__ not in ("PackedWeight", "QuantizedWeight")
     dense_layer = make_timer(dense, FULL_ATTENTION, tmp_path / "dense").model.layers[0]
-    assert type(dense_layer.q).__name__ not in ("PackedWeight", "QuantizedWeight")
+    assert type(dense_layer.down).__name__ not in ("PackedWeight", "QuantizedWeight")
     assert quantized.key("0.1.0") != dense.key("0.1.0")  # cached apart
     result = calibrate(quantized, "0.1.0")
     # every layer's and the head's; the host work beyond the layers may read 0 (under noise)
@@ -49,7 +49,7 @@ def test_a_float32_quantized_shape_on_torch_cpu_is_timed_dense_as_it_will_run(tm
     """quant_policy holds float32 dense on the CPU (its int4 path measured slower)."""
     quantized = request(dict(SHAPE, torch_dtype="float32", quantization=QUANT), "torch-cpu")
     timer = make_timer(quantized, FULL_ATTENTION, tmp_path)
-    assert type(timer.model.layers[0].q).__name__ == "Tensor"
+    assert type(timer.model.layers[0].down).__name__ == "Tensor"
 
 
 def test_a_non_affine_quantization_is_refused_by_name():

@@ -27,7 +27,7 @@ def kl_mean(got: np.ndarray, want: np.ndarray) -> float:
 def teacher_forced(model_dir, backend: str, ids: list[int], **spec) -> np.ndarray:
     stage = load_stage(StageSpec(model_dir, (0, 3), backend, 2, 128, 16, **spec))
     if backend == "torch-cuda":
-        assert type(stage.model.layers[0].q).__name__ == "PackedWeight"
+        assert type(stage.model.layers[0].down).__name__ == "PackedWeight"
     driver = stage_driver(stage)
     rows = [driver.round({0: ids[:16]})[0]] + [driver.round({0: [t]})[0] for t in ids[16:]]
     return np.stack(rows)

@@ -86,7 +86,7 @@ def stage_logits(model_dir: Path, ids: list[int], quant: str) -> np.ndarray:
     stage = load_stage(StageSpec(model_dir, (0, n_layers), "torch-cpu", 2, 128, PROMPT,
                                  quant=quant))
     if quant != "dense":
-        assert type(stage.model.layers[0].gate).__name__ == "PackedWeight"
+        assert type(stage.model.layers[0].down).__name__ == "PackedWeight"
     driver = stage_driver(stage)
     rows = [driver.round({0: ids[:PROMPT]})[0]]
     rows += [driver.round({0: [t]})[0] for t in ids[PROMPT:]]

@@ -107,7 +107,7 @@ def test_a_stage_decodes_with_the_kernel_what_it_decodes_with_int4(make_model, t
     int4_tokens, int4_logits = greedy(model_dir, prompt, 24)
     monkeypatch.setenv(packed_linear.KERNEL_ENV, "triton")
     stage = load_stage(StageSpec(model_dir, (0, 3), "torch-cuda", 2, 128, 16))
-    assert stage.model.layers[0].q.words is not None
+    assert stage.model.layers[0].down.words is not None
     graphs = greedy(model_dir, prompt, 24)
     eager = greedy(model_dir, prompt, 24, cuda_graphs=False)
     scale = np.abs(int4_logits).max()
