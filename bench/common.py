@@ -20,7 +20,7 @@ def projections_apart() -> None:
     before engine/backends/pytorch/stacked.py: the baseline a bench's --unstacked times."""
     from engine.backends.pytorch import stacked
 
-    stacked.stack = lambda layer: None
+    stacked.stack_on = lambda device, layers: None
 
 
 def checkpoint(model: Path | None, preset: str) -> Path:

@@ -1,6 +1,7 @@
-"""Projections stacked at load (engine/backends/pytorch/stacked.py): a torch stage holds one
+"""Projections stacked at load (engine/backends/pytorch/stacked.py): a GPU stage holds one
 weight for each group of projections that read one input, the same bytes as the parts, and
-computes what the parts compute; groups that cannot be one weight stay apart."""
+computes what the parts compute; groups that cannot be one weight stay apart. The CPU keeps
+the parts, so these stack a CPU stage's layers by hand."""
 
 from __future__ import annotations
 
@@ -21,10 +22,18 @@ GROUPS = {LayerWeights: {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")},
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
-def test_a_torch_stage_holds_each_group_as_one_weight_of_the_parts_bytes(make_model, family):
+def test_a_stage_s_groups_stack_into_one_weight_of_the_parts_bytes(make_model, family):
+    """A CPU stage keeps its parts (its weights are the checkpoint's mapped pages); stacked
+    as a GPU stage stacks them at load, each group is one weight of the parts' bytes."""
     model_dir = make_model(family)
     layers = model_config(model_dir).num_hidden_layers
     stage = load_stage(StageSpec(model_dir, (0, layers), "torch-cpu", 2, 64, 16))
+    assert all(layer.gate is not None and layer.gate_up is None for layer in stage.model.layers)
+    held = stage.weights_nbytes
+    stacked.stack_on(torch.device("cpu"), stage.model.layers)  # the CPU: nothing
+    assert stage.model.layers[0].gate_up is None
+    for layer in stage.model.layers:
+        stacked.stack(layer)
     kinds = set()
     for layer in stage.model.layers:
         kinds.add(type(layer))
@@ -32,6 +41,7 @@ def test_a_torch_stage_holds_each_group_as_one_weight_of_the_parts_bytes(make_mo
             assert getattr(layer, whole) is not None, whole
             assert all(getattr(layer, p) is None for p in parts), parts
     assert kinds == ({LayerWeights} if family == "qwen2" else {LayerWeights, DeltaNetWeights})
+    assert stage.weights_nbytes == held
     if family == "qwen2":  # q, k and v carry biases, stacked with them
         assert stage.model.layers[0].qkv_bias is not None
         assert stage.model.layers[0].q_bias is None
@@ -74,14 +84,17 @@ def test_parts_that_cannot_be_one_weight_stay_apart():
     assert one_bias.qkv is None and one_bias.q_bias is not None
 
 
-def test_a_hybrid_stage_decodes_the_same_tokens_stacked_or_not(make_model, monkeypatch):
+def test_a_hybrid_stage_decodes_the_same_tokens_stacked_or_not(make_model):
     """Whole rounds, prompt chunk and decode rows, DeltaNet and attention layers: the stacked
     stage's logits are the parts' within float32 rounding."""
     model_dir = make_model("qwen3_5")
     layers = model_config(model_dir).num_hidden_layers
 
-    def logits() -> np.ndarray:
+    def logits(stack: bool) -> np.ndarray:
         stage = load_stage(StageSpec(model_dir, (0, layers), "torch-cpu", 2, 64, 16))
+        if stack:  # as a GPU stage stacks at load
+            for layer in stage.model.layers:
+                stacked.stack(layer)
         driver = stage_driver(stage)
         out = [driver.round({0: list(range(3, 23)), 1: [7, 8, 9]})]
         for step in range(6):
@@ -89,7 +102,4 @@ def test_a_hybrid_stage_decodes_the_same_tokens_stacked_or_not(make_model, monke
                                      1: [int(out[-1][1].argmax())]}))
         return np.stack([r[s] for r in out for s in (0, 1)])
 
-    want_stacked = logits()
-    monkeypatch.setattr(stacked, "stack", lambda layer: None)  # the parts, as loaded
-    parts = logits()
-    np.testing.assert_allclose(want_stacked, parts, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits(stack=True), logits(stack=False), atol=1e-4, rtol=0)

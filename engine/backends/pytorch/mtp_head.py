@@ -34,8 +34,7 @@ class MtpHead:
                  embed: torch.Tensor, head: torch.Tensor, final_norm: torch.Tensor,
                  rope: Rope, parallel: int, context: int) -> None:
         self.config = config
-        for layer in weights.layers:  # one matmul a group of projections
-            stacked.stack(layer)
+        stacked.stack_on(embed.device, weights.layers)  # one matmul a group of projections
         self.w = weights
         self.embed, self.head, self.final_norm = embed, head, final_norm
         self.rope = rope

@@ -16,6 +16,11 @@ so a ring and one process stay byte-equal (RFC section 5). The bytes held do not
 the parts are dropped once stacked (their fields set to None), and placement counts the
 same tensors either way.
 
+Only where the stage's device holds its own copy of the weights (CUDA, MPS). On the CPU a
+dense weight is the checkpoint's own file pages, mapped: a stacked copy would hold the
+layers twice in the resident set (SmolLM2-135M: 951 MB against 431 MB apart), and
+stacking measured no faster there (docs/benchmarks.md, "Projections stacked at load").
+
 Stacked: dense weights of one dtype and device; packed weights whose stored words the
 Triton kernels read (their rows concatenate as the dense ones do). Not stacked: a group
 mixing dense and packed weights (mlx-lm leaves some narrow projections unquantized), and
@@ -32,6 +37,17 @@ import torch.nn.functional as F
 
 from engine.backends.pytorch.packed_linear import PackedWeight
 from engine.family import DeltaNetWeights, LayerWeights
+
+
+def stack_on(device: torch.device, layers: Sequence[LayerWeights | DeltaNetWeights]) -> None:
+    """Stack every layer's groups of projections where `device` holds its own copy of the
+    weights: not on the CPU (module docstring)."""
+    if device.type == "cpu":
+        return
+    for layer in layers:
+        stack(layer)
+    if device.type == "cuda":  # the parts' blocks, back to the device
+        torch.cuda.empty_cache()
 
 
 def stack(layer: LayerWeights | DeltaNetWeights) -> None:

@@ -90,10 +90,7 @@ class TorchStage(Stage):
 
         family = family_module("engine.backends.pytorch", config)
         model = family.build_range(config, spec, load, device, dtype, on_layer)
-        for layer in model.layers:  # one matmul a group of projections (stacked.py)
-            stacked.stack(layer)
-        if device.type == "cuda":  # the parts' blocks, back to the device
-            torch.cuda.empty_cache()
+        stacked.stack_on(device, model.layers)  # one matmul a group of projections
         int4_packed = packed and not packed_linear.traceable(model.layers)
         stage = cls(spec, config, model, device, int4_packed=int4_packed)
         if spec.draft_head and stage.is_first:
