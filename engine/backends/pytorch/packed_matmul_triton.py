@@ -385,7 +385,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                           dtype=torch.float32) if partial else out)
     k_split = in_features // launch.splits
     steps = k_split // launch.block_k
-    if launch.block_m == 1 and rows > 1:
+    if launch.block_m == 1:  # the planes kernel, one row or its rows form
         if x.dtype != torch.bfloat16 or rows > PLANES_ROWS_MAX:
             raise ValueError(f"the planes kernel takes 1 to {PLANES_ROWS_MAX} bfloat16 rows, "
                              f"not {rows} of {x.dtype}")
@@ -393,6 +393,7 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
             x = x.clone()
         per_word = 32 // bits
         grid = (triton.cdiv(out_features, launch.block_n), launch.splits)
+    if launch.block_m == 1 and rows > 1:
         _gemv_rows_kernel[grid](x.view(torch.int64), words, scales, biases, target, rows,
                                 out_features, k_split // per_word, steps, x.stride(0) // 4,
                                 words.stride(0), scales.stride(0), BITS=bits,
@@ -401,12 +402,6 @@ def packed_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                                 PARTIAL=partial, STAGES=launch.num_stages,
                                 num_warps=launch.num_warps, num_stages=launch.num_stages)
     elif launch.block_m == 1:
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"the planes kernel takes bfloat16 rows, not {x.dtype}")
-        if x.data_ptr() % 8:  # read as int64: a view at an odd offset is copied first
-            x = x.clone()
-        per_word = 32 // bits
-        grid = (triton.cdiv(out_features, launch.block_n), launch.splits)
         stride_wn, stride_sn = words.stride(0), scales.stride(0)
         if launch.tma and _descriptors_fit(launch, words, scales, biases, bits, group_size):
             w_tile = [launch.block_n, launch.block_k // per_word]
