@@ -107,8 +107,9 @@ def deltanet(x: torch.Tensor, w: DeltaNetWeights, config: ModelConfig,
     rows = x.shape[0]
     kernel = config.linear_conv_kernel_dim
     heads = config.linear_num_value_heads
-    mixed, z, b, a = projections(x, w.inputs, None, (w.conv.shape[0], config.linear_value_width,
-                                                     heads, heads), (w.qkv, w.z, w.b, w.a))
+    mixed, z, b, a = projections(x, w.inputs, None, (config.linear_conv_width,
+                                                     config.linear_value_width, heads, heads),
+                                 (w.qkv, w.z, w.b, w.a))
     z = z.reshape(rows, heads, config.linear_value_head_dim)
     beta = torch.sigmoid(b).float()  # [rows, v_heads]
     g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias.float())
