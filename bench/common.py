@@ -3,6 +3,7 @@ copy bandwidth a floor is set against, a CUDA profile), and printing a result ta
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -13,6 +14,13 @@ from engine.checkpoint.maker import PRESETS, make_checkpoint
 from engine.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_unstacked(parser: argparse.ArgumentParser) -> None:
+    """--unstacked: the bench's stages keep each projection apart (`projections_apart`)."""
+    parser.add_argument("--unstacked", action="store_true",
+                        help="each projection a weight of its own (the baseline of stacking "
+                             "q/k/v, gate/up and a DeltaNet layer's inputs into one matmul)")
 
 
 def projections_apart() -> None:

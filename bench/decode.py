@@ -56,6 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
+    add_unstacked,
     checkpoint,
     copy_bandwidth_gbs,
     median_s,
@@ -390,9 +391,7 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the device's dense matrix rate in the model's dtype "
                              "(H200 bf16: 989)")
-    parser.add_argument("--unstacked", action="store_true",
-                        help="each projection a weight of its own (the baseline of stacking "
-                             "q/k/v, gate/up and a DeltaNet layer's inputs into one matmul)")
+    add_unstacked(parser)
     parser.add_argument("--inductor-timed", action="store_true",
                         help="let Inductor time its launch choices, as before its "
                              "deterministic mode: prices that mode (a ring's stages may then "

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import captured, median_s, projections_apart, table
+from bench.common import add_unstacked, captured, median_s, projections_apart, table
 from engine.backends.pytorch.packed_linear import PackedWeight, pack_weight, unpack_codes
 from engine.checkpoint.quant_config import QuantParams
 
@@ -474,9 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton", action="store_true",
                         help="CUDA: our Triton kernel beside dense and int4: matmuls, a "
                              "prompt chunk and stage rounds (--layers, --stage-layers)")
-    parser.add_argument("--unstacked", action="store_true",
-                        help="each projection a weight of its own (the baseline of stacking "
-                             "q/k/v, gate/up and a DeltaNet layer's inputs into one matmul)")
+    add_unstacked(parser)
     args = parser.parse_args(argv)
     if args.unstacked:
         projections_apart()

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import ROOT, projections_apart
+from bench.common import ROOT, add_unstacked, projections_apart
 from engine.backends.base import StageSpec, load_stage
 from engine.backends.pytorch.delta_kernels import fla_unavailable
 from engine.checkpoint.maker import CheckpointSpec, make_checkpoint
@@ -221,9 +221,7 @@ def main() -> None:
                         help="tokens each stream has already seen when decode is timed")
     parser.add_argument("--make-only", action="store_true",
                         help="write the checkpoint (if it is not there) and stop")
-    parser.add_argument("--unstacked", action="store_true",
-                        help="each projection a weight of its own (the baseline of stacking "
-                             "q/k/v, gate/up and a DeltaNet layer's inputs into one matmul)")
+    add_unstacked(parser)
     args = parser.parse_args()
     if args.unstacked:
         projections_apart()
