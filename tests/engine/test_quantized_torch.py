@@ -171,20 +171,11 @@ def packed_paths(model_dir: Path, layers: range, config: ModelConfig) -> dict[st
 
 
 def torch_tensor(torch_stage, attr: str) -> torch.Tensor:
-    """The stage's weight `attr`; q, k and v, and gate and up, are rows of the weights the
-    stage stacked them into (engine/backends/pytorch/stacked.py)."""
     model = torch_stage.model
     if "." not in attr:
         return getattr(model, attr)
     layer, field = attr.split(".")
-    w = model.layers[int(layer) - model.layer_range[0]]
-    kv = torch_stage.config.num_key_value_heads * torch_stage.config.head_dim
-    if field in ("q", "k", "v") and w.qkv is not None:
-        q_width = w.qkv.shape[0] - 2 * kv
-        return dict(zip("qkv", w.qkv.split([q_width, kv, kv])))[field]
-    if field in ("gate", "up") and w.gate_up is not None:
-        return dict(zip(("gate", "up"), w.gate_up.chunk(2)))[field]
-    return getattr(w, field)
+    return getattr(model.layers[int(layer) - model.layer_range[0]], field)
 
 
 def assert_dequantized_like_mlx(model_dir: Path, layers: tuple[int, int]) -> int:

@@ -44,8 +44,7 @@ def quantized(make_model, tmp_path_factory):
     model = quantize_checkpoint(dense, tmp_path_factory.mktemp("q4bf16") / "model", 4, 32)
     # What the rings' torch stages hold: packed weights (bfloat16 on torch-cpu).
     stage = load_stage(StageSpec(model, (0, 2), "torch-cpu", 1, 16, 16))
-    layer = stage.model.layers[0]  # q, where a torch stage stacked it, is a row of qkv
-    assert type(layer.q if layer.qkv is None else layer.qkv).__name__ == "PackedWeight"
+    assert type(stage.model.layers[0].q).__name__ == "PackedWeight"
     seqs = sequences(300, seed=4)
     reference = forced(model, "mlx-cpu", seqs)
     alone = divergence(forced(model, "torch-cpu", seqs), reference)
